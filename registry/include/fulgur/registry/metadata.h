@@ -1,0 +1,70 @@
+// Plugin metadata as read from a library's ELF note, without loading the library.
+#pragma once
+
+#include <fulgur/abi.h>
+#include <fulgur/options.h>
+
+#include <cstdint>
+#include <filesystem>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace fulgur {
+
+enum class PluginKind : uint32_t {
+  accelerator = FULGUR_KIND_ACCELERATOR,
+  strategy = FULGUR_KIND_STRATEGY,
+  precision = FULGUR_KIND_PRECISION,
+  logger = FULGUR_KIND_LOGGER,
+  profiler = FULGUR_KIND_PROFILER,
+  callback = FULGUR_KIND_CALLBACK,
+};
+
+std::string_view to_string(PluginKind kind);
+std::optional<PluginKind> parse_plugin_kind(std::string_view text);
+bool is_valid_plugin_kind(uint32_t kind);
+
+struct OptionSchema {
+  std::string key;
+  OptionType type = OptionType::string;
+  std::string default_text;                 // TOML value text, empty when required
+  std::optional<OptionValue> default_value; // parsed; nullopt = required
+  std::string help;
+};
+
+struct PluginMetadata {
+  PluginKind kind = PluginKind::callback;
+  std::string name;
+  std::string version;
+  std::string description;
+  uint32_t abi_major = 0;
+  uint32_t abi_minor = 0;
+  fulgur_abi_tag abi_tag{};
+  std::vector<OptionSchema> options;
+
+  const OptionSchema* find_option(std::string_view key) const;
+};
+
+// What reading a file's notes found.
+struct NoteReadResult {
+  enum class Status {
+    plugin,          // one or more Fulgur notes
+    not_elf,         // not an ELF file at all
+    not_plugin,      // ELF without a Fulgur note
+    wrong_arch,      // ELF for another class/endianness/machine
+    corrupt,         // truncated or inconsistent headers or note
+  };
+  Status status = Status::not_elf;
+  std::string detail;  // for wrong_arch / corrupt: what exactly
+  std::vector<PluginMetadata> plugins;
+};
+
+// Reads every Fulgur note from the PT_NOTE segments of `file`. Never runs code from the file.
+NoteReadResult read_plugin_notes(const std::filesystem::path& file);
+
+// Parses a schema default (TOML value text) into a value of `type`; nullopt if it does not fit.
+std::optional<OptionValue> parse_option_default(OptionType type, std::string_view toml_text);
+
+}  // namespace fulgur

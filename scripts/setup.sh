@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Installs everything Fulgur needs on a fresh Debian machine, and nothing twice:
+#   - Debian packages (only the missing ones; apt-get update only when something is missing),
+#   - a Python virtual environment outside the clone holding the pinned torch wheel, whose
+#     libtorch is what the C++ build links (reused by every clone and every CI run).
+# Prints the venv path as its last line of output on stdout is not relied upon; see env.sh.
+set -euo pipefail
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+source "$here/env.sh"
+
+apt_packages=(build-essential cmake ninja-build ccache libboost-dev libtomlplusplus-dev
+  libspdlog-dev libfmt-dev doctest-dev zlib1g-dev dataset-fashion-mnist python3-venv binutils file)
+missing=()
+for p in "${apt_packages[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if ((${#missing[@]})); then
+  echo "fulgur setup: installing Debian packages: ${missing[*]}"
+  SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${missing[@]}" >/dev/null
+fi
+
+# The venv is keyed by nothing but its location; the stamp records what was installed into it.
+stamp="$FULGUR_VENV/.fulgur-requirements"
+if [ ! -x "$FULGUR_VENV/bin/python" ]; then
+  echo "fulgur setup: creating virtual environment $FULGUR_VENV"
+  mkdir -p "$(dirname "$FULGUR_VENV")"
+  python3 -m venv "$FULGUR_VENV"
+fi
+if ! cmp -s "$here/requirements.txt" "$stamp"; then
+  echo "fulgur setup: installing $(grep -v '^#' "$here/requirements.txt" | xargs) into $FULGUR_VENV"
+  "$FULGUR_VENV/bin/python" -m pip install -q --disable-pip-version-check -r "$here/requirements.txt"
+  cp "$here/requirements.txt" "$stamp"
+fi

@@ -1,0 +1,262 @@
+// The one header a plugin author includes. Implement one of the six interfaces, then describe the
+// plugin with FULGUR_PLUGIN; its options are read from the TOML table that selects it:
+//
+//   #include <fulgur/plugin.h>
+//   class Hello : public fulgur::Callback {
+//    public:
+//     explicit Hello(const fulgur::Options& o) : greeting_(o.get_string("greeting")) {}
+//     fulgur::HookSet hooks() const override { return fulgur::Hook::fit_start | fulgur::Hook::fit_end; }
+//     void on_fit_start(fulgur::TrainerContext&) override { std::puts(greeting_.c_str()); }
+//    private:
+//     std::string greeting_;
+//   };
+//   FULGUR_PLUGIN(Hello, "hello", "1.0.0", "Prints a greeting when fit starts",
+//                 FULGUR_OPTION(string, greeting, "What to print", "hello"))
+//
+// FULGUR_PLUGIN emits the C descriptor returned by the library's entry point and the same facts
+// as an ELF note, so the host can list and check the plugin without loading it.
+#pragma once
+
+#include <fulgur/abi.h>
+#include <fulgur/abi_tag.h>
+#include <fulgur/accelerator.h>
+#include <fulgur/callback.h>
+#include <fulgur/error.h>
+#include <fulgur/logger.h>
+#include <fulgur/options.h>
+#include <fulgur/precision.h>
+#include <fulgur/profiler.h>
+#include <fulgur/strategy.h>
+#include <fulgur/trainer_context.h>
+
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <exception>
+#include <type_traits>
+#include <vector>
+
+namespace fulgur {
+
+// One TOML key of a plugin. `default_value` is TOML value text; nullptr = required key.
+struct OptionSpec {
+  OptionType type;
+  const char* key;
+  const char* help;
+  const char* default_value;
+};
+
+// FULGUR_OPTION(type, key, help, default): type is boolean, integer, floating, string,
+// string_list or float_list; the default is written as a TOML value: 0.5, true, "max", [].
+#define FULGUR_OPTION(type, key, help, ...) \
+  ::fulgur::OptionSpec { ::fulgur::OptionType::type, #key, help, #__VA_ARGS__ }
+#define FULGUR_REQUIRED_OPTION(type, key, help) \
+  ::fulgur::OptionSpec { ::fulgur::OptionType::type, #key, help, nullptr }
+
+namespace detail {
+
+template <class T>
+constexpr uint32_t kind_of() {
+  if constexpr (std::is_base_of_v<Accelerator, T>) return FULGUR_KIND_ACCELERATOR;
+  else if constexpr (std::is_base_of_v<Strategy, T>) return FULGUR_KIND_STRATEGY;
+  else if constexpr (std::is_base_of_v<Precision, T>) return FULGUR_KIND_PRECISION;
+  else if constexpr (std::is_base_of_v<Logger, T>) return FULGUR_KIND_LOGGER;
+  else if constexpr (std::is_base_of_v<Profiler, T>) return FULGUR_KIND_PROFILER;
+  else if constexpr (std::is_base_of_v<Callback, T>) return FULGUR_KIND_CALLBACK;
+  else static_assert(sizeof(T) == 0, "a Fulgur plugin class must derive from one of the six interfaces");
+}
+
+template <class T>
+using interface_of = std::conditional_t<
+    std::is_base_of_v<Accelerator, T>, Accelerator,
+    std::conditional_t<
+        std::is_base_of_v<Strategy, T>, Strategy,
+        std::conditional_t<
+            std::is_base_of_v<Precision, T>, Precision,
+            std::conditional_t<std::is_base_of_v<Logger, T>, Logger,
+                               std::conditional_t<std::is_base_of_v<Profiler, T>, Profiler, Callback>>>>>;
+
+template <class... O>
+constexpr std::array<OptionSpec, sizeof...(O)> make_options(O... options) {
+  return {options...};
+}
+
+// Marks "required" in the note, where a null pointer cannot be stored.
+inline constexpr char kRequiredMarker[] = "\x01";
+
+constexpr size_t cstr_bytes(const char* s) {
+  size_t n = 0;
+  while (s[n] != '\0') ++n;
+  return n + 1;
+}
+
+template <class Spec>
+constexpr size_t note_strings_size() {
+  size_t n = cstr_bytes(Spec::name) + cstr_bytes(Spec::version) + cstr_bytes(Spec::description);
+  for (const OptionSpec& o : Spec::options)
+    n += cstr_bytes(o.key) + cstr_bytes(o.default_value ? o.default_value : kRequiredMarker) +
+         cstr_bytes(o.help);
+  return n;
+}
+
+// The ELF note as it lies in the file: Elf64_Nhdr, owner, then the pointer-free payload.
+template <size_t K, size_t S>
+struct alignas(4) NoteImage {
+  uint32_t namesz;
+  uint32_t descsz;
+  uint32_t type;
+  char owner[8];
+  fulgur_note_header header;
+  uint32_t option_types[K == 0 ? 1 : K];
+  char strings[(S + 3) / 4 * 4];
+};
+
+constexpr char* copy_cstr(char* out, const char* s) {
+  while (*s != '\0') *out++ = *s++;
+  *out++ = '\0';
+  return out;
+}
+
+template <class Spec>
+constexpr auto make_note() {
+  constexpr size_t K = Spec::options.size();
+  constexpr size_t S = note_strings_size<Spec>();
+  NoteImage<K, S> note{};
+  note.namesz = sizeof(FULGUR_NOTE_OWNER);
+  note.descsz = static_cast<uint32_t>(sizeof(NoteImage<K, S>) - offsetof(NoteImage<K, S>, header));
+  note.type = FULGUR_NOTE_TYPE;
+  for (size_t i = 0; i < sizeof(FULGUR_NOTE_OWNER); ++i) note.owner[i] = FULGUR_NOTE_OWNER[i];
+  note.header.struct_size = sizeof(fulgur_note_header);
+  note.header.abi_major = FULGUR_PLUGIN_ABI_MAJOR;
+  note.header.abi_minor = FULGUR_PLUGIN_ABI_MINOR;
+  note.header.kind = kind_of<typename Spec::type>();
+  note.header.abi_tag = this_abi_tag();
+  note.header.option_count = static_cast<uint32_t>(K);
+  note.header.strings_size = static_cast<uint32_t>(S);
+  char* out = note.strings;
+  out = copy_cstr(out, Spec::name);
+  out = copy_cstr(out, Spec::version);
+  out = copy_cstr(out, Spec::description);
+  for (size_t i = 0; i < K; ++i) {
+    const OptionSpec& o = Spec::options[i];
+    note.option_types[i] = static_cast<uint32_t>(o.type);
+    out = copy_cstr(out, o.key);
+    out = copy_cstr(out, o.default_value ? o.default_value : kRequiredMarker);
+    out = copy_cstr(out, o.help);
+  }
+  return note;
+}
+
+inline void report_create_error(const fulgur_create_args* args, const char* message) noexcept {
+  if (args == nullptr || args->error_buffer == nullptr || args->error_buffer_size == 0) return;
+  std::strncpy(args->error_buffer, message, args->error_buffer_size - 1);
+  args->error_buffer[args->error_buffer_size - 1] = '\0';
+}
+
+// The factory never lets an exception cross the C door.
+template <class T>
+void* create(const fulgur_create_args* args) noexcept {
+  try {
+    interface_of<T>* object = nullptr;
+    if constexpr (std::is_constructible_v<T, const Options&>) {
+      static const Options kEmpty;
+      const Options* options = args && args->options ? static_cast<const Options*>(args->options) : &kEmpty;
+      object = new T(*options);
+    } else {
+      object = new T();
+    }
+    return static_cast<void*>(object);
+  } catch (const std::exception& e) {
+    report_create_error(args, e.what());
+  } catch (...) {
+    report_create_error(args, "unknown exception (not derived from std::exception)");
+  }
+  return nullptr;
+}
+
+template <class T>
+void destroy(void* object) noexcept {
+  delete static_cast<interface_of<T>*>(object);
+}
+
+template <class Spec>
+struct Descriptor {
+  using T = typename Spec::type;
+  static constexpr size_t K = Spec::options.size();
+  static constexpr std::array<fulgur_option_desc, K> options = [] {
+    std::array<fulgur_option_desc, K> out{};
+    for (size_t i = 0; i < K; ++i)
+      out[i] = fulgur_option_desc{static_cast<uint32_t>(sizeof(fulgur_option_desc)),
+                                  static_cast<uint32_t>(Spec::options[i].type), Spec::options[i].key,
+                                  Spec::options[i].default_value, Spec::options[i].help};
+    return out;
+  }();
+  static constexpr fulgur_plugin_desc desc{static_cast<uint32_t>(sizeof(fulgur_plugin_desc)),
+                                           FULGUR_PLUGIN_ABI_MAJOR,
+                                           FULGUR_PLUGIN_ABI_MINOR,
+                                           kind_of<T>(),
+                                           Spec::name,
+                                           Spec::version,
+                                           Spec::description,
+                                           this_abi_tag(),
+                                           static_cast<uint32_t>(K),
+                                           K ? options.data() : nullptr,
+                                           &create<T>,
+                                           &destroy<T>};
+};
+
+// Per-library list of descriptors. Hidden: a default-visibility static here would become a
+// process-wide GNU_UNIQUE object shared by every plugin library.
+FULGUR_HIDDEN inline std::vector<const fulgur_plugin_desc*>& descriptors() {
+  static std::vector<const fulgur_plugin_desc*> list;
+  return list;
+}
+
+FULGUR_HIDDEN inline const fulgur_plugin_list* plugin_list() {
+  static fulgur_plugin_list list{};
+  list.struct_size = static_cast<uint32_t>(sizeof(fulgur_plugin_list));
+  list.count = static_cast<uint32_t>(descriptors().size());
+  list.items = descriptors().data();
+  return &list;
+}
+
+struct Registrar {
+  explicit Registrar(const fulgur_plugin_desc* desc) { descriptors().push_back(desc); }
+};
+
+}  // namespace detail
+}  // namespace fulgur
+
+extern "C" {
+FULGUR_SDK_API extern const int FULGUR_ABI_GUARD;
+
+// The library's entry point (emitted once per library even when many TUs include this header).
+__attribute__((visibility("default"), used)) inline const fulgur_plugin_list* fulgur_plugin_query_v1() {
+  return ::fulgur::detail::plugin_list();
+}
+}
+
+namespace {
+// Referencing the guard makes a plugin built for another ABI fail to load with a named symbol.
+[[gnu::used]] const int* const fulgur_abi_guard_reference = &FULGUR_ABI_GUARD;
+}  // namespace
+
+#define FULGUR_PLUGIN_IMPL(Class, Name, Version, Description, Id, ...)                                  \
+  namespace {                                                                                           \
+  struct FULGUR_PP_CAT(fulgur_spec_, Id) {                                                              \
+    using type = Class;                                                                                 \
+    static constexpr const char* name = Name;                                                           \
+    static constexpr const char* version = Version;                                                     \
+    static constexpr const char* description = Description;                                             \
+    static constexpr auto options = ::fulgur::detail::make_options(__VA_ARGS__);                        \
+  };                                                                                                    \
+  [[gnu::section(".note.fulgur.plugin"), gnu::used]] constexpr auto FULGUR_PP_CAT(fulgur_note_, Id) =   \
+      ::fulgur::detail::make_note<FULGUR_PP_CAT(fulgur_spec_, Id)>();                                   \
+  const ::fulgur::detail::Registrar FULGUR_PP_CAT(fulgur_registrar_, Id){                               \
+      &::fulgur::detail::Descriptor<FULGUR_PP_CAT(fulgur_spec_, Id)>::desc};                            \
+  }
+
+// FULGUR_PLUGIN(Class, "name", "version", "description", FULGUR_OPTION(...)...)
+#define FULGUR_PLUGIN(Class, Name, Version, Description, ...) \
+  FULGUR_PLUGIN_IMPL(Class, Name, Version, Description, __COUNTER__, __VA_ARGS__)

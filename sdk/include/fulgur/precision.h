@@ -1,0 +1,46 @@
+// Precision: numeric format of parameters and compute, loss scaling and gradient clipping.
+#pragma once
+
+#include <fulgur/export.h>
+#include <fulgur/types.h>
+
+namespace fulgur {
+
+class FULGUR_SDK_API Precision {
+ public:
+  virtual ~Precision();
+
+  // Converts parameters/buffers once at setup (true modes) or leaves them (mixed modes).
+  virtual void convert_module(torch::nn::Module& module) = 0;
+  // Converts floating-point inputs of a batch (true modes); identity for mixed modes.
+  virtual void convert_input(Batch& batch) = 0;
+  // Enters/leaves the forward-pass numeric context (autocast). Use PrecisionScope, not these.
+  virtual void forward_enter() = 0;
+  virtual void forward_exit() = 0;
+  // Returns the loss to call backward() on (scaled for 16-mixed).
+  virtual at::Tensor scale_loss(const at::Tensor& loss) = 0;
+  // Brings gradients back to their true values (idempotent per step); called before
+  // on_before_optimizer_step callbacks and before clipping.
+  virtual void unscale_gradients(torch::optim::Optimizer& optimizer) = 0;
+  virtual void clip_gradients(torch::optim::Optimizer& optimizer, double clip_value,
+                              GradClipAlgorithm algorithm) = 0;
+  // Steps the optimizer unless gradients are not finite; returns whether it stepped.
+  virtual bool optimizer_step(torch::optim::Optimizer& optimizer) = 0;
+  // Scaler state for checkpoints (an empty dict when stateless).
+  virtual void state_dict(c10::IValue& out) const = 0;
+  virtual void load_state_dict(const c10::IValue& state) = 0;
+};
+
+// RAII forward context: `{ PrecisionScope scope(precision); out = model->forward(x); }`.
+class PrecisionScope {
+ public:
+  explicit PrecisionScope(Precision& precision) : precision_(precision) { precision_.forward_enter(); }
+  ~PrecisionScope() { precision_.forward_exit(); }
+  PrecisionScope(const PrecisionScope&) = delete;
+  PrecisionScope& operator=(const PrecisionScope&) = delete;
+
+ private:
+  Precision& precision_;
+};
+
+}  // namespace fulgur

@@ -1,0 +1,82 @@
+#include <fulgur/error.h>
+#include <fulgur/options.h>
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+namespace fulgur {
+
+std::string_view to_string(OptionType type) {
+  switch (type) {
+    case OptionType::boolean: return "boolean";
+    case OptionType::integer: return "integer";
+    case OptionType::floating: return "float";
+    case OptionType::string: return "string";
+    case OptionType::string_list: return "array of strings";
+    case OptionType::float_list: return "array of floats";
+  }
+  return "unknown";
+}
+
+Options& Options::set(std::string key, OptionValue value) {
+  values_.insert_or_assign(std::move(key), std::move(value));
+  return *this;
+}
+
+bool Options::contains(std::string_view key) const { return values_.find(key) != values_.end(); }
+
+const OptionValue& Options::at(std::string_view key, std::string_view wanted) const {
+  auto it = values_.find(key);
+  if (it == values_.end())
+    throw Error(ErrorKind::config, fmt::format("{}: option '{}' ({}) is not set; declare it in the plugin's "
+                                               "schema with a default or set it in the TOML table",
+                                               owner_.empty() ? "options" : owner_, key, wanted));
+  return it->second;
+}
+
+namespace {
+template <class T>
+const T& get_as(const Options& options, const OptionValue& value, std::string_view key, std::string_view wanted) {
+  if (const T* v = std::get_if<T>(&value)) return *v;
+  throw Error(ErrorKind::config, fmt::format("{}: option '{}' holds {}, not {}",
+                                             options.owner().empty() ? "options" : options.owner(), key,
+                                             format_option_value(value), wanted));
+}
+}  // namespace
+
+bool Options::get_bool(std::string_view key) const { return get_as<bool>(*this, at(key, "boolean"), key, "a boolean"); }
+int64_t Options::get_int(std::string_view key) const {
+  return get_as<int64_t>(*this, at(key, "integer"), key, "an integer");
+}
+double Options::get_float(std::string_view key) const {
+  const OptionValue& v = at(key, "float");
+  if (const auto* i = std::get_if<int64_t>(&v)) return static_cast<double>(*i);
+  return get_as<double>(*this, v, key, "a float");
+}
+const std::string& Options::get_string(std::string_view key) const {
+  return get_as<std::string>(*this, at(key, "string"), key, "a string");
+}
+const std::vector<std::string>& Options::get_string_list(std::string_view key) const {
+  return get_as<std::vector<std::string>>(*this, at(key, "array of strings"), key, "an array of strings");
+}
+const std::vector<double>& Options::get_float_list(std::string_view key) const {
+  return get_as<std::vector<double>>(*this, at(key, "array of floats"), key, "an array of floats");
+}
+
+std::string format_option_value(const OptionValue& value) {
+  struct Visitor {
+    std::string operator()(bool b) const { return b ? "true" : "false"; }
+    std::string operator()(int64_t i) const { return fmt::format("{}", i); }
+    std::string operator()(double d) const { return fmt::format("{}", d); }
+    std::string operator()(const std::string& s) const { return fmt::format("\"{}\"", s); }
+    std::string operator()(const std::vector<std::string>& l) const {
+      std::vector<std::string> quoted;
+      for (const auto& s : l) quoted.push_back(fmt::format("\"{}\"", s));
+      return fmt::format("[{}]", fmt::join(quoted, ", "));
+    }
+    std::string operator()(const std::vector<double>& l) const { return fmt::format("[{}]", fmt::join(l, ", ")); }
+  };
+  return std::visit(Visitor{}, value);
+}
+
+}  // namespace fulgur
