@@ -20,5 +20,6 @@ std::string_view to_string(ErrorKind kind) {
 }
 
 Error::Error(ErrorKind kind, const std::string& message) : std::runtime_error(message), kind_(kind) {}
+Error::~Error() = default;
 
 }  // namespace fulgur

@@ -29,6 +29,7 @@ FULGUR_SDK_API std::string_view to_string(ErrorKind kind);
 class FULGUR_SDK_API Error : public std::runtime_error {
  public:
   Error(ErrorKind kind, const std::string& message);
+  ~Error() override;  // out of line: the key function keeps one typeinfo, in the SDK library
   ErrorKind kind() const noexcept { return kind_; }
 
  private:

@@ -122,9 +122,10 @@ template <class Spec>
 constexpr auto make_note() {
   constexpr size_t K = Spec::options.size();
   constexpr size_t S = note_strings_size<Spec>();
-  NoteImage<K, S> note{};
+  using Image = NoteImage<K, S>;
+  Image note{};
   note.namesz = sizeof(FULGUR_NOTE_OWNER);
-  note.descsz = static_cast<uint32_t>(sizeof(NoteImage<K, S>) - offsetof(NoteImage<K, S>, header));
+  note.descsz = static_cast<uint32_t>(sizeof(Image) - offsetof(Image, header));
   note.type = FULGUR_NOTE_TYPE;
   for (size_t i = 0; i < sizeof(FULGUR_NOTE_OWNER); ++i) note.owner[i] = FULGUR_NOTE_OWNER[i];
   note.header.struct_size = sizeof(fulgur_note_header);
@@ -251,7 +252,7 @@ namespace {
     static constexpr const char* description = Description;                                             \
     static constexpr auto options = ::fulgur::detail::make_options(__VA_ARGS__);                        \
   };                                                                                                    \
-  [[gnu::section(".note.fulgur.plugin"), gnu::used]] constexpr auto FULGUR_PP_CAT(fulgur_note_, Id) =   \
+  [[gnu::section(".note.fulgur.plugin"), gnu::used, gnu::aligned(4)]] constexpr auto FULGUR_PP_CAT(fulgur_note_, Id) =   \
       ::fulgur::detail::make_note<FULGUR_PP_CAT(fulgur_spec_, Id)>();                                   \
   const ::fulgur::detail::Registrar FULGUR_PP_CAT(fulgur_registrar_, Id){                               \
       &::fulgur::detail::Descriptor<FULGUR_PP_CAT(fulgur_spec_, Id)>::desc};                            \

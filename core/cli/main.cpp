@@ -1,0 +1,163 @@
+// The `fulgur` command: inspects plugins from their metadata alone (no plugin code runs).
+//
+//   fulgur plugins list [--config FILE] [--all]
+//   fulgur plugins describe NAME [--kind KIND] [--config FILE]
+//   fulgur config check FILE       (parses the TOML and checks every plugin table)
+#include <fulgur/config.h>
+#include <fulgur/error.h>
+#include <fulgur/host.h>
+#include <fulgur/registry/registry.h>
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+#include <spdlog/spdlog.h>
+
+#include <cstring>
+#include <iostream>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace {
+
+using namespace fulgur;
+
+constexpr const char* kUsage =
+    "usage:\n"
+    "  fulgur plugins list [--config FILE] [--all]\n"
+    "  fulgur plugins describe NAME [--kind KIND] [--config FILE]\n"
+    "  fulgur config check FILE\n";
+
+struct Args {
+  std::vector<std::string> positional;
+  std::optional<std::string> config;
+  std::optional<std::string> kind;
+  bool all = false;
+};
+
+Args parse_args(int argc, char** argv) {
+  Args args;
+  for (int i = 1; i < argc; ++i) {
+    std::string a = argv[i];
+    auto value = [&](const char* flag) {
+      if (i + 1 >= argc) throw Error(ErrorKind::invalid_argument, fmt::format("{} needs a value\n{}", flag, kUsage));
+      return std::string(argv[++i]);
+    };
+    if (a == "--config") args.config = value("--config");
+    else if (a == "--kind") args.kind = value("--kind");
+    else if (a == "--all") args.all = true;
+    else if (a == "-h" || a == "--help") {
+      std::cout << kUsage;
+      std::exit(0);
+    } else if (a.starts_with("--")) throw Error(ErrorKind::invalid_argument, fmt::format("unknown flag {}\n{}", a, kUsage));
+    else args.positional.push_back(a);
+  }
+  return args;
+}
+
+std::unique_ptr<PluginRegistry> make_registry(const std::optional<Config>& config) {
+  SearchPathOptions sp;
+  RegistryOptions ro;
+  if (config) {
+    sp.config_paths = config->plugin_paths;
+    ro.allow_writable = config->allow_writable_plugins;
+  }
+  return std::make_unique<PluginRegistry>(plugin_search_path(sp), ro);
+}
+
+int list_plugins(const Args& args) {
+  std::optional<Config> config;
+  if (args.config) config = load_config(*args.config);
+  auto registry = make_registry(config);
+  const auto& tag = host_abi_tag();
+  std::cout << fmt::format("Host: plugin ABI {}.{}, C++ interface {}, libtorch {}.{}, CUDA {}\n",
+                           FULGUR_PLUGIN_ABI_MAJOR, FULGUR_PLUGIN_ABI_MINOR, tag.cxx_interface_major, tag.torch_major,
+                           tag.torch_minor, tag.cuda_version);
+  std::cout << "Search path:\n";
+  for (const auto& d : registry->search_path()) std::cout << fmt::format("  {:<20} {}\n", d.origin, d.path.string());
+  std::cout << fmt::format("\n{:<12} {:<20} {:<9} {:<10} {}\n", "KIND", "NAME", "VERSION", "STATUS", "FILE");
+  for (const auto& c : registry->candidates()) {
+    std::cout << fmt::format("{:<12} {:<20} {:<9} {:<10} {}\n", to_string(c.metadata.kind), c.metadata.name,
+                             c.metadata.version, to_string(c.status), c.file.string());
+    if (!c.reason.empty()) std::cout << fmt::format("{:<12} -> {}\n", "", c.reason);
+  }
+  bool header = false;
+  for (const auto& p : registry->problems()) {
+    if (!p.is_plugin_error && !args.all) continue;
+    if (!header) std::cout << "\nFiles that are not usable plugins:\n";
+    header = true;
+    std::cout << fmt::format("  {}: {}\n", p.file.string(), p.reason);
+  }
+  return 0;
+}
+
+int describe_plugin(const Args& args) {
+  if (args.positional.size() != 3) throw Error(ErrorKind::invalid_argument, kUsage);
+  const std::string& name = args.positional[2];
+  std::optional<Config> config;
+  if (args.config) config = load_config(*args.config);
+  auto registry = make_registry(config);
+  std::optional<PluginKind> kind;
+  if (args.kind) {
+    kind = parse_plugin_kind(*args.kind);
+    if (!kind)
+      throw Error(ErrorKind::invalid_argument,
+                  fmt::format("unknown kind '{}'; use accelerator, strategy, precision, logger, profiler or callback",
+                              *args.kind));
+  }
+  std::vector<const PluginCandidate*> matches;
+  for (const auto& c : registry->candidates())
+    if (c.metadata.name == name && (!kind || c.metadata.kind == *kind)) matches.push_back(&c);
+  if (matches.empty()) {
+    // Let resolve() produce the "did you mean" message for the most likely kind.
+    registry->resolve(kind.value_or(PluginKind::callback), name);
+  }
+  for (const PluginCandidate* c : matches) {
+    const auto& m = c->metadata;
+    std::cout << fmt::format("{} '{}' {}\n  {}\n  file:   {}\n  status: {}{}\n  ABI:    {}.{}, libtorch {}.{}\n",
+                             to_string(m.kind), m.name, m.version, m.description, c->file.string(), to_string(c->status),
+                             c->reason.empty() ? "" : " (" + c->reason + ")", m.abi_major, m.abi_minor,
+                             m.abi_tag.torch_major, m.abi_tag.torch_minor);
+    if (m.options.empty()) {
+      std::cout << "  options: none\n";
+      continue;
+    }
+    std::cout << fmt::format("  {:<24} {:<17} {:<14} {}\n", "OPTION", "TYPE", "DEFAULT", "HELP");
+    for (const auto& o : m.options)
+      std::cout << fmt::format("  {:<24} {:<17} {:<14} {}\n", o.key, to_string(o.type),
+                               o.default_value ? o.default_text : "(required)", o.help);
+  }
+  return 0;
+}
+
+int check_config(const Args& args) {
+  if (args.positional.size() != 3) throw Error(ErrorKind::invalid_argument, kUsage);
+  Config config = load_config(args.positional[2]);
+  auto registry = make_registry(config);
+  validate_plugins(config, *registry);
+  for (PluginSelection* sel : config.selections()) {
+    std::vector<std::string> opts;
+    for (const auto& [k, v] : sel->options.values()) opts.push_back(fmt::format("{} = {}", k, format_option_value(v)));
+    std::cout << fmt::format("{:<12} {:<20} {}\n", to_string(sel->kind), sel->name, fmt::join(opts, ", "));
+  }
+  std::cout << "config OK\n";
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (const char* level = std::getenv("FULGUR_LOG_LEVEL")) spdlog::set_level(spdlog::level::from_str(level));
+  try {
+    Args args = parse_args(argc, argv);
+    const auto& p = args.positional;
+    if (p.size() >= 2 && p[0] == "plugins" && p[1] == "list") return list_plugins(args);
+    if (p.size() >= 2 && p[0] == "plugins" && p[1] == "describe") return describe_plugin(args);
+    if (p.size() >= 2 && p[0] == "config" && p[1] == "check") return check_config(args);
+    std::cerr << kUsage;
+    return 2;
+  } catch (const Error& e) {
+    std::cerr << "fulgur: error: " << e.what() << "\n";
+    return 1;
+  }
+}

@@ -1,0 +1,82 @@
+// The run configuration, read from a TOML file. Every plugin kind is selected by name:
+//
+//   [plugins]     paths = ["plugins"], allow_writable = false
+//   [trainer]     accelerator = "cpu", strategy = "single_device", precision = "32-true", max_epochs...
+//   [accelerator] / [strategy] / [precision]   options of the selected plugin
+//   [profiler]    name = "simple", then its options
+//   [[loggers]]   name = "csv", then its options (repeatable)
+//   [[callbacks]] name = "model_checkpoint", then its options (repeatable)
+//   [model] / [data]   free-form hyperparameters handed to the user's Module / DataModule
+//
+// Loading checks the structure; validate_plugins() then checks each plugin's table against the
+// schema its library declares, before any work starts.
+#pragma once
+
+#include <fulgur/options.h>
+#include <fulgur/registry/metadata.h>
+
+#include <filesystem>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace fulgur {
+
+class PluginRegistry;
+
+struct SourceLocation {
+  std::string file;
+  int64_t line = 0;
+  int64_t column = 0;
+  std::string str() const;  // "file:line:col"
+};
+
+// One TOML value before it is checked against a schema.
+struct RawOption {
+  std::string key;
+  SourceLocation where;
+  std::shared_ptr<const void> node;  // the toml::node (kept opaque: toml++ stays out of headers)
+};
+
+struct PluginSelection {
+  PluginKind kind = PluginKind::callback;
+  std::string name;
+  SourceLocation where;        // where the name was given
+  std::vector<RawOption> raw;  // the other keys of its table
+  Options options;             // filled by validate_plugins(): typed, defaults applied
+};
+
+struct Config {
+  std::filesystem::path file;  // empty when built in code
+  std::vector<std::filesystem::path> plugin_paths;  // resolved against the TOML's directory
+  bool allow_writable_plugins = false;
+
+  Options trainer;  // typed, defaults applied (see trainer_option_schema())
+  PluginSelection accelerator;
+  PluginSelection strategy;
+  PluginSelection precision;
+  std::optional<PluginSelection> profiler;
+  std::vector<PluginSelection> loggers;
+  std::vector<PluginSelection> callbacks;
+  Options model;  // [model] as given (integers, floats, strings, booleans, arrays)
+  Options data;   // [data] as given
+  std::string log_level;  // [logging] level, overridden by FULGUR_LOG_LEVEL
+
+  // Every selection in a fixed order: accelerator, strategy, precision, profiler, loggers, callbacks.
+  std::vector<PluginSelection*> selections();
+};
+
+// The [trainer] keys Fulgur understands, with types, defaults and help.
+const std::vector<OptionSchema>& trainer_option_schema();
+
+// Parses and structurally validates `file`. Throws fulgur::Error(config) with file:line:col.
+Config load_config(const std::filesystem::path& file);
+Config parse_config(std::string_view toml_text, const std::filesystem::path& origin);
+
+// Resolves every selected plugin in `registry` and checks its table against the plugin's schema:
+// unknown key (with a suggestion), wrong type (expected and found), missing required key.
+void validate_plugins(Config& config, const PluginRegistry& registry);
+
+}  // namespace fulgur

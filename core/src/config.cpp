@@ -1,0 +1,364 @@
+// TOML configuration: structure checks at load time, plugin option checks against the schemas
+// read from the plugins' metadata (no plugin code runs before the whole config is known good).
+#include <fulgur/config.h>
+#include <fulgur/error.h>
+#include <fulgur/registry/registry.h>
+#include <fulgur/registry/toml_options.h>
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include <cstdlib>
+#include <fstream>
+#include <sstream>
+
+namespace fulgur {
+
+namespace fs = std::filesystem;
+
+std::string SourceLocation::str() const {
+  if (line <= 0) return file;
+  return fmt::format("{}:{}:{}", file, line, column);
+}
+
+std::vector<PluginSelection*> Config::selections() {
+  std::vector<PluginSelection*> out{&accelerator, &strategy, &precision};
+  if (profiler) out.push_back(&*profiler);
+  for (auto& l : loggers) out.push_back(&l);
+  for (auto& c : callbacks) out.push_back(&c);
+  return out;
+}
+
+const std::vector<OptionSchema>& trainer_option_schema() {
+  static const std::vector<OptionSchema> schema = [] {
+    struct Row {
+      const char* key;
+      OptionType type;
+      const char* default_text;
+      const char* help;
+    };
+    using T = OptionType;
+    const Row rows[] = {
+        {"accelerator", T::string, "\"cpu\"", "Accelerator plugin by name (cpu, cuda, ...)"},
+        {"strategy", T::string, "\"single_device\"", "Strategy plugin by name (single_device, ddp, ...)"},
+        {"precision", T::string, "\"32-true\"", "Precision plugin by name (32-true, bf16-mixed, ...)"},
+        {"devices", T::string, "\"auto\"", "Devices per node: a count, \"auto\", -1 (all) or \"0,1\""},
+        {"num_nodes", T::integer, "1", "Number of nodes"},
+        {"max_epochs", T::integer, "-1", "Stop after this many epochs (-1: 1000 unless max_steps is set)"},
+        {"min_epochs", T::integer, "0", "Do not stop early before this many epochs"},
+        {"max_steps", T::integer, "-1", "Stop after this many optimizer steps (-1: no limit)"},
+        {"min_steps", T::integer, "0", "Do not stop early before this many optimizer steps"},
+        {"max_time", T::string, "\"\"", "Stop after this wall time, \"DD:HH:MM:SS\" (empty: no limit)"},
+        {"limit_train_batches", T::floating, "1.0", "Fraction (float) or count (integer) of training batches"},
+        {"limit_val_batches", T::floating, "1.0", "Fraction (float) or count (integer) of validation batches"},
+        {"limit_test_batches", T::floating, "1.0", "Fraction (float) or count (integer) of test batches"},
+        {"limit_predict_batches", T::floating, "1.0", "Fraction (float) or count (integer) of predict batches"},
+        {"overfit_batches", T::floating, "0.0", "Train and validate on this fraction/count of training batches"},
+        {"val_check_interval", T::floating, "1.0", "Validate every fraction of an epoch (float) or N batches (integer)"},
+        {"check_val_every_n_epoch", T::integer, "1", "Validate every N epochs"},
+        {"num_sanity_val_steps", T::integer, "2", "Validation batches run before training (-1: all)"},
+        {"log_every_n_steps", T::integer, "50", "Send step-level metrics to loggers every N steps"},
+        {"accumulate_grad_batches", T::integer, "1", "Accumulate gradients over N batches per optimizer step"},
+        {"gradient_clip_val", T::floating, "0.0", "Clip gradients at this value (0: off)"},
+        {"gradient_clip_algorithm", T::string, "\"norm\"", "\"norm\" or \"value\""},
+        {"deterministic", T::boolean, "false", "Use deterministic algorithms"},
+        {"seed", T::integer, "-1", "Seed for torch and data order (-1: not seeded)"},
+        {"fast_dev_run", T::integer, "0", "Run N batches of each stage once, without loggers/checkpoints (0: off)"},
+        {"default_root_dir", T::string, "\".\"", "Where logs and checkpoints go (relative to the TOML file)"},
+        {"enable_checkpointing", T::boolean, "true", "Add a model_checkpoint callback if none is configured"},
+        {"enable_progress_bar", T::boolean, "true", "Add a progress_bar callback if none is configured"},
+        {"enable_model_summary", T::boolean, "true", "Add a model_summary callback if none is configured"},
+        {"inference_mode", T::boolean, "true", "Evaluate under inference mode (else no_grad)"},
+        {"detect_anomaly", T::boolean, "false", "Enable autograd anomaly detection"},
+        {"barebones", T::boolean, "false", "Disable every feature that costs time: loggers, callbacks, profiler"},
+        {"ckpt_path", T::string, "\"\"", "Checkpoint to resume fit from: a path, \"last\" or \"best\""},
+    };
+    std::vector<OptionSchema> out;
+    for (const Row& r : rows) {
+      OptionSchema s;
+      s.key = r.key;
+      s.type = r.type;
+      s.default_text = r.default_text;
+      s.default_value = parse_option_default(r.type, r.default_text);
+      s.help = r.help;
+      out.push_back(std::move(s));
+    }
+    return out;
+  }();
+  return schema;
+}
+
+namespace {
+
+constexpr std::string_view kKnownTables[] = {"plugins",  "trainer",  "accelerator", "strategy", "precision", "profiler",
+                                             "loggers",  "callbacks", "model",      "data",     "logging"};
+
+SourceLocation location_of(const toml::node& node, const std::string& fallback_file) {
+  SourceLocation loc;
+  const toml::source_region& src = node.source();
+  loc.file = src.path ? *src.path : fallback_file;
+  loc.line = src.begin.line;
+  loc.column = src.begin.column;
+  return loc;
+}
+
+[[noreturn]] void fail(const SourceLocation& where, const std::string& message) {
+  throw Error(ErrorKind::config, fmt::format("{}: {}", where.str(), message));
+}
+
+std::vector<std::string> keys_of(const std::vector<OptionSchema>& schema) {
+  std::vector<std::string> keys;
+  for (const auto& s : schema) keys.push_back(s.key);
+  return keys;
+}
+
+std::string unknown_key_message(std::string_view key, std::string_view owner, const std::vector<std::string>& known) {
+  std::string message = fmt::format("unknown key '{}' for {}", key, owner);
+  if (std::string s = closest_match(key, known); !s.empty()) message += fmt::format("; did you mean '{}'?", s);
+  if (!known.empty()) message += fmt::format(" Known keys: {}.", fmt::join(known, ", "));
+  else message += " It accepts no options.";
+  return message;
+}
+
+// Checks a table's keys against a schema and returns typed options with defaults applied.
+// `skip` names keys handled elsewhere (e.g. "name").
+Options typed_options(const std::vector<RawOption>& raw, const std::vector<OptionSchema>& schema,
+                      const std::string& owner, const SourceLocation& table_where) {
+  Options options(owner);
+  for (const RawOption& r : raw) {
+    const OptionSchema* spec = nullptr;
+    for (const auto& s : schema)
+      if (s.key == r.key) spec = &s;
+    if (!spec) fail(r.where, unknown_key_message(r.key, owner, keys_of(schema)));
+    const auto& node = *static_cast<const toml::node*>(r.node.get());
+    std::string found;
+    std::optional<OptionValue> value = toml_to_option(node, spec->type, found);
+    // `devices = 2` is as natural as `devices = "0,1"`: accept integers for string options that
+    // document a count.
+    if (!value && spec->type == OptionType::string && node.is_integer() && r.key == "devices")
+      value = OptionValue{std::to_string(*node.value<int64_t>())};
+    if (!value)
+      fail(r.where, fmt::format("{}: '{}' must be {}, found {}{}", owner, r.key, to_string(spec->type), found,
+                                spec->default_value ? fmt::format(" (default: {})", spec->default_text) : ""));
+    // Float options given as integers keep their integer-ness: limit_*_batches = 10 is a count.
+    if (spec->type == OptionType::floating && node.is_integer()) value = OptionValue{*node.value<int64_t>()};
+    options.set(r.key, std::move(*value));
+  }
+  for (const auto& s : schema) {
+    if (options.contains(s.key)) continue;
+    if (!s.default_value)
+      fail(table_where, fmt::format("{}: required key '{}' ({}) is missing: {}", owner, s.key, to_string(s.type), s.help));
+    options.set(s.key, *s.default_value);
+  }
+  return options;
+}
+
+std::vector<RawOption> raw_options(const std::shared_ptr<toml::table>& root, const toml::table& table,
+                                   const std::string& file, std::initializer_list<std::string_view> skip = {}) {
+  std::vector<RawOption> out;
+  for (const auto& [key, node] : table) {
+    bool skipped = false;
+    for (auto s : skip) skipped |= key.str() == s;
+    if (skipped) continue;
+    RawOption r;
+    r.key = std::string(key.str());
+    r.where = location_of(node, file);
+    if (r.where.line == 0) {
+      r.where.line = key.source().begin.line;
+      r.where.column = key.source().begin.column;
+    }
+    r.node = std::shared_ptr<const void>(root, &node);
+    out.push_back(std::move(r));
+  }
+  return out;
+}
+
+// Free-form hyperparameter tables ([model], [data]): scalars and flat arrays.
+Options free_options(const toml::table& table, const std::string& owner, const std::string& file) {
+  Options options(owner);
+  for (const auto& [key, node] : table) {
+    std::string found;
+    std::optional<OptionValue> v;
+    if (node.is_boolean()) v = toml_to_option(node, OptionType::boolean, found);
+    else if (node.is_integer()) v = toml_to_option(node, OptionType::integer, found);
+    else if (node.is_floating_point()) v = toml_to_option(node, OptionType::floating, found);
+    else if (node.is_string()) v = toml_to_option(node, OptionType::string, found);
+    else if (node.is_array()) {
+      v = toml_to_option(node, OptionType::float_list, found);
+      if (!v) v = toml_to_option(node, OptionType::string_list, found);
+    }
+    if (!v)
+      fail(location_of(node, file),
+           fmt::format("{}: '{}' is a {}; hyperparameters must be booleans, numbers, strings or flat arrays", owner,
+                       key.str(), toml_type_name(node)));
+    options.set(std::string(key.str()), std::move(*v));
+  }
+  return options;
+}
+
+const toml::table* table_or_fail(const toml::node& node, std::string_view name, const std::string& file) {
+  const toml::table* t = node.as_table();
+  if (!t) fail(location_of(node, file), fmt::format("'{}' must be a table ([{}]), found {}", name, name, toml_type_name(node)));
+  return t;
+}
+
+std::string string_or_fail(const toml::node& node, std::string_view what, const std::string& file) {
+  auto v = node.value_exact<std::string>();
+  if (!v) fail(location_of(node, file), fmt::format("{} must be a string, found {}", what, toml_type_name(node)));
+  return *v;
+}
+
+}  // namespace
+
+Config parse_config(std::string_view toml_text, const fs::path& origin) {
+  const std::string file = origin.string();
+  auto root = std::make_shared<toml::table>();
+  try {
+    *root = toml::parse(toml_text, file);
+  } catch (const toml::parse_error& e) {
+    SourceLocation where{file, e.source().begin.line, e.source().begin.column};
+    fail(where, fmt::format("invalid TOML: {}", e.description()));
+  }
+
+  Config config;
+  config.file = origin;
+  const fs::path base = origin.has_parent_path() ? origin.parent_path() : fs::current_path();
+
+  for (const auto& [key, node] : *root) {
+    bool known = false;
+    for (auto k : kKnownTables) known |= key.str() == k;
+    if (!known) {
+      SourceLocation where = location_of(node, file);
+      std::vector<std::string> names(std::begin(kKnownTables), std::end(kKnownTables));
+      std::string message = fmt::format("unknown table '{}'", key.str());
+      if (auto s = closest_match(key.str(), names); !s.empty()) message += fmt::format("; did you mean '{}'?", s);
+      fail(where, message + fmt::format(" Known tables: {}.", fmt::join(names, ", ")));
+    }
+  }
+
+  // [plugins]
+  if (const toml::node* node = root->get("plugins")) {
+    const toml::table* t = table_or_fail(*node, "plugins", file);
+    for (const auto& [key, value] : *t) {
+      if (key.str() == "paths") {
+        const toml::array* paths = value.as_array();
+        if (!paths) fail(location_of(value, file), "[plugins] paths must be an array of directory strings");
+        for (const auto& p : *paths) {
+          fs::path dir = string_or_fail(p, "[plugins] paths entries", file);
+          config.plugin_paths.push_back(dir.is_absolute() ? dir : base / dir);
+        }
+      } else if (key.str() == "allow_writable") {
+        auto v = value.value_exact<bool>();
+        if (!v) fail(location_of(value, file), "[plugins] allow_writable must be a boolean");
+        config.allow_writable_plugins = *v;
+      } else {
+        fail(location_of(value, file), unknown_key_message(key.str(), "[plugins]", {"paths", "allow_writable"}));
+      }
+    }
+  }
+
+  // [trainer]
+  {
+    std::vector<RawOption> raw;
+    SourceLocation where{file, 0, 0};
+    if (const toml::node* node = root->get("trainer")) {
+      raw = raw_options(root, *table_or_fail(*node, "trainer", file), file);
+      where = location_of(*node, file);
+    }
+    config.trainer = typed_options(raw, trainer_option_schema(), "[trainer]", where);
+    fs::path root_dir = config.trainer.get_string("default_root_dir");
+    if (!root_dir.is_absolute()) config.trainer.set("default_root_dir", (base / root_dir).lexically_normal().string());
+  }
+
+  // The three single selections: name in [trainer], options in their own table (which may also
+  // carry `name`, as long as both agree).
+  auto single = [&](PluginSelection& sel, PluginKind kind, const char* table_name) {
+    sel.kind = kind;
+    sel.name = config.trainer.get_string(table_name);
+    sel.where = {file, 0, 0};
+    for (const auto& [key, node] : *root)
+      if (key.str() == "trainer")
+        if (const toml::node* n = node.as_table()->get(table_name)) sel.where = location_of(*n, file);
+    if (const toml::node* node = root->get(table_name)) {
+      const toml::table* t = table_or_fail(*node, table_name, file);
+      if (const toml::node* n = t->get("name")) {
+        std::string name = string_or_fail(*n, fmt::format("[{}] name", table_name), file);
+        if (sel.where.line > 0 && name != sel.name)
+          fail(location_of(*n, file), fmt::format("[{}] name = \"{}\" contradicts [trainer] {} = \"{}\" at {}",
+                                                  table_name, name, table_name, sel.name, sel.where.str()));
+        sel.name = name;
+        sel.where = location_of(*n, file);
+      }
+      sel.raw = raw_options(root, *t, file, {"name"});
+    }
+  };
+  single(config.accelerator, PluginKind::accelerator, "accelerator");
+  single(config.strategy, PluginKind::strategy, "strategy");
+  single(config.precision, PluginKind::precision, "precision");
+
+  auto named_table = [&](const toml::table& t, const toml::node& at, PluginKind kind, std::string_view what) {
+    PluginSelection sel;
+    sel.kind = kind;
+    const toml::node* n = t.get("name");
+    if (!n) fail(location_of(at, file), fmt::format("{} needs a name = \"...\" selecting the plugin", what));
+    sel.name = string_or_fail(*n, fmt::format("{} name", what), file);
+    sel.where = location_of(*n, file);
+    sel.raw = raw_options(root, t, file, {"name"});
+    return sel;
+  };
+  if (const toml::node* node = root->get("profiler"))
+    config.profiler = named_table(*table_or_fail(*node, "profiler", file), *node, PluginKind::profiler, "[profiler]");
+  auto array_of_tables = [&](const char* name, PluginKind kind, std::vector<PluginSelection>& out) {
+    const toml::node* node = root->get(name);
+    if (!node) return;
+    const toml::array* array = node->as_array();
+    if (!array)
+      fail(location_of(*node, file), fmt::format("'{}' must be an array of tables ([[{}]]), found {}", name, name,
+                                                 toml_type_name(*node)));
+    for (const toml::node& element : *array) {
+      const toml::table* t = element.as_table();
+      if (!t) fail(location_of(element, file), fmt::format("each [[{}]] entry must be a table", name));
+      out.push_back(named_table(*t, element, kind, fmt::format("[[{}]]", name)));
+    }
+  };
+  array_of_tables("loggers", PluginKind::logger, config.loggers);
+  array_of_tables("callbacks", PluginKind::callback, config.callbacks);
+
+  if (const toml::node* node = root->get("model")) config.model = free_options(*table_or_fail(*node, "model", file), "[model]", file);
+  if (const toml::node* node = root->get("data")) config.data = free_options(*table_or_fail(*node, "data", file), "[data]", file);
+  if (const toml::node* node = root->get("logging")) {
+    const toml::table* t = table_or_fail(*node, "logging", file);
+    for (const auto& [key, value] : *t) {
+      if (key.str() != "level") fail(location_of(value, file), unknown_key_message(key.str(), "[logging]", {"level"}));
+      config.log_level = string_or_fail(value, "[logging] level", file);
+    }
+  }
+  if (const char* env = std::getenv("FULGUR_LOG_LEVEL"); env && *env) config.log_level = env;
+  return config;
+}
+
+Config load_config(const fs::path& file) {
+  std::ifstream in(file, std::ios::binary);
+  if (!in)
+    throw Error(ErrorKind::config, fmt::format("{}: cannot open the config file ({}); check the path",
+                                               file.string(), std::strerror(errno)));
+  std::stringstream buffer;
+  buffer << in.rdbuf();
+  return parse_config(buffer.str(), file);
+}
+
+void validate_plugins(Config& config, const PluginRegistry& registry) {
+  for (PluginSelection* sel : config.selections()) {
+    const PluginCandidate* candidate = nullptr;
+    try {
+      candidate = &registry.resolve(sel->kind, sel->name);
+    } catch (const Error& e) {
+      throw Error(e.kind(), fmt::format("{}: {}", sel->where.str(), e.what()));
+    }
+    const std::string owner = fmt::format("{} '{}'", to_string(sel->kind), sel->name);
+    SourceLocation table_where = sel->where;
+    sel->options = typed_options(sel->raw, candidate->metadata.options, owner, table_where);
+  }
+}
+
+}  // namespace fulgur
