@@ -70,6 +70,7 @@ const std::vector<OptionSchema>& trainer_option_schema() {
         {"enable_model_summary", T::boolean, "true", "Add a model_summary callback if none is configured"},
         {"inference_mode", T::boolean, "true", "Evaluate under inference mode (else no_grad)"},
         {"detect_anomaly", T::boolean, "false", "Enable autograd anomaly detection"},
+        {"logger", T::boolean, "true", "Use the csv logger when no [[loggers]] are configured"},
         {"barebones", T::boolean, "false", "Disable every feature that costs time: loggers, callbacks, profiler"},
         {"ckpt_path", T::string, "\"\"", "Checkpoint to resume fit from: a path, \"last\" or \"best\""},
     };

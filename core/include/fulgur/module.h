@@ -1,0 +1,145 @@
+// fulgur::Module — the LightningModule of Fulgur: a torch::nn::Module that also says how to train,
+// evaluate and predict, which optimizers to use, and what to log.
+//
+//   struct Net : fulgur::Module {
+//     explicit Net(const fulgur::Options& hp) : lr(hp.get_float("lr")) {
+//       fc = register_module("fc", torch::nn::Linear(784, 10));
+//     }
+//     fulgur::StepOutput training_step(const fulgur::Batch& b, int64_t) override {
+//       auto loss = torch::nn::functional::cross_entropy(fc->forward(b.input.flatten(1)), b.target);
+//       log("train/loss", loss, fulgur::LogOptions().prog_bar(true));
+//       return {loss};
+//     }
+//     std::vector<fulgur::OptimizerConfig> configure_optimizers() override {
+//       return {fulgur::OptimizerConfig(std::make_shared<torch::optim::Adam>(parameters(), lr))};
+//     }
+//     torch::nn::Linear fc{nullptr};
+//     double lr;
+//   };
+#pragma once
+
+#include <fulgur/lr_scheduler.h>
+#include <fulgur/options.h>
+#include <fulgur/types.h>
+
+#include <torch/nn/module.h>
+
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace torch::optim {
+class Optimizer;
+}
+
+namespace fulgur {
+
+class MetricStore;
+
+enum class Reduction { mean, sum, max, min };
+
+// How a value passed to Module::log is aggregated and where it goes (Lightning's self.log flags).
+struct LogOptions {
+  // on_step / on_epoch default like Lightning: step-level in training, epoch-level in evaluation.
+  LogOptions& on_step(bool v) { on_step_ = v; return *this; }
+  LogOptions& on_epoch(bool v) { on_epoch_ = v; return *this; }
+  LogOptions& prog_bar(bool v) { prog_bar_ = v; return *this; }
+  LogOptions& logger(bool v) { logger_ = v; return *this; }
+  LogOptions& reduce(Reduction v) { reduce_ = v; return *this; }
+  LogOptions& sync_dist(bool v) { sync_dist_ = v; return *this; }
+  LogOptions& batch_size(int64_t v) { batch_size_ = v; return *this; }
+
+  std::optional<bool> on_step_;
+  std::optional<bool> on_epoch_;
+  bool prog_bar_ = false;
+  bool logger_ = true;
+  Reduction reduce_ = Reduction::mean;
+  bool sync_dist_ = false;
+  std::optional<int64_t> batch_size_;  // default: the current batch's size
+};
+
+enum class SchedulerInterval { step, epoch };
+
+// One optimizer with an optional scheduler (Lightning's dict form of configure_optimizers).
+struct OptimizerConfig {
+  OptimizerConfig() = default;
+  explicit OptimizerConfig(std::shared_ptr<torch::optim::Optimizer> optimizer) : optimizer(std::move(optimizer)) {}
+  OptimizerConfig& with_scheduler(std::shared_ptr<LRScheduler> s, SchedulerInterval i = SchedulerInterval::epoch,
+                                  int64_t f = 1, std::string m = {}) {
+    scheduler = std::move(s);
+    interval = i;
+    frequency = f;
+    monitor = std::move(m);
+    return *this;
+  }
+
+  std::shared_ptr<torch::optim::Optimizer> optimizer;
+  std::shared_ptr<LRScheduler> scheduler;
+  SchedulerInterval interval = SchedulerInterval::epoch;
+  int64_t frequency = 1;
+  std::string monitor;  // metric for reduce-on-plateau schedulers
+};
+
+class Module : public torch::nn::Module {
+ public:
+  Module();
+  ~Module() override;
+
+  // Steps. training_step must return a loss (automatic optimization) unless manual optimization
+  // is on; the others may return an empty StepOutput.
+  virtual StepOutput training_step(const Batch& batch, int64_t batch_idx) = 0;
+  virtual StepOutput validation_step(const Batch& batch, int64_t batch_idx);
+  virtual StepOutput test_step(const Batch& batch, int64_t batch_idx);
+  virtual at::Tensor predict_step(const Batch& batch, int64_t batch_idx);
+  virtual std::vector<OptimizerConfig> configure_optimizers() = 0;
+
+  // Data hooks, in Lightning's order: on_before_batch_transfer, transfer_batch_to_device,
+  // on_after_batch_transfer.
+  virtual Batch on_before_batch_transfer(Batch batch) { return batch; }
+  virtual Batch transfer_batch_to_device(Batch batch, const c10::Device& device);
+  virtual Batch on_after_batch_transfer(Batch batch) { return batch; }
+
+  // Module-level hooks (a subset of Lightning's, called in its order; see hook-order test).
+  virtual void on_fit_start() {}
+  virtual void on_fit_end() {}
+  virtual void on_train_start() {}
+  virtual void on_train_end() {}
+  virtual void on_train_epoch_start() {}
+  virtual void on_train_epoch_end() {}
+  virtual void on_validation_epoch_start() {}
+  virtual void on_validation_epoch_end() {}
+  virtual void on_test_epoch_start() {}
+  virtual void on_test_epoch_end() {}
+  virtual void on_train_batch_start(const Batch&, int64_t) {}
+  virtual void on_train_batch_end(const StepOutput&, const Batch&, int64_t) {}
+  virtual void on_before_backward(const at::Tensor&) {}
+  virtual void on_after_backward() {}
+  virtual void on_before_optimizer_step(torch::optim::Optimizer&) {}
+  virtual void on_before_zero_grad(torch::optim::Optimizer&) {}
+
+  // Logging (Lightning's self.log). Tensors are detached and stay on device; nothing is copied
+  // to the host until a logger, the progress bar or a monitor needs the value.
+  void log(const std::string& name, const at::Tensor& value, const LogOptions& options = {});
+  void log(const std::string& name, double value, const LogOptions& options = {});
+  void log_dict(const std::map<std::string, at::Tensor>& values, const LogOptions& options = {});
+
+  // Manual optimization: training_step calls manual_backward and steps optimizers itself.
+  bool automatic_optimization = true;
+  void manual_backward(const at::Tensor& loss);
+  std::vector<torch::optim::Optimizer*> optimizers() const;
+
+  // Hyperparameters from the TOML [model] table (set before construction-time use by the Trainer
+  // when built through fulgur::run, or by the user).
+  Options hparams;
+
+  // Trainer wiring (not for users).
+  struct Binding;
+  Binding* binding() const { return binding_; }
+  void bind(Binding* binding) { binding_ = binding; }
+
+ private:
+  Binding* binding_ = nullptr;
+};
+
+}  // namespace fulgur

@@ -1,0 +1,24 @@
+// Internal: how a fulgur::Module reaches the Trainer that runs it (logging, manual optimization).
+#pragma once
+
+#include <fulgur/module.h>
+
+#include "metrics.h"
+
+namespace fulgur {
+
+class Precision;
+class Strategy;
+
+struct Module::Binding {
+  MetricStore* metrics = nullptr;     // the store of the running stage
+  bool training_context = false;      // defaults for log(): on_step in training, on_epoch otherwise
+  bool logging_allowed = false;       // false in hooks where Lightning forbids self.log
+  int64_t batch_size = 0;             // of the current batch (weights epoch means)
+  std::vector<torch::optim::Optimizer*> optimizers;
+  Strategy* strategy = nullptr;
+  Precision* precision = nullptr;
+  std::function<void(const at::Tensor&)> manual_backward;
+};
+
+}  // namespace fulgur

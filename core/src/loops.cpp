@@ -1,0 +1,527 @@
+// The fit, evaluation and prediction loops, in PyTorch Lightning's hook order
+// (reference/lightning-anchor.md §2.2; the hook-order test asserts the whole sequence).
+//
+// Hot-path rules: a training batch does no host-device sync, allocation or virtual call beyond
+// what a hand-written loop does, unless a value is due (logging every log_every_n_steps, a
+// callback that declared a batch hook, a configured profiler).
+#include <fulgur/error.h>
+
+#include <ATen/core/ivalue.h>
+#include <c10/core/InferenceMode.h>
+#include <c10/core/GradMode.h>
+#include <fmt/format.h>
+#include <spdlog/spdlog.h>
+#include <torch/nn/module.h>
+#include <torch/optim/optimizer.h>
+
+#include "trainer_impl.h"
+
+namespace fulgur {
+
+namespace {
+
+// Sets what Module::log may do for the duration of a hook or step.
+class LogContext {
+ public:
+  LogContext(Module::Binding& b, MetricStore* store, bool training, bool allowed)
+      : b_(b), saved_store_(b.metrics), saved_training_(b.training_context), saved_allowed_(b.logging_allowed) {
+    b_.metrics = store;
+    b_.training_context = training;
+    b_.logging_allowed = allowed;
+  }
+  ~LogContext() {
+    b_.metrics = saved_store_;
+    b_.training_context = saved_training_;
+    b_.logging_allowed = saved_allowed_;
+  }
+
+ private:
+  Module::Binding& b_;
+  MetricStore* saved_store_;
+  bool saved_training_, saved_allowed_;
+};
+
+// Lightning evaluates under inference mode (or no_grad) with the model in eval mode, then puts
+// the model back in the mode it was in.
+class EvalMode {
+ public:
+  EvalMode(torch::nn::Module& m, bool inference) : m_(m), was_training_(m.is_training()) {
+    m_.eval();
+    if (inference) inference_.emplace(true);
+    else no_grad_.emplace(false);
+  }
+  ~EvalMode() {
+    inference_.reset();
+    no_grad_.reset();
+    m_.train(was_training_);
+  }
+
+ private:
+  torch::nn::Module& m_;
+  bool was_training_;
+  std::optional<c10::InferenceMode> inference_;
+  std::optional<c10::AutoGradMode> no_grad_;
+};
+
+}  // namespace
+
+Batch Trainer::Impl::transfer(Batch batch) {
+  ProfileScope scope(profiler_.get(), "transfer_batch_to_device");
+  batch = module_->on_before_batch_transfer(std::move(batch));
+  batch = module_->transfer_batch_to_device(std::move(batch), strategy_->root_device());
+  batch = module_->on_after_batch_transfer(std::move(batch));
+  precision_->convert_input(batch);
+  return batch;
+}
+
+bool Trainer::Impl::time_exceeded() const {
+  if (max_time_seconds_ <= 0) return false;
+  const double elapsed =
+      elapsed_before_resume_ + std::chrono::duration<double>(std::chrono::steady_clock::now() - fit_start_time_).count();
+  return elapsed >= max_time_seconds_;
+}
+
+bool Trainer::Impl::fit_done() const {
+  if (max_steps_ >= 0 && global_step_ >= max_steps_) return true;
+  if (max_epochs_ >= 0 && epoch_ >= max_epochs_) return true;
+  if (time_exceeded()) return true;
+  // should_stop is honoured once min_epochs and min_steps are met (Lightning).
+  return should_stop_ && epoch_ >= min_epochs_ && global_step_ >= min_steps_;
+}
+
+void Trainer::Impl::log_step_metrics() {
+  MetricMap metrics = train_metrics_.collect_step(/*logger_only=*/true, false, /*consume=*/true);
+  if (metrics.empty() || logger_ptrs_.empty()) return;
+  metrics["epoch"] = static_cast<double>(epoch_);
+  // Lightning's step for loggers is the number of batches that stepped before this one.
+  for (Logger* l : logger_ptrs_) l->log_metrics(metrics, global_step_ - 1);
+  for (const auto& [k, v] : metrics) logged_metrics_[k] = v;
+}
+
+void Trainer::Impl::log_epoch_metrics(MetricStore& store, bool send_to_loggers) {
+  MetricMap all;
+  MetricMap for_loggers = store.reduce_epoch(strategy_.get(), /*logger_only=*/true, &progress_bar_metrics_, &all);
+  for (const auto& [k, v] : all) callback_metrics_[k] = v;
+  if (!send_to_loggers || for_loggers.empty()) return;
+  for_loggers["epoch"] = static_cast<double>(epoch_);
+  for (Logger* l : logger_ptrs_) l->log_metrics(for_loggers, std::max<int64_t>(0, global_step_ - 1));
+  for (const auto& [k, v] : for_loggers) logged_metrics_[k] = v;
+}
+
+void Trainer::Impl::step_schedulers(SchedulerInterval interval, bool skip_monitored) {
+  const int64_t count = interval == SchedulerInterval::step ? global_step_ : epoch_ + 1;
+  for (auto& cfg : optimizer_configs_) {
+    if (!cfg.scheduler || cfg.interval != interval || count % cfg.frequency != 0) continue;
+    if (cfg.monitor.empty()) {
+      cfg.scheduler->step();
+      continue;
+    }
+    if (skip_monitored) continue;
+    const MetricMap& metrics = callback_metrics();
+    auto it = metrics.find(cfg.monitor);
+    if (it == metrics.end()) {
+      std::vector<std::string> keys;
+      for (const auto& [k, v] : metrics) keys.push_back(k);
+      throw Error(ErrorKind::config,
+                  fmt::format("the lr scheduler monitors '{}', which was never logged; logged metrics: {}", cfg.monitor,
+                              keys.empty() ? "none" : fmt::format("{}", fmt::join(keys, ", "))));
+    }
+    cfg.scheduler->step(it->second);
+  }
+}
+
+// ---- fit ----------------------------------------------------------------------------------------
+
+void Trainer::Impl::fit(Module& module, DataModule& data, const std::string& ckpt_path) {
+  attach(module, data, Stage::fit);
+  RunStatus status = RunStatus::success;
+  try {
+    if (strategy_->cluster().local_rank == 0) data.prepare_data();
+    strategy_->barrier("prepare_data");
+    call(Hook::setup, [&](Callback& c) { c.setup(*this, Stage::fit); });
+    data.setup(Stage::fit);
+
+    optimizer_configs_ = module.configure_optimizers();
+    optimizer_ptrs_.clear();
+    for (auto& cfg : optimizer_configs_) {
+      if (!cfg.optimizer)
+        throw Error(ErrorKind::invalid_argument, "configure_optimizers() returned an OptimizerConfig without optimizer");
+      if (cfg.frequency < 1) throw Error(ErrorKind::invalid_argument, "OptimizerConfig::frequency must be >= 1");
+      optimizer_ptrs_.push_back(cfg.optimizer.get());
+    }
+    if (module.automatic_optimization && optimizer_ptrs_.size() != 1)
+      throw Error(ErrorKind::invalid_argument,
+                  fmt::format("automatic optimization needs exactly one optimizer, configure_optimizers() returned {}; "
+                              "set automatic_optimization = false to drive several optimizers from training_step",
+                              optimizer_ptrs_.size()));
+    binding_.optimizers = optimizer_ptrs_;
+    binding_.manual_backward = [this](const at::Tensor& loss) {
+      call(Hook::before_backward, [&](Callback& c) { c.on_before_backward(*this, loss); });
+      module_->on_before_backward(loss);
+      strategy_->backward(loss, *precision_, true);
+      call(Hook::after_backward, [&](Callback& c) { c.on_after_backward(*this); });
+      module_->on_after_backward();
+    };
+    strategy_->setup_module(module);
+    precision_->convert_module(module);
+    strategy_->setup_optimizers(optimizer_ptrs_);
+
+    setup_loggers_once();
+    if (profiler_) profiler_->setup(Stage::fit, log_dir());
+
+    std::optional<c10::IValue> checkpoint;
+    std::string resolved;
+    if (!ckpt_path.empty()) {
+      resolved = resolve_checkpoint_path(ckpt_path);
+      checkpoint = read_checkpoint(resolved);
+      restore_model(*checkpoint, resolved);
+      restore_callbacks(*checkpoint);
+    }
+    call(Hook::fit_start, [&](Callback& c) { c.on_fit_start(*this); });
+    module.on_fit_start();
+    if (checkpoint) restore_training_state(*checkpoint, resolved);
+
+    run_fit();
+  } catch (const std::exception& e) {
+    status = RunStatus::failed;
+    call(Hook::exception, [&](Callback& c) { c.on_exception(*this, e); });
+    finish_stage(Stage::fit, status);
+    throw;
+  }
+  finish_stage(Stage::fit, status);
+}
+
+void Trainer::Impl::run_fit() {
+  fit_start_time_ = std::chrono::steady_clock::now();
+  train_loader_ = data_->train_loader();
+  if (!train_loader_) throw Error(ErrorKind::invalid_argument, "the DataModule returned no train_loader()");
+  train_loader_->set_replica(strategy_->data_parallel_rank(), strategy_->data_parallel_size());
+  const Options& t = config_.trainer;
+  const bool overfit = [&] {
+    const OptionValue& v = t.values().at("overfit_batches");
+    return std::holds_alternative<int64_t>(v) ? std::get<int64_t>(v) > 0 : std::get<double>(v) > 0;
+  }();
+  const int64_t available = train_loader_->num_batches();
+  num_train_batches_ = overfit ? apply_batch_limit(t.values().at("overfit_batches"), available)
+                               : apply_batch_limit(t.values().at("limit_train_batches"), available);
+  if (fast_dev_run_ > 0) num_train_batches_ = std::min(num_train_batches_, fast_dev_run_);
+
+  val_loader_ = overfit ? data_->train_loader() : data_->val_loader();
+  if (val_loader_) {
+    val_loader_->set_replica(strategy_->data_parallel_rank(), strategy_->data_parallel_size());
+    num_val_batches_ = overfit ? num_train_batches_
+                               : apply_batch_limit(t.values().at("limit_val_batches"), val_loader_->num_batches());
+    if (fast_dev_run_ > 0) num_val_batches_ = std::min(num_val_batches_, fast_dev_run_);
+  } else {
+    num_val_batches_ = 0;
+  }
+  const OptionValue& interval = t.values().at("val_check_interval");
+  if (const auto* n = std::get_if<int64_t>(&interval)) {
+    val_check_batches_ = *n;
+  } else {
+    const double f = std::get<double>(interval);
+    val_check_batches_ = f >= 1.0 ? 0 : std::max<int64_t>(1, static_cast<int64_t>(f * static_cast<double>(num_train_batches_)));
+  }
+
+  // Sanity check: a few validation batches before training so a broken validation_step fails
+  // in seconds, not after an epoch. Its metrics are thrown away.
+  if (val_loader_ && num_sanity_val_steps_ != 0 && num_val_batches_ > 0) {
+    sanity_checking_ = true;
+    call(Hook::sanity_check_start, [&](Callback& c) { c.on_sanity_check_start(*this); });
+    const int64_t limit = num_sanity_val_steps_ < 0 ? num_val_batches_ : std::min(num_sanity_val_steps_, num_val_batches_);
+    run_eval_loop(Stage::validate, *val_loader_, limit, /*sanity=*/true);
+    call(Hook::sanity_check_end, [&](Callback& c) { c.on_sanity_check_end(*this); });
+    sanity_checking_ = false;
+    eval_metrics_.clear();
+    callback_metrics_.clear();
+    progress_bar_metrics_.clear();
+  }
+
+  module_->train();
+  call(Hook::train_start, [&](Callback& c) { c.on_train_start(*this); });
+  {
+    LogContext log(binding_, &train_metrics_, true, true);
+    module_->on_train_start();
+  }
+  while (!fit_done()) {
+    run_train_epoch();
+  }
+  call(Hook::train_end, [&](Callback& c) { c.on_train_end(*this); });
+  module_->on_train_end();
+  call(Hook::fit_end, [&](Callback& c) { c.on_fit_end(*this); });
+  module_->on_fit_end();
+}
+
+void Trainer::Impl::run_train_epoch() {
+  ProfileScope epoch_scope(profiler_.get(), "run_training_epoch");
+  {
+    LogContext log(binding_, &train_metrics_, true, true);
+    call(Hook::train_epoch_start, [&](Callback& c) { c.on_train_epoch_start(*this); });
+    module_->on_train_epoch_start();
+  }
+  const int64_t skip = resume_skip_batches_;
+  resume_skip_batches_ = 0;
+  train_loader_->start_epoch(epoch_, skip);
+  batches_done_in_epoch_ = skip;
+  const bool validate_this_epoch = val_loader_ && num_val_batches_ > 0 && (epoch_ + 1) % check_val_every_n_epoch_ == 0;
+  bool stopped_mid_epoch = false;
+  for (int64_t batch_idx = skip; batch_idx < num_train_batches_; ++batch_idx) {
+    std::optional<Batch> next;
+    {
+      ProfileScope scope(profiler_.get(), "train_dataloader_next");
+      next = train_loader_->next();
+    }
+    if (!next) break;
+    is_last_batch_ = batch_idx + 1 == num_train_batches_;
+    if (!run_train_batch(*next, batch_idx)) break;  // on_train_batch_start asked to skip the epoch
+    batches_done_in_epoch_ = batch_idx + 1;
+    if (validate_this_epoch && val_check_batches_ > 0 && (batch_idx + 1) % val_check_batches_ == 0 && !is_last_batch_)
+      run_validation(false);
+    if ((max_steps_ >= 0 && global_step_ >= max_steps_) || time_exceeded() ||
+        (should_stop_ && epoch_ >= min_epochs_ && global_step_ >= min_steps_)) {
+      stopped_mid_epoch = !is_last_batch_;
+      break;
+    }
+  }
+  (void)stopped_mid_epoch;
+  in_epoch_end_phase_ = true;
+  // End-of-epoch validation runs before on_train_epoch_end (Lightning).
+  if (validate_this_epoch) run_validation(false);
+  {
+    LogContext log(binding_, &train_metrics_, true, true);
+    call_epoch_end_split([&] { module_->on_train_epoch_end(); });
+  }
+  log_epoch_metrics(train_metrics_, true);
+  step_schedulers(SchedulerInterval::epoch);
+  for (Logger* l : logger_ptrs_) l->save();
+  ++epoch_;
+  batches_done_in_epoch_ = 0;
+  in_epoch_end_phase_ = false;
+}
+
+bool Trainer::Impl::run_train_batch(Batch& batch, int64_t batch_idx) {
+  ProfileScope batch_scope(profiler_.get(), "run_training_batch");
+  batch = transfer(std::move(batch));
+  binding_.batch_size = batch.size();
+  LogContext log(binding_, &train_metrics_, /*training=*/true, /*allowed=*/true);
+  call(Hook::train_batch_start, [&](Callback& c) { c.on_train_batch_start(*this, batch, batch_idx); });
+  module_->on_train_batch_start(batch, batch_idx);
+
+  StepOutput output;
+  if (!module_->automatic_optimization) {
+    PrecisionScope precision_scope(*precision_);
+    ProfileScope scope(profiler_.get(), "training_step");
+    output = module_->training_step(batch, batch_idx);
+  } else {
+    torch::optim::Optimizer& optimizer = *optimizer_ptrs_.front();
+    const bool window_start = batch_idx % accumulate_ == 0;
+    const bool boundary = (batch_idx + 1) % accumulate_ == 0 || is_last_batch_;
+    {
+      PrecisionScope precision_scope(*precision_);
+      ProfileScope scope(profiler_.get(), "training_step");
+      output = module_->training_step(batch, batch_idx);
+    }
+    if (output.loss.defined()) {  // an undefined loss skips backward and the step (Lightning: None)
+      at::Tensor loss = accumulate_ > 1 ? output.loss / static_cast<double>(accumulate_) : output.loss;
+      if (window_start) {
+        call(Hook::before_zero_grad, [&](Callback& c) { c.on_before_zero_grad(*this, optimizer); });
+        module_->on_before_zero_grad(optimizer);
+        ProfileScope scope(profiler_.get(), "optimizer_zero_grad");
+        optimizer.zero_grad(/*set_to_none=*/true);
+      }
+      call(Hook::before_backward, [&](Callback& c) { c.on_before_backward(*this, loss); });
+      module_->on_before_backward(loss);
+      {
+        ProfileScope scope(profiler_.get(), "backward");
+        strategy_->backward(loss, *precision_, /*sync_gradients=*/boundary);
+      }
+      call(Hook::after_backward, [&](Callback& c) { c.on_after_backward(*this); });
+      module_->on_after_backward();
+      if (boundary) {
+        // True gradients for callbacks and clipping (16-mixed unscales here).
+        precision_->unscale_gradients(optimizer);
+        call(Hook::before_optimizer_step, [&](Callback& c) { c.on_before_optimizer_step(*this, optimizer); });
+        module_->on_before_optimizer_step(optimizer);
+        if (clip_val_ > 0) precision_->clip_gradients(optimizer, clip_val_, clip_algorithm_);
+        {
+          ProfileScope scope(profiler_.get(), "optimizer_step");
+          strategy_->optimizer_step(optimizer, *precision_);
+        }
+        ++global_step_;
+        step_schedulers(SchedulerInterval::step);
+      }
+    }
+  }
+  if (!module_->automatic_optimization) {
+    // Manual optimization: a batch counts as a step when any optimizer stepped; Lightning counts
+    // optimizer.step() calls. We count batches, which is what users of a single optimizer expect.
+    ++global_step_;
+  }
+  batches_done_in_epoch_ = batch_idx + 1;  // what a checkpoint written from the hooks below records
+  call(Hook::train_batch_end, [&](Callback& c) { c.on_train_batch_end(*this, output, batch, batch_idx); });
+  module_->on_train_batch_end(output, batch, batch_idx);
+  if (global_step_ % log_every_n_steps_ == 0 || is_last_batch_) log_step_metrics();
+  return true;
+}
+
+void Trainer::Impl::run_validation(bool sanity) {
+  run_eval_loop(Stage::validate, *val_loader_, num_val_batches_, sanity);
+}
+
+MetricMap Trainer::Impl::run_eval_loop(Stage stage, BatchLoader& loader, int64_t limit, bool sanity) {
+  const Stage saved_stage = stage_;
+  const bool in_fit = stage_ == Stage::fit;
+  ProfileScope loop_scope(profiler_.get(), stage == Stage::test ? "run_test_evaluation" : "run_validation_evaluation");
+  EvalMode eval_mode(*module_, inference_mode_);
+  const bool test = stage == Stage::test;
+  call(test ? Hook::test_start : Hook::validation_start,
+       [&](Callback& c) { test ? c.on_test_start(*this) : c.on_validation_start(*this); });
+  {
+    LogContext log(binding_, &eval_metrics_, false, true);
+    call(test ? Hook::test_epoch_start : Hook::validation_epoch_start,
+         [&](Callback& c) { test ? c.on_test_epoch_start(*this) : c.on_validation_epoch_start(*this); });
+    test ? module_->on_test_epoch_start() : module_->on_validation_epoch_start();
+  }
+  loader.start_epoch(0);
+  for (int64_t batch_idx = 0; batch_idx < limit; ++batch_idx) {
+    std::optional<Batch> next;
+    {
+      ProfileScope scope(profiler_.get(), test ? "test_dataloader_next" : "val_dataloader_next");
+      next = loader.next();
+    }
+    if (!next) break;
+    Batch batch = transfer(std::move(*next));
+    binding_.batch_size = batch.size();
+    LogContext log(binding_, &eval_metrics_, false, true);
+    call(test ? Hook::test_batch_start : Hook::validation_batch_start, [&](Callback& c) {
+      test ? c.on_test_batch_start(*this, batch, batch_idx) : c.on_validation_batch_start(*this, batch, batch_idx);
+    });
+    StepOutput out;
+    {
+      PrecisionScope precision_scope(*precision_);
+      ProfileScope scope(profiler_.get(), test ? "test_step" : "validation_step");
+      out = test ? module_->test_step(batch, batch_idx) : module_->validation_step(batch, batch_idx);
+    }
+    call(test ? Hook::test_batch_end : Hook::validation_batch_end, [&](Callback& c) {
+      test ? c.on_test_batch_end(*this, out, batch, batch_idx) : c.on_validation_batch_end(*this, out, batch, batch_idx);
+    });
+  }
+  {
+    LogContext log(binding_, &eval_metrics_, false, true);
+    call(test ? Hook::test_epoch_end : Hook::validation_epoch_end,
+         [&](Callback& c) { test ? c.on_test_epoch_end(*this) : c.on_validation_epoch_end(*this); });
+    test ? module_->on_test_epoch_end() : module_->on_validation_epoch_end();
+  }
+  MetricMap all;
+  MetricMap for_loggers = eval_metrics_.reduce_epoch(strategy_.get(), true, &progress_bar_metrics_, &all);
+  if (!sanity) {
+    for (const auto& [k, v] : all) callback_metrics_[k] = v;
+    if (!for_loggers.empty() && !logger_ptrs_.empty()) {
+      MetricMap row = for_loggers;
+      row["epoch"] = static_cast<double>(epoch_);
+      for (Logger* l : logger_ptrs_) l->log_metrics(row, std::max<int64_t>(0, global_step_ - 1));
+      for (const auto& [k, v] : for_loggers) logged_metrics_[k] = v;
+    }
+  }
+  call(test ? Hook::test_end : Hook::validation_end,
+       [&](Callback& c) { test ? c.on_test_end(*this) : c.on_validation_end(*this); });
+  stage_ = saved_stage;
+  (void)in_fit;
+  return all;
+}
+
+// ---- validate / test / predict ------------------------------------------------------------------
+
+std::vector<MetricMap> Trainer::Impl::evaluate(Stage stage, Module& module, DataModule& data,
+                                               const std::string& ckpt_path) {
+  attach(module, data, stage);
+  RunStatus status = RunStatus::success;
+  MetricMap results;
+  try {
+    if (strategy_->cluster().local_rank == 0) data.prepare_data();
+    strategy_->barrier("prepare_data");
+    call(Hook::setup, [&](Callback& c) { c.setup(*this, stage); });
+    data.setup(stage);
+    strategy_->setup_module(module);
+    precision_->convert_module(module);
+    setup_loggers_once();
+    if (profiler_) profiler_->setup(stage, log_dir());
+    if (!ckpt_path.empty()) {
+      const std::string resolved = resolve_checkpoint_path(ckpt_path);
+      c10::IValue checkpoint = read_checkpoint(resolved);
+      restore_model(checkpoint, resolved);
+    }
+    std::unique_ptr<BatchLoader> loader = stage == Stage::test ? data.test_loader() : data.val_loader();
+    if (!loader)
+      throw Error(ErrorKind::invalid_argument, fmt::format("the DataModule returned no {}_loader() for Trainer::{}",
+                                                           stage == Stage::test ? "test" : "val", to_string(stage)));
+    loader->set_replica(strategy_->data_parallel_rank(), strategy_->data_parallel_size());
+    const char* limit_key = stage == Stage::test ? "limit_test_batches" : "limit_val_batches";
+    num_eval_batches_ = apply_batch_limit(config_.trainer.values().at(limit_key), loader->num_batches());
+    if (fast_dev_run_ > 0) num_eval_batches_ = std::min(num_eval_batches_, fast_dev_run_);
+    eval_metrics_.clear();
+    results = run_eval_loop(stage, *loader, num_eval_batches_, false);
+  } catch (const std::exception& e) {
+    status = RunStatus::failed;
+    call(Hook::exception, [&](Callback& c) { c.on_exception(*this, e); });
+    finish_stage(stage, status);
+    throw;
+  }
+  finish_stage(stage, status);
+  // Only the epoch-level keys, without the "_epoch" duplicates (Lightning's returned dict).
+  MetricMap clean;
+  for (const auto& [k, v] : results)
+    if (!k.ends_with("_epoch")) clean[k] = v;
+  return {clean};
+}
+
+std::vector<at::Tensor> Trainer::Impl::predict(Module& module, DataModule& data, const std::string& ckpt_path) {
+  attach(module, data, Stage::predict);
+  std::vector<at::Tensor> predictions;
+  RunStatus status = RunStatus::success;
+  try {
+    if (strategy_->cluster().local_rank == 0) data.prepare_data();
+    call(Hook::setup, [&](Callback& c) { c.setup(*this, Stage::predict); });
+    data.setup(Stage::predict);
+    strategy_->setup_module(module);
+    precision_->convert_module(module);
+    if (!ckpt_path.empty()) {
+      const std::string resolved = resolve_checkpoint_path(ckpt_path);
+      restore_model(read_checkpoint(resolved), resolved);
+    }
+    std::unique_ptr<BatchLoader> loader = data.predict_loader();
+    if (!loader) throw Error(ErrorKind::invalid_argument, "the DataModule returned no predict_loader()");
+    loader->set_replica(strategy_->data_parallel_rank(), strategy_->data_parallel_size());
+    num_eval_batches_ = apply_batch_limit(config_.trainer.values().at("limit_predict_batches"), loader->num_batches());
+    EvalMode eval_mode(module, inference_mode_);
+    LogContext log(binding_, nullptr, false, false);
+    call(Hook::predict_start, [&](Callback& c) { c.on_predict_start(*this); });
+    call(Hook::predict_epoch_start, [&](Callback& c) { c.on_predict_epoch_start(*this); });
+    loader->start_epoch(0);
+    for (int64_t batch_idx = 0; batch_idx < num_eval_batches_; ++batch_idx) {
+      std::optional<Batch> next = loader->next();
+      if (!next) break;
+      Batch batch = transfer(std::move(*next));
+      call(Hook::predict_batch_start, [&](Callback& c) { c.on_predict_batch_start(*this, batch, batch_idx); });
+      at::Tensor prediction;
+      {
+        PrecisionScope precision_scope(*precision_);
+        ProfileScope scope(profiler_.get(), "predict_step");
+        prediction = module.predict_step(batch, batch_idx);
+      }
+      call(Hook::predict_batch_end, [&](Callback& c) { c.on_predict_batch_end(*this, prediction, batch, batch_idx); });
+      predictions.push_back(prediction);
+    }
+    call(Hook::predict_epoch_end, [&](Callback& c) { c.on_predict_epoch_end(*this); });
+    call(Hook::predict_end, [&](Callback& c) { c.on_predict_end(*this); });
+  } catch (const std::exception& e) {
+    status = RunStatus::failed;
+    call(Hook::exception, [&](Callback& c) { c.on_exception(*this, e); });
+    finish_stage(Stage::predict, status);
+    throw;
+  }
+  finish_stage(Stage::predict, status);
+  return predictions;
+}
+
+}  // namespace fulgur
