@@ -1,7 +1,9 @@
-// The `fulgur` command: inspects plugins from their metadata alone (no plugin code runs).
+// The `fulgur` command: inspects plugins from their metadata alone (no plugin code runs), except
+// `plugins load`, which exists to run a plugin's loading and construction on purpose.
 //
 //   fulgur plugins list [--config FILE] [--all]
 //   fulgur plugins describe NAME [--kind KIND] [--config FILE]
+//   fulgur plugins load NAME [--kind KIND] [--config FILE]   (loads, creates, destroys it)
 //   fulgur config check FILE       (parses the TOML and checks every plugin table)
 #include <fulgur/config.h>
 #include <fulgur/error.h>
@@ -26,6 +28,7 @@ constexpr const char* kUsage =
     "usage:\n"
     "  fulgur plugins list [--config FILE] [--all]\n"
     "  fulgur plugins describe NAME [--kind KIND] [--config FILE]\n"
+    "  fulgur plugins load NAME [--kind KIND] [--config FILE]\n"
     "  fulgur config check FILE\n";
 
 struct Args {
@@ -91,20 +94,23 @@ int list_plugins(const Args& args) {
   return 0;
 }
 
+std::optional<PluginKind> kind_arg(const Args& args) {
+  if (!args.kind) return std::nullopt;
+  std::optional<PluginKind> kind = parse_plugin_kind(*args.kind);
+  if (!kind)
+    throw Error(ErrorKind::invalid_argument,
+                fmt::format("unknown kind '{}'; use accelerator, strategy, precision, logger, profiler or callback",
+                            *args.kind));
+  return kind;
+}
+
 int describe_plugin(const Args& args) {
   if (args.positional.size() != 3) throw Error(ErrorKind::invalid_argument, kUsage);
   const std::string& name = args.positional[2];
   std::optional<Config> config;
   if (args.config) config = load_config(*args.config);
   auto registry = make_registry(config);
-  std::optional<PluginKind> kind;
-  if (args.kind) {
-    kind = parse_plugin_kind(*args.kind);
-    if (!kind)
-      throw Error(ErrorKind::invalid_argument,
-                  fmt::format("unknown kind '{}'; use accelerator, strategy, precision, logger, profiler or callback",
-                              *args.kind));
-  }
+  std::optional<PluginKind> kind = kind_arg(args);
   std::vector<const PluginCandidate*> matches;
   for (const auto& c : registry->candidates())
     if (c.metadata.name == name && (!kind || c.metadata.kind == *kind)) matches.push_back(&c);
@@ -127,6 +133,56 @@ int describe_plugin(const Args& args) {
       std::cout << fmt::format("  {:<24} {:<17} {:<14} {}\n", o.key, to_string(o.type),
                                o.default_value ? o.default_text : "(required)", o.help);
   }
+  return 0;
+}
+
+// Runs the load and create phases that `list` and `describe` never run: dlopen with every symbol
+// resolved, the descriptor cross-checked against the note, and the plugin's constructor. With
+// --config, the whole config is validated and the plugin gets the options of the table selecting
+// it; otherwise its schema defaults.
+int load_plugin(const Args& args) {
+  if (args.positional.size() != 3) throw Error(ErrorKind::invalid_argument, kUsage);
+  const std::string& name = args.positional[2];
+  std::optional<Config> config;
+  if (args.config) config = load_config(*args.config);
+  auto registry = make_registry(config);
+  std::optional<PluginKind> kind = kind_arg(args);
+  if (!kind) {
+    for (const auto& c : registry->candidates())
+      if (c.metadata.name == name) {
+        if (kind && *kind != c.metadata.kind)
+          throw Error(ErrorKind::invalid_argument,
+                      fmt::format("'{}' names plugins of more than one kind; pick one with --kind", name));
+        kind = c.metadata.kind;
+      }
+  }
+  const PluginCandidate& candidate = registry->resolve(kind.value_or(PluginKind::callback), name);
+  const PluginSelection* selected = nullptr;
+  if (config) {
+    validate_plugins(*config, *registry);
+    for (const PluginSelection* sel : config->selections())
+      if (sel->kind == candidate.metadata.kind && sel->name == name) selected = sel;
+  }
+  Options options(fmt::format("{} '{}'", to_string(candidate.metadata.kind), name));
+  if (selected) {
+    options = selected->options;
+  } else {
+    for (const auto& o : candidate.metadata.options) {
+      if (!o.default_value)
+        throw Error(ErrorKind::config,
+                    fmt::format("{} '{}' needs option '{}' ({}); give it in the plugin's table of a config and pass "
+                                "--config",
+                                to_string(candidate.metadata.kind), name, o.key, to_string(o.type)));
+      options.set(o.key, *o.default_value);
+    }
+  }
+  PluginObject object = registry->create(candidate.metadata.kind, name, options);
+  std::vector<std::string> opts;
+  for (const auto& [k, v] : options.values()) opts.push_back(fmt::format("{} = {}", k, format_option_value(v)));
+  std::cout << fmt::format("created {} '{}' from {}{}\n", to_string(candidate.metadata.kind), name,
+                           candidate.file.string(), opts.empty() ? "" : fmt::format(" ({})", fmt::join(opts, ", ")));
+  object.reset();
+  std::cout << "destroyed\n";
   return 0;
 }
 
@@ -153,6 +209,7 @@ int main(int argc, char** argv) {
     const auto& p = args.positional;
     if (p.size() >= 2 && p[0] == "plugins" && p[1] == "list") return list_plugins(args);
     if (p.size() >= 2 && p[0] == "plugins" && p[1] == "describe") return describe_plugin(args);
+    if (p.size() >= 2 && p[0] == "plugins" && p[1] == "load") return load_plugin(args);
     if (p.size() >= 2 && p[0] == "config" && p[1] == "check") return check_config(args);
     std::cerr << kUsage;
     return 2;

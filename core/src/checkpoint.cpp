@@ -60,7 +60,7 @@ c10::impl::GenericDict options_dict(const Options& options) {
   return dict;
 }
 
-const c10::impl::GenericDict& as_dict(const c10::IValue& v, const std::string& what, const std::string& path) {
+c10::impl::GenericDict as_dict(const c10::IValue& v, const std::string& what, const std::string& path) {
   if (!v.isGenericDict())
     throw Error(ErrorKind::checkpoint, fmt::format("checkpoint {}: '{}' is not a dict; the file is not a Fulgur/Lightning "
                                                    "checkpoint",
@@ -379,6 +379,7 @@ void Trainer::Impl::restore_model(const c10::IValue& checkpoint, const std::stri
       mismatched.push_back(fmt::format("{} (checkpoint {}, model {})", name, c10::str(t.sizes()), c10::str(it->second.sizes())));
   }
   if (!missing.empty() || !unexpected.empty() || !mismatched.empty()) {
+    std::sort(unexpected.begin(), unexpected.end());
     std::string message = fmt::format("checkpoint {} does not match this model ({}):", path, module_->name());
     if (!missing.empty()) message += fmt::format("\n  missing keys: {}", fmt::join(missing, ", "));
     if (!unexpected.empty()) message += fmt::format("\n  unexpected keys: {}", fmt::join(unexpected, ", "));
