@@ -3,7 +3,6 @@
 #   - Debian packages (only the missing ones; apt-get update only when something is missing),
 #   - a Python virtual environment outside the clone holding the pinned torch wheel, whose
 #     libtorch is what the C++ build links (reused by every clone and every CI run).
-# Prints the venv path as its last line of output on stdout is not relied upon; see env.sh.
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 source "$here/env.sh"
