@@ -257,8 +257,7 @@ void Trainer::Impl::setup_environment_once() {
   if (env.devices.empty())
     throw Error(ErrorKind::config, fmt::format("[trainer] devices = \"{}\" selects no device",
                                                config_.trainer.get_string("devices")));
-  // Multi-process environments (torchrun, SLURM, MPI) are detected by the distributed strategies.
-  accelerator_->setup_device(env.devices.front());
+  // The strategy sets up the device(s) it was given (Lightning: strategy.setup_environment).
   strategy_->setup_environment(env);
   environment_ready_ = true;
 }

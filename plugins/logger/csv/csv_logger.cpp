@@ -1,0 +1,364 @@
+// Built-in logger `csv`: Lightning's CSVLogger layout, readable by pandas and by Lightning tools.
+//
+//   <save_dir>/<name>/version_<N>/metrics.csv   one row per log_metrics call; columns are the
+//                                              sorted union of all keys seen, "step" included
+//   <save_dir>/<name>/version_<N>/hparams.yaml  "key: value" per hyperparameter
+//
+// Rows are buffered and written every `flush_logs_every_n_steps` steps and on save()/finalize().
+// When a row brings a key not in the header, the file is rewritten (atomically) with the wider
+// header; cells of rows that lack a key stay empty.
+#include <fulgur/checkpoint_io.h>
+#include <fulgur/plugin.h>
+
+#include <fmt/format.h>
+#include <spdlog/spdlog.h>
+
+#include <algorithm>
+#include <cctype>
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <set>
+#include <sstream>
+#include <string>
+#include <system_error>
+#include <vector>
+
+#include <fcntl.h>
+#include <unistd.h>
+
+namespace fs = std::filesystem;
+
+namespace {
+
+constexpr const char* kMetricsFile = "metrics.csv";
+constexpr const char* kHparamsFile = "hparams.yaml";
+constexpr const char* kStepKey = "step";
+
+[[noreturn]] void io_error(const std::string& message) { throw fulgur::Error(fulgur::ErrorKind::io, message); }
+
+// RFC 4180 quoting, as Python's csv module does it (only when needed).
+std::string csv_field(const std::string& text) {
+  if (text.find_first_of(",\"\r\n") == std::string::npos) return text;
+  std::string quoted = "\"";
+  for (char c : text) {
+    if (c == '"') quoted += '"';
+    quoted += c;
+  }
+  return quoted + "\"";
+}
+
+// Parses one CSV file written by this logger back into records (quoted fields may hold commas,
+// quotes and newlines).
+std::vector<std::vector<std::string>> parse_csv(const std::string& text) {
+  std::vector<std::vector<std::string>> records;
+  std::vector<std::string> record;
+  std::string field;
+  bool quoted = false;
+  bool field_started = false;
+  for (size_t i = 0; i < text.size(); ++i) {
+    const char c = text[i];
+    if (quoted) {
+      if (c == '"' && i + 1 < text.size() && text[i + 1] == '"') {
+        field += '"';
+        ++i;
+      } else if (c == '"') {
+        quoted = false;
+      } else {
+        field += c;
+      }
+    } else if (c == '"') {
+      quoted = true;
+      field_started = true;
+    } else if (c == ',') {
+      record.push_back(std::move(field));
+      field.clear();
+      field_started = true;
+    } else if (c == '\n' || c == '\r') {
+      if (c == '\r' && i + 1 < text.size() && text[i + 1] == '\n') ++i;
+      record.push_back(std::move(field));
+      records.push_back(std::move(record));
+      record.clear();
+      field.clear();
+      field_started = false;
+    } else {
+      field += c;
+      field_started = true;
+    }
+  }
+  if (field_started || !record.empty()) {
+    record.push_back(std::move(field));
+    records.push_back(std::move(record));
+  }
+  return records;
+}
+
+// Shortest text that reads back as the same double ("0.1", "1e-05", "nan", "inf"), as Python's
+// repr() writes floats into Lightning's CSV.
+std::string format_value(double value) { return fmt::format("{}", value); }
+
+// Hyperparameter values arrive as TOML value text; nearly all of it is valid YAML as is. The
+// exceptions are TOML's special floats and inline tables.
+std::string yaml_value(const std::string& toml) {
+  if (toml == "inf" || toml == "+inf") return ".inf";
+  if (toml == "-inf") return "-.inf";
+  if (toml == "nan" || toml == "+nan" || toml == "-nan") return ".nan";
+  if (!toml.empty() && toml.front() == '{') {
+    // { a = 1, b = "x" } -> quoted as a string: YAML would misread the TOML '='.
+    std::string quoted = "'";
+    for (char c : toml) {
+      if (c == '\'') quoted += '\'';
+      quoted += c;
+    }
+    return quoted + "'";
+  }
+  return toml;
+}
+
+std::string yaml_key(const std::string& key) {
+  const bool plain = !key.empty() && std::all_of(key.begin(), key.end(), [](char c) {
+    return std::isalnum(static_cast<unsigned char>(c)) || c == '_' || c == '.' || c == '-' || c == '/';
+  });
+  if (plain && key.front() != '-') return key;
+  std::string quoted = "'";
+  for (char c : key) {
+    if (c == '\'') quoted += '\'';
+    quoted += c;
+  }
+  return quoted + "'";
+}
+
+std::string read_file(const fs::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) io_error(fmt::format("logger 'csv': cannot read '{}': {}", path.string(), std::strerror(errno)));
+  std::ostringstream content;
+  content << in.rdbuf();
+  return content.str();
+}
+
+// The next free version number under `root`: one more than the largest version_<N> there.
+int64_t next_version(const fs::path& root) {
+  std::error_code error;
+  if (!fs::is_directory(root, error)) return 0;
+  int64_t next = 0;
+  for (const fs::directory_entry& entry : fs::directory_iterator(root, error)) {
+    const std::string name = entry.path().filename().string();
+    if (name.rfind("version_", 0) != 0 || !entry.is_directory(error)) continue;
+    const std::string digits = name.substr(8);
+    if (digits.empty() || !std::all_of(digits.begin(), digits.end(), [](char c) { return c >= '0' && c <= '9'; }))
+      continue;
+    next = std::max<int64_t>(next, std::stoll(digits) + 1);
+  }
+  return next;
+}
+
+class CsvLogger final : public fulgur::Logger {
+ public:
+  explicit CsvLogger(const fulgur::Options& options)
+      : save_dir_(options.get_string("save_dir")),
+        name_(options.get_string("name")),
+        version_(options.get_int("version")),
+        prefix_(options.get_string("prefix")),
+        flush_every_(options.get_int("flush_logs_every_n_steps")) {
+    if (flush_every_ < 1)
+      throw fulgur::Error(fulgur::ErrorKind::config,
+                          fmt::format("logger 'csv': flush_logs_every_n_steps = {} must be at least 1", flush_every_));
+    if (version_ < -1)
+      throw fulgur::Error(fulgur::ErrorKind::config,
+                          fmt::format("logger 'csv': version = {} is not valid; use -1 for the next free version_N "
+                                      "or a number >= 0",
+                                      version_));
+  }
+
+  ~CsvLogger() override {
+    // A run that dies without finalize() should still leave its buffered rows on disk.
+    try {
+      flush_rows();
+    } catch (const std::exception& e) {
+      spdlog::error("logger 'csv': {}", e.what());
+    }
+  }
+
+  void setup(const fulgur::LoggerSetup& setup) override {
+    writes_ = setup.global_rank == 0;
+    if (log_dir_.empty()) {
+      const fs::path root = fs::path(save_dir_.empty() ? setup.root_dir : save_dir_) / name_;
+      // Every rank computes the same path; only rank zero creates it.
+      const int64_t version = version_ >= 0 ? version_ : next_version(root);
+      log_dir_ = (root / fmt::format("version_{}", version)).string();
+    }
+    if (!writes_) return;
+    prepare_directory();
+  }
+
+  void log_metrics(const fulgur::MetricMap& metrics, int64_t step) override {
+    if (!writes_) return;
+    Row row;
+    row.step = step;
+    for (const auto& [key, value] : metrics) {
+      std::string name = prefix_.empty() ? key : prefix_ + "-" + key;
+      if (name == kStepKey) continue;  // the step column comes from `step`, as in Lightning
+      row.values.emplace(std::move(name), value);
+    }
+    pending_.push_back(std::move(row));
+    if ((step + 1) % flush_every_ == 0) flush_rows();
+  }
+
+  void log_hyperparams(const std::map<std::string, std::string>& params) override {
+    if (!writes_) return;
+    for (const auto& [key, value] : params) hparams_[key] = value;
+    write_hparams();
+  }
+
+  void save() override {
+    if (writes_) flush_rows();
+  }
+
+  void finalize(fulgur::RunStatus) override { save(); }
+
+  std::string log_dir() const override { return log_dir_; }
+
+ private:
+  struct Row {
+    int64_t step = 0;
+    std::map<std::string, double> values;
+  };
+
+  void prepare_directory() {
+    std::error_code error;
+    fs::create_directories(log_dir_, error);
+    if (error)
+      io_error(fmt::format("logger 'csv': cannot create the log directory '{}': {}; choose another save_dir", log_dir_,
+                           error.message()));
+    // Fail now rather than at the first flush, minutes into the run.
+    const std::string probe = fmt::format("{}/.write-test-{}", log_dir_, ::getpid());
+    const int fd = ::open(probe.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+    if (fd < 0)
+      io_error(fmt::format("logger 'csv': the log directory '{}' is not writable: {}; choose another save_dir",
+                           log_dir_, std::strerror(errno)));
+    ::close(fd);
+    ::unlink(probe.c_str());
+
+    if (!header_.empty()) return;  // a later stage of the same run: keep what is written
+    const fs::path metrics = fs::path(log_dir_) / kMetricsFile;
+    if (fs::exists(metrics, error)) {
+      // Lightning does the same with an explicit version that was used before.
+      spdlog::warn("logger 'csv': '{}' already holds logs; its metrics.csv is replaced by this run's", log_dir_);
+      ::unlink(metrics.c_str());
+    }
+  }
+
+  void flush_rows() {
+    if (pending_.empty() || log_dir_.empty()) return;
+    std::set<std::string> keys(header_.begin(), header_.end());
+    keys.insert(kStepKey);
+    for (const Row& row : pending_)
+      for (const auto& [key, value] : row.values) keys.insert(key);
+    std::vector<std::string> header(keys.begin(), keys.end());  // sorted, like Lightning's
+
+    const fs::path path = fs::path(log_dir_) / kMetricsFile;
+    if (header != header_ && !header_.empty()) {
+      rewrite_with_header(path, header);
+    } else if (header_.empty()) {
+      atomic_write(path, header_line(header) + rows_text(header));
+      header_ = std::move(header);
+    } else {
+      append(path, rows_text(header_));
+    }
+    pending_.clear();
+  }
+
+  // A new key widens the header: existing rows are re-laid out under it and the file replaced.
+  void rewrite_with_header(const fs::path& path, const std::vector<std::string>& header) {
+    std::string content = header_line(header);
+    const std::vector<std::vector<std::string>> records = parse_csv(read_file(path));
+    std::vector<size_t> new_position(header_.size());
+    for (size_t i = 0; i < header_.size(); ++i)
+      new_position[i] = static_cast<size_t>(std::find(header.begin(), header.end(), header_[i]) - header.begin());
+    for (size_t r = 1; r < records.size(); ++r) {  // records[0] is the old header
+      std::vector<std::string> cells(header.size());
+      for (size_t i = 0; i < records[r].size() && i < header_.size(); ++i) cells[new_position[i]] = records[r][i];
+      content += join_cells(cells);
+    }
+    content += rows_text(header);
+    atomic_write(path, content);
+    header_ = header;
+  }
+
+  std::string rows_text(const std::vector<std::string>& header) const {
+    std::string text;
+    std::vector<std::string> cells(header.size());
+    for (const Row& row : pending_) {
+      for (size_t i = 0; i < header.size(); ++i) {
+        if (header[i] == kStepKey) {
+          cells[i] = fmt::format("{}", row.step);
+        } else {
+          auto it = row.values.find(header[i]);
+          cells[i] = it == row.values.end() ? std::string() : format_value(it->second);
+        }
+      }
+      text += join_cells(cells);
+    }
+    return text;
+  }
+
+  static std::string join_cells(const std::vector<std::string>& cells) {
+    std::string line;
+    for (size_t i = 0; i < cells.size(); ++i) {
+      if (i) line += ',';
+      line += csv_field(cells[i]);
+    }
+    return line + "\n";
+  }
+
+  static std::string header_line(const std::vector<std::string>& header) { return join_cells(header); }
+
+  void atomic_write(const fs::path& path, const std::string& content) {
+    try {
+      fulgur::atomic_write_text(path.string(), content);
+    } catch (const fulgur::Error& e) {
+      io_error(fmt::format("logger 'csv': {}", e.what()));
+    }
+  }
+
+  void append(const fs::path& path, const std::string& text) {
+    std::FILE* file = std::fopen(path.c_str(), "ae");
+    if (!file) io_error(fmt::format("logger 'csv': cannot append to '{}': {}", path.string(), std::strerror(errno)));
+    const bool written = std::fwrite(text.data(), 1, text.size(), file) == text.size();
+    const int write_errno = errno;
+    const bool closed = std::fclose(file) == 0;
+    if (!written || !closed)
+      io_error(fmt::format("logger 'csv': writing '{}' failed: {}", path.string(),
+                           std::strerror(written ? errno : write_errno)));
+  }
+
+  void write_hparams() {
+    std::string content;
+    for (const auto& [key, value] : hparams_) content += fmt::format("{}: {}\n", yaml_key(key), yaml_value(value));
+    atomic_write(fs::path(log_dir_) / kHparamsFile, content);
+  }
+
+  std::string save_dir_;
+  std::string name_;
+  int64_t version_;
+  std::string prefix_;
+  int64_t flush_every_;
+
+  bool writes_ = false;
+  std::string log_dir_;
+  std::vector<std::string> header_;  // columns of metrics.csv as written; empty: no file yet
+  std::vector<Row> pending_;
+  std::map<std::string, std::string> hparams_;
+};
+
+}  // namespace
+
+FULGUR_PLUGIN(CsvLogger, "csv", "0.1.0", "Metrics to <save_dir>/<name>/version_N/metrics.csv (Lightning's CSVLogger)",
+              FULGUR_OPTION(string, save_dir, "Root directory; empty means the Trainer's default_root_dir", ""),
+              FULGUR_OPTION(string, name, "Experiment name: the directory under save_dir", "lightning_logs"),
+              FULGUR_OPTION(integer, version, "Run version; -1 picks the next free version_N", -1),
+              FULGUR_OPTION(string, prefix, "Prepended to every metric name, joined with '-'", ""),
+              FULGUR_OPTION(integer, flush_logs_every_n_steps, "Write buffered rows to disk every N steps", 100))

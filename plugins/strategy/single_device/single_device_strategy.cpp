@@ -1,0 +1,85 @@
+// Built-in strategy `single_device`: one process training on one device. Collectives are
+// identities, the whole dataset is this process's shard, checkpoints are single files.
+#include <fulgur/checkpoint_io.h>
+#include <fulgur/plugin.h>
+
+#include <ATen/core/ivalue.h>
+#include <fmt/format.h>
+#include <torch/nn/module.h>
+#include <torch/optim/optimizer.h>
+
+#include <filesystem>
+#include <system_error>
+
+namespace {
+
+class SingleDeviceStrategy final : public fulgur::Strategy {
+ public:
+  void setup_environment(const fulgur::StrategyEnvironment& environment) override {
+    if (environment.devices.size() > 1)
+      throw fulgur::Error(fulgur::ErrorKind::config,
+                          fmt::format("strategy 'single_device' runs on one device, but {} were selected; use "
+                                      "devices = 1, or strategy = \"ddp\" for several",
+                                      environment.devices.size()));
+    device_ = environment.devices.empty() ? c10::Device(c10::DeviceType::CPU) : environment.devices.front();
+    cluster_ = environment.cluster;
+    accelerator_ = environment.accelerator;
+    // As Lightning's strategies do: the device is made current before the model is touched.
+    if (accelerator_) accelerator_->setup_device(device_);
+  }
+
+  c10::Device root_device() const override { return device_; }
+  const fulgur::ClusterInfo& cluster() const override { return cluster_; }
+
+  void setup_module(torch::nn::Module& module) override { module.to(device_); }
+  // Module::to() moves parameters in place (same tensor objects), so the optimizers' references
+  // stay valid; their per-parameter state is created lazily on the parameters' device.
+  void setup_optimizers(std::span<torch::optim::Optimizer* const>) override {}
+
+  void backward(const at::Tensor& loss, fulgur::Precision& precision, bool /*sync_gradients*/) override {
+    precision.scale_loss(loss).backward();
+  }
+
+  bool optimizer_step(torch::optim::Optimizer& optimizer, fulgur::Precision& precision) override {
+    return precision.optimizer_step(optimizer);
+  }
+
+  at::Tensor reduce(const at::Tensor& tensor, fulgur::ReduceOp) override { return tensor; }
+  std::vector<at::Tensor> all_gather(const at::Tensor& tensor) override { return {tensor}; }
+  void broadcast(at::Tensor&, int64_t) override {}
+  std::string broadcast_string(const std::string& value, int64_t) override { return value; }
+  void barrier(std::string_view) override {}
+  bool reduce_boolean_decision(bool decision, bool) override { return decision; }
+
+  int64_t data_parallel_rank() const override { return 0; }
+  int64_t data_parallel_size() const override { return 1; }
+
+  void save_checkpoint(const c10::IValue& checkpoint, const std::string& path) override {
+    // Like Lightning's TorchCheckpointIO, a checkpoint may go to a directory that does not exist yet.
+    const std::filesystem::path parent = std::filesystem::path(path).parent_path();
+    std::error_code error;
+    if (!parent.empty()) std::filesystem::create_directories(parent, error);
+    if (error)
+      throw fulgur::Error(fulgur::ErrorKind::io, fmt::format("cannot write checkpoint '{}': creating directory '{}' "
+                                                             "failed: {}",
+                                                             path, parent.string(), error.message()));
+    fulgur::write_checkpoint_file(checkpoint, path);
+  }
+
+  void load_checkpoint(const std::string& path, c10::IValue& checkpoint) override {
+    checkpoint = fulgur::read_checkpoint_file(path);
+  }
+
+  void teardown() override {
+    if (accelerator_) accelerator_->teardown();
+  }
+
+ private:
+  c10::Device device_{c10::DeviceType::CPU};
+  fulgur::ClusterInfo cluster_;
+  fulgur::Accelerator* accelerator_ = nullptr;
+};
+
+}  // namespace
+
+FULGUR_PLUGIN(SingleDeviceStrategy, "single_device", "0.1.0", "One process on one device (cpu or one GPU)")

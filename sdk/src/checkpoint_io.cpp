@@ -1,0 +1,312 @@
+// Atomic checkpoint and artifact files. See checkpoint_io.h for the contract.
+//
+// Writing does what torch::pickle_save does (pickle the value, then a zip with data.pkl and one
+// record per tensor storage) with two differences that matter here:
+//   - the zip is streamed into the temporary file instead of being built in memory first, so a
+//     checkpoint costs no second copy of the model in RAM;
+//   - the pickle carries no TorchScript type tags and no specialised lists: pickle_save emits
+//     torch.jit._pickle.restore_type_tag / build_intlist / build_tensorlist globals, which Python's
+//     torch.load(weights_only=True) refuses. Plain dicts and lists are what torch.save writes.
+#include <fulgur/checkpoint_io.h>
+#include <fulgur/error.h>
+
+#include <ATen/core/Dict.h>
+#include <ATen/core/List.h>
+#include <ATen/core/ivalue.h>
+#include <ATen/core/jit_type.h>
+#include <c10/util/Exception.h>
+#include <caffe2/serialize/inline_container.h>
+#include <torch/csrc/jit/serialization/import_read.h>
+#include <torch/csrc/jit/serialization/pickler.h>
+
+#include <fmt/format.h>
+
+#include <atomic>
+#include <cerrno>
+#include <chrono>
+#include <cstring>
+#include <filesystem>
+#include <system_error>
+#include <vector>
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+namespace fulgur {
+namespace {
+
+std::string os_reason(int error_number) { return std::system_category().message(error_number); }
+
+std::string parent_directory(const std::string& path) {
+  std::string parent = std::filesystem::path(path).parent_path().string();
+  return parent.empty() ? std::string(".") : parent;
+}
+
+// A file written under a temporary name next to its target and renamed over it on commit().
+// Until then the target is untouched; destroying an uncommitted AtomicFile removes the temporary.
+class AtomicFile {
+ public:
+  // `what` names the artifact in error messages ("checkpoint", "file").
+  AtomicFile(std::string target, std::string_view what) : target_(std::move(target)), what_(what) {
+    if (target_.empty()) fail(ErrorKind::io, "the path is empty", 0);
+    directory_ = parent_directory(target_);
+    const std::string base = std::filesystem::path(target_).filename().string();
+    if (base.empty() || base == "." || base == "..") fail(ErrorKind::io, "the path names a directory, not a file", 0);
+    static std::atomic<uint64_t> counter{0};
+    // O_EXCL on a name unique to this process and call; retried in the unlikely case that a
+    // stale temporary of an earlier process with the same pid is in the way.
+    for (int attempt = 0; attempt < 16; ++attempt) {
+      const auto nonce = static_cast<uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count());
+      temp_path_ =
+          fmt::format("{}/.{}.tmp-{}-{}-{:x}", directory_, base, ::getpid(), counter.fetch_add(1), nonce & 0xffffff);
+      // 0666 & ~umask, like any file the user creates; O_CLOEXEC so launched children never hold it.
+      fd_ = ::open(temp_path_.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0666);
+      if (fd_ >= 0) return;
+      if (errno != EEXIST) break;
+    }
+    const int error_number = errno;
+    temp_path_.clear();
+    fail(ErrorKind::io, fmt::format("cannot create a temporary file in '{}'", directory_), error_number,
+         error_number == ENOENT ? " (the directory does not exist; create it first)" : "");
+  }
+
+  AtomicFile(const AtomicFile&) = delete;
+  AtomicFile& operator=(const AtomicFile&) = delete;
+
+  ~AtomicFile() { abandon(); }
+
+  // Writes everything or records the first error (later writes are skipped). Never throws: the
+  // zip writer calls this from inside miniz, and a throw there would end in std::terminate.
+  void write(const void* data, size_t size) noexcept {
+    if (write_errno_ != 0) return;
+    const char* bytes = static_cast<const char*>(data);
+    while (size > 0) {
+      const ssize_t written = ::write(fd_, bytes, size);
+      if (written < 0) {
+        if (errno == EINTR) continue;
+        write_errno_ = errno;
+        return;
+      }
+      bytes += written;
+      size -= static_cast<size_t>(written);
+    }
+  }
+
+  bool failed() const { return write_errno_ != 0; }
+
+  // fsync, close, rename over the target, fsync the directory. Throws (and cleans up) on failure.
+  void commit() {
+    if (write_errno_ != 0) fail(ErrorKind::io, "writing failed", write_errno_);
+    if (::fsync(fd_) != 0) fail(ErrorKind::io, "fsync failed", errno);
+    const int fd = fd_;
+    fd_ = -1;
+    if (::close(fd) != 0) fail(ErrorKind::io, "closing the temporary file failed", errno);
+    if (::rename(temp_path_.c_str(), target_.c_str()) != 0) {
+      const int error_number = errno;
+      fail(ErrorKind::io, "renaming the temporary file over it failed", error_number,
+           error_number == EISDIR ? " (a directory of that name exists)" : "");
+    }
+    temp_path_.clear();  // it is the target now: nothing to remove any more
+    sync_directory();
+  }
+
+  [[noreturn]] void fail(ErrorKind kind, std::string_view step, int error_number, std::string_view hint = "") {
+    abandon();
+    std::string message = fmt::format("cannot write {} '{}': {}", what_, target_, step);
+    if (error_number != 0) message += fmt::format(": {}", os_reason(error_number));
+    message += hint;
+    throw Error(kind, message);
+  }
+
+ private:
+  void abandon() noexcept {
+    if (fd_ >= 0) ::close(fd_);
+    fd_ = -1;
+    if (!temp_path_.empty()) ::unlink(temp_path_.c_str());
+    temp_path_.clear();
+  }
+
+  // Makes the rename itself durable. Filesystems that cannot sync a directory (EINVAL) are fine;
+  // a real I/O error is reported even though the new file is already in place.
+  void sync_directory() {
+    const int dir_fd = ::open(directory_.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (dir_fd < 0) return;  // e.g. a directory we may write but not read: nothing more to do
+    const int result = ::fsync(dir_fd);
+    const int error_number = errno;
+    ::close(dir_fd);
+    if (result != 0 && error_number != EINVAL && error_number != ENOTSUP)
+      throw Error(ErrorKind::io, fmt::format("{} '{}' was written, but syncing its directory '{}' failed: {}; it may "
+                                             "not survive a crash of the machine",
+                                             what_, target_, directory_, os_reason(error_number)));
+  }
+
+  std::string target_;
+  std::string what_;
+  std::string directory_;
+  std::string temp_path_;
+  int fd_ = -1;
+  int write_errno_ = 0;
+};
+
+// Replaces TorchScript-specialised lists (List[int], List[Tensor], ...) with plain lists, at any
+// depth, so that the pickle needs no torch.jit globals. Containers are rebuilt; tensors are shared.
+c10::IValue plain_containers(const c10::IValue& value) {
+  if (value.isList()) {
+    c10::impl::GenericList out(c10::AnyType::get());
+    const c10::ArrayRef<c10::IValue> items = value.toListRef();
+    out.reserve(items.size());
+    for (const c10::IValue& item : items) out.push_back(plain_containers(item));
+    return out;
+  }
+  if (value.isGenericDict()) {
+    const c10::impl::GenericDict dict = value.toGenericDict();
+    c10::impl::GenericDict out(dict.keyType(), c10::AnyType::get());
+    out.reserve(dict.size());
+    for (const auto& entry : dict) out.insert(entry.key(), plain_containers(entry.value()));
+    return out;
+  }
+  if (value.isTuple()) {
+    std::vector<c10::IValue> items;
+    for (const c10::IValue& item : value.toTupleRef().elements()) items.push_back(plain_containers(item));
+    return c10::ivalue::Tuple::create(std::move(items));
+  }
+  return value;
+}
+
+std::string torch_reason(const c10::Error& e) { return e.what_without_backtrace(); }
+
+[[noreturn]] void unreadable(const std::string& path, std::string_view problem) {
+  throw Error(ErrorKind::checkpoint, fmt::format("cannot read checkpoint '{}': {}", path, problem));
+}
+
+// Whether `tail` (the last bytes of a file) ends with a complete zip end-of-central-directory
+// record: its signature, 18 fixed bytes, then a comment whose length it states, ending the file.
+bool has_end_of_central_directory(const std::string& tail) {
+  constexpr std::string_view kSignature("PK\x05\x06", 4);
+  constexpr size_t kRecordSize = 22;
+  for (size_t at = tail.rfind(kSignature); at != std::string::npos; at = tail.rfind(kSignature, at - 1)) {
+    if (at + kRecordSize <= tail.size()) {
+      const size_t comment_length = static_cast<unsigned char>(tail[at + 20]) |
+                                    (static_cast<size_t>(static_cast<unsigned char>(tail[at + 21])) << 8);
+      if (at + kRecordSize + comment_length == tail.size()) return true;
+    }
+    if (at == 0) break;
+  }
+  return false;
+}
+
+// Cheap checks that turn the common failures (missing, empty, not a zip, cut short) into a
+// precise message before miniz reports them as "failed finding central directory".
+void check_archive_framing(const std::string& path) {
+  struct stat info {};
+  if (::stat(path.c_str(), &info) != 0) {
+    const int error_number = errno;
+    unreadable(path, error_number == ENOENT ? std::string("the file does not exist") : os_reason(error_number));
+  }
+  if (S_ISDIR(info.st_mode)) unreadable(path, "it is a directory, not a checkpoint file");
+  const auto size = static_cast<uint64_t>(info.st_size);
+  if (size == 0) unreadable(path, "the file is empty (0 bytes); it was probably cut short while being written");
+
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) unreadable(path, os_reason(errno));
+  auto read_at = [&](uint64_t offset, size_t count) {
+    std::string bytes(count, '\0');
+    size_t done = 0;
+    while (done < count) {
+      const ssize_t n = ::pread(fd, bytes.data() + done, count - done, static_cast<off_t>(offset + done));
+      if (n < 0 && errno == EINTR) continue;
+      if (n <= 0) break;
+      done += static_cast<size_t>(n);
+    }
+    bytes.resize(done);
+    return bytes;
+  };
+  const std::string head = read_at(0, 4);
+  // The end-of-central-directory record (22 bytes + a comment of up to 64 KiB) closes every zip.
+  const uint64_t tail_size = std::min<uint64_t>(size, 22 + 65535);
+  const std::string tail = read_at(size - tail_size, static_cast<size_t>(tail_size));
+  ::close(fd);
+
+  if (head.size() < 4 || head.compare(0, 4, "PK\x03\x04", 4) != 0) {
+    if (!head.empty() && static_cast<unsigned char>(head[0]) == 0x80)
+      unreadable(path,
+                 "not a PyTorch zip archive: it is a legacy (pre-1.6, non-zip) torch.save file, which "
+                 "libtorch cannot read; load and re-save it in Python with torch.save(obj, path)");
+    unreadable(path, "not a PyTorch zip archive (it does not start with the zip signature)");
+  }
+  if (!has_end_of_central_directory(tail))
+    unreadable(path, fmt::format("the file is truncated: the zip end-of-central-directory record is missing "
+                                 "({} bytes on disk); it was probably cut short while being written or copied",
+                                 size));
+}
+
+}  // namespace
+
+void write_checkpoint_file(const c10::IValue& checkpoint, const std::string& path) {
+  // Pickling first, before any file exists: the pickle refers to tensors by storage id and is
+  // small; the storages themselves are streamed below.
+  std::vector<char> pickle_bytes;
+  std::vector<at::Tensor> storages;
+  try {
+    const c10::IValue plain = plain_containers(checkpoint);
+    // tensor_table = nullptr: tensors become torch.save-style persistent storage ids;
+    // tag_aggregates = false: no torch.jit type tags (see the top of this file).
+    torch::jit::Pickler pickler(
+        [&](const char* data, size_t size) { pickle_bytes.insert(pickle_bytes.end(), data, data + size); },
+        /*tensor_table=*/nullptr, /*type_renamer=*/nullptr,
+        /*memoized_class_types=*/nullptr, /*get_tensor_id=*/nullptr,
+        /*tag_aggregates=*/false);
+    pickler.protocol();
+    pickler.pushIValue(plain);
+    pickler.stop();
+    storages = pickler.tensorData();
+  } catch (const c10::Error& e) {
+    throw Error(ErrorKind::checkpoint, fmt::format("cannot write checkpoint '{}': its content cannot be serialized: {}",
+                                                   path, torch_reason(e)));
+  }
+
+  AtomicFile file(path, "checkpoint");
+  try {
+    caffe2::serialize::PyTorchStreamWriter writer([&file](const void* data, size_t size) -> size_t {
+      // Always "succeeds": a short count would make the writer's destructor throw (terminate).
+      // The real outcome is kept in `file` and checked by commit().
+      file.write(data, size);
+      return size;
+    });
+    // The records torch::jit::writeArchiveAndTensors writes, in the same order.
+    for (size_t i = 0; i < storages.size() && !file.failed(); ++i) {
+      const torch::jit::WriteableTensorData data = torch::jit::getWriteableTensorData(storages[i]);
+      writer.writeRecord(fmt::format("data/{}", i), data.data(), data.sizeInBytes());
+    }
+    if (!file.failed()) writer.writeRecord("data.pkl", pickle_bytes.data(), pickle_bytes.size());
+    if (!file.failed()) writer.writeEndOfFile();
+  } catch (const c10::Error& e) {
+    file.fail(ErrorKind::checkpoint, fmt::format("serializing it failed: {}", torch_reason(e)), 0);
+  }
+  file.commit();
+}
+
+c10::IValue read_checkpoint_file(const std::string& path, c10::Device map_location) {
+  check_archive_framing(path);
+  try {
+    caffe2::serialize::PyTorchStreamReader reader(path);
+    // What torch::pickle_load does, reading records from the file instead of a buffer holding
+    // all of it, and placing tensors on `map_location`.
+    return torch::jit::readArchiveAndTensors("data", /*pickle_prefix=*/"", /*tensor_prefix=*/"",
+                                             /*type_resolver=*/std::nullopt, /*obj_loader=*/std::nullopt, map_location,
+                                             reader);
+  } catch (const c10::Error& e) {
+    unreadable(path, fmt::format("the archive is corrupt or is not a checkpoint: {}", torch_reason(e)));
+  } catch (const std::exception& e) {
+    unreadable(path, fmt::format("the archive is corrupt or is not a checkpoint: {}", e.what()));
+  }
+}
+
+void atomic_write_text(const std::string& path, std::string_view content) {
+  AtomicFile file(path, "file");
+  file.write(content.data(), content.size());
+  file.commit();
+}
+
+}  // namespace fulgur
