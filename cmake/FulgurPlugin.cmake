@@ -47,5 +47,7 @@ function(fulgur_add_plugin name)
   endif()
   if(DEFINED FULGUR_PLUGIN_INSTALL_DIR AND NOT ARG_NO_INSTALL)
     install(TARGETS ${name} LIBRARY DESTINATION ${FULGUR_PLUGIN_INSTALL_DIR})
+    # Built-in plugins: the tests and examples that load them by name depend on this list.
+    set_property(GLOBAL APPEND PROPERTY FULGUR_BUILTIN_PLUGIN_TARGETS ${name})
   endif()
 endfunction()
