@@ -10,8 +10,10 @@ namespace fulgur {
 
 std::filesystem::path install_plugin_directory() {
   // The directory of this library (libfulgur_registry.so), so an installed tree and the build
-  // tree both find their own built-in plugins in <libdir>/fulgur/plugins.
-  return std::filesystem::path(boost::dll::this_line_location().parent_path()) / "fulgur" / "plugins";
+  // tree both find their own built-in plugins in <libdir>/fulgur/plugins. Normalized because the
+  // loader reports the path it found through RUNPATH ($ORIGIN/../lib gives ".../bin/../lib").
+  return (std::filesystem::path(boost::dll::this_line_location().parent_path()) / "fulgur" / "plugins")
+      .lexically_normal();
 }
 
 std::filesystem::path user_plugin_directory() {

@@ -1,0 +1,34 @@
+// A third-party Fulgur callback: stops training when a monitored metric becomes NaN or exceeds a
+// limit. It reads only epoch-level metrics, so it adds no device sync to the training steps.
+#include <fulgur/plugin.h>
+
+namespace {
+
+class DivergenceGuard final : public fulgur::Callback {
+ public:
+  explicit DivergenceGuard(const fulgur::Options& options)
+      : monitor_(options.get_string("monitor")), limit_(options.get_float("limit")) {
+    if (!(limit_ > 0)) throw fulgur::Error(fulgur::ErrorKind::config, "divergence_guard: limit must be positive");
+  }
+
+  // The Trainer calls only the hooks listed here; the others cost nothing.
+  fulgur::HookSet hooks() const override { return static_cast<fulgur::HookSet>(fulgur::Hook::train_epoch_end); }
+
+  void on_train_epoch_end(fulgur::TrainerContext& trainer) override {
+    const auto& metrics = trainer.callback_metrics();
+    const auto it = metrics.find(monitor_);
+    if (it == metrics.end() || it->second <= limit_) return;  // NaN compares false: it stops too
+    trainer.request_stop(monitor_ + " = " + std::to_string(it->second) + " is above the limit " +
+                         std::to_string(limit_));
+  }
+
+ private:
+  std::string monitor_;
+  double limit_;
+};
+
+}  // namespace
+
+FULGUR_PLUGIN(DivergenceGuard, "divergence_guard", "1.0.0", "Stops training when a metric is NaN or above a limit",
+              FULGUR_OPTION(string, monitor, "Epoch-level metric to watch", "train_loss"),
+              FULGUR_REQUIRED_OPTION(floating, limit, "Stop when the metric exceeds this value"))

@@ -1,0 +1,123 @@
+// Helpers shared by the test files: temporary plugin directories, fixture libraries, byte patches.
+#pragma once
+
+#include <fulgur/error.h>
+
+#include <doctest/doctest.h>
+
+#include <ftw.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+#include <stdexcept>
+#include <string>
+#include <string_view>
+#include <system_error>
+#include <utility>
+#include <vector>
+
+namespace fulgur::test {
+
+namespace fs = std::filesystem;
+
+// Where tests/fixtures/CMakeLists.txt puts the fixture plugin libraries.
+inline fs::path fixture(std::string_view file) {
+  fs::path path = fs::path(FULGUR_TEST_FIXTURE_DIR) / file;
+  REQUIRE_MESSAGE(fs::exists(path), "fixture missing (build the fulgur_tests target): " << path.string());
+  return path;
+}
+
+// A private 0755 directory, removed with everything in it at scope exit. Mode bits are set
+// explicitly: the registry refuses group- or world-writable plugin directories, and the umask of
+// whoever runs the tests must not decide the outcome.
+class TempDir {
+ public:
+  TempDir() {
+    std::string pattern = (fs::temp_directory_path() / "fulgur-test-XXXXXX").string();
+    if (::mkdtemp(pattern.data()) == nullptr) throw std::runtime_error("mkdtemp failed for " + pattern);
+    path_ = pattern;
+    fs::permissions(path_, fs::perms(0755));
+  }
+  ~TempDir() {
+    // Not std::filesystem::remove_all: libtorch.so exports its own copy, built with GCC 13, which
+    // calls a libstdc++ 13 function through a weak reference; with Debian 12's libstdc++ that
+    // reference is null and remove_all jumps to address 0 (SIGSEGV).
+    std::error_code ec;
+    fs::permissions(path_, fs::perms(0755), ec);
+    ::nftw(
+        path_.c_str(), [](const char* file, const struct stat*, int, FTW*) { return std::remove(file); }, 16,
+        FTW_DEPTH | FTW_PHYS);
+  }
+  TempDir(const TempDir&) = delete;
+  TempDir& operator=(const TempDir&) = delete;
+
+  const fs::path& path() const { return path_; }
+  fs::path operator/(std::string_view name) const { return path_ / name; }
+
+  // A subdirectory, 0755.
+  fs::path subdir(std::string_view name) const {
+    fs::path dir = path_ / name;
+    fs::create_directories(dir);
+    fs::permissions(dir, fs::perms(0755));
+    return dir;
+  }
+
+ private:
+  fs::path path_;
+};
+
+// Copies `from` to `to` with mode 0755, as an installed library would have.
+inline fs::path copy_library(const fs::path& from, const fs::path& to) {
+  fs::copy_file(from, to, fs::copy_options::overwrite_existing);
+  fs::permissions(to, fs::perms(0755));
+  return to;
+}
+
+inline std::string read_bytes(const fs::path& file) {
+  std::ifstream in(file, std::ios::binary);
+  REQUIRE_MESSAGE(in.good(), "cannot read " << file.string());
+  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+}
+
+inline void write_bytes(const fs::path& file, const std::string& bytes) {
+  {
+    std::ofstream out(file, std::ios::binary | std::ios::trunc);
+    out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+    REQUIRE_MESSAGE(out.good(), "cannot write " << file.string());
+  }
+  fs::permissions(file, fs::perms(0755));
+}
+
+// Replaces every occurrence of `from` by `to` (same length, so no offset moves); returns the count.
+inline size_t replace_all(std::string& bytes, std::string_view from, std::string_view to) {
+  REQUIRE(from.size() == to.size());
+  size_t count = 0;
+  for (size_t at = bytes.find(from); at != std::string::npos; at = bytes.find(from, at + to.size())) {
+    bytes.replace(at, to.size(), to);
+    ++count;
+  }
+  return count;
+}
+
+// Runs `f`, which must throw fulgur::Error, and returns that error; any other outcome fails the test.
+template <class F>
+Error error_from(F&& f) {
+  try {
+    std::forward<F>(f)();
+  } catch (const Error& e) {
+    return e;
+  }
+  throw std::runtime_error("expected a fulgur::Error, but nothing was thrown");
+}
+
+inline bool contains(std::string_view text, std::string_view part) { return text.find(part) != std::string_view::npos; }
+
+}  // namespace fulgur::test
+
+// CHECK that `text` contains `part`, printing both when it does not.
+#define FULGUR_CHECK_CONTAINS(text, part)                 \
+  CHECK_MESSAGE(::fulgur::test::contains((text), (part)), \
+                "\n  text:     " << std::string(text) << "\n  expected: " << std::string(part))
