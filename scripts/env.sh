@@ -7,3 +7,7 @@ export FULGUR_VENV FULGUR_BUILD_DIR CCACHE_DIR
 # ccache must see through the precompiled header (see libtorch-notes: PCH + ccache).
 export CCACHE_SLOPPINESS="pch_defines,time_macros,include_file_mtime,include_file_ctime"
 export CCACHE_MAXSIZE="${CCACHE_MAXSIZE:-5G}"
+# Paths relative to the clone in ccache's hashes, so a second clone (or CI's fresh one) hits the
+# same cache entries.
+export CCACHE_BASEDIR="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+export CCACHE_NOHASHDIR=1

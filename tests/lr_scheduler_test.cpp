@@ -19,8 +19,10 @@ std::vector<double> run(const std::function<std::shared_ptr<fulgur::LRScheduler>
   auto scheduler = make(optimizer);
   std::vector<double> lrs{optimizer.param_groups()[0].options().get_lr()};
   for (int i = 0; i < steps; ++i) {
-    if (metrics.empty()) scheduler->step();
-    else scheduler->step(metrics[static_cast<size_t>(i)]);
+    if (metrics.empty())
+      scheduler->step();
+    else
+      scheduler->step(metrics[static_cast<size_t>(i)]);
     lrs.push_back(optimizer.param_groups()[0].options().get_lr());
   }
   return lrs;

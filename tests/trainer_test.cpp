@@ -68,7 +68,8 @@ struct RecordingModule : fulgur::Module {
   }
   std::vector<fulgur::OptimizerConfig> configure_optimizers() override {
     rec("configure_optimizers");
-    return {fulgur::OptimizerConfig(std::make_shared<torch::optim::Adam>(parameters(), torch::optim::AdamOptions(1e-2)))};
+    return {
+        fulgur::OptimizerConfig(std::make_shared<torch::optim::Adam>(parameters(), torch::optim::AdamOptions(1e-2)))};
   }
   fulgur::Batch on_before_batch_transfer(fulgur::Batch b) override {
     rec("on_before_batch_transfer");
@@ -183,7 +184,8 @@ struct RecordingCallback : fulgur::Callback {
 struct SaveAtStep : fulgur::Callback {
   SaveAtStep(int64_t step, std::string path) : step(step), path(std::move(path)) {}
   fulgur::HookSet hooks() const override { return static_cast<fulgur::HookSet>(fulgur::Hook::train_batch_end); }
-  void on_train_batch_end(fulgur::TrainerContext& t, const fulgur::StepOutput&, const fulgur::Batch&, int64_t) override {
+  void on_train_batch_end(fulgur::TrainerContext& t, const fulgur::StepOutput&, const fulgur::Batch&,
+                          int64_t) override {
     if (t.global_step() == step) t.save_checkpoint(path, false);
   }
   int64_t step;
@@ -243,8 +245,8 @@ Trace train_batch_sequence() {
   Trace t = batch_transfer();
   append(t, {"C.on_train_batch_start", "M.on_train_batch_start", "M.training_step", "C.on_before_zero_grad",
              "M.on_before_zero_grad", "C.on_before_backward", "M.on_before_backward", "C.on_after_backward",
-             "M.on_after_backward", "C.on_before_optimizer_step", "M.on_before_optimizer_step",
-             "C.on_train_batch_end", "M.on_train_batch_end"});
+             "M.on_after_backward", "C.on_before_optimizer_step", "M.on_before_optimizer_step", "C.on_train_batch_end",
+             "M.on_train_batch_end"});
   return t;
 }
 
@@ -285,8 +287,8 @@ logger = false)"));
   append(expected, train_batch_sequence());
   append(expected, train_batch_sequence());
   append(expected, validation_sequence(1));
-  append(expected, {"C.on_train_epoch_end", "M.on_train_epoch_end", "C.on_train_end", "M.on_train_end",
-                    "C.on_fit_end", "M.on_fit_end", "C.teardown"});
+  append(expected, {"C.on_train_epoch_end", "M.on_train_epoch_end", "C.on_train_end", "M.on_train_end", "C.on_fit_end",
+                    "M.on_fit_end", "C.teardown"});
   check_trace(trace, expected);
   CHECK(trainer.global_step() == 2);
   CHECK(trainer.current_epoch() == 1);
@@ -296,8 +298,9 @@ logger = false)"));
 TEST_CASE("validate, test and predict call their hooks in Lightning's order") {
   TempDir dir;
   Trace trace;
-  fulgur::Trainer trainer(config_from(dir, "limit_val_batches = 2\nlimit_test_batches = 1\nlimit_predict_batches = 2\n"
-                                           "enable_checkpointing = false\nlogger = false"));
+  fulgur::Trainer trainer(config_from(dir,
+                                      "limit_val_batches = 2\nlimit_test_batches = 1\nlimit_predict_batches = 2\n"
+                                      "enable_checkpointing = false\nlogger = false"));
   trainer.add_callback(std::make_shared<RecordingCallback>(&trace));
   RecordingModule module(&trace);
   SyntheticData data;
@@ -338,7 +341,8 @@ TEST_CASE("resume restores callbacks before on_fit_start and training state afte
   fs::path ckpt = dir / "mid.ckpt";
   {
     Trace ignored;
-    fulgur::Trainer trainer(config_from(dir, "max_steps = 3\nlimit_val_batches = 0\nenable_checkpointing = false\nlogger = false"));
+    fulgur::Trainer trainer(
+        config_from(dir, "max_steps = 3\nlimit_val_batches = 0\nenable_checkpointing = false\nlogger = false"));
     trainer.add_callback(std::make_shared<RecordingCallback>(&ignored));
     trainer.add_callback(std::make_shared<SaveAtStep>(3, ckpt.string()));
     RecordingModule module(nullptr);
@@ -346,21 +350,23 @@ TEST_CASE("resume restores callbacks before on_fit_start and training state afte
     trainer.fit(module, data);
   }
   Trace trace;
-  fulgur::Trainer trainer(config_from(dir, "max_steps = 4\nlimit_val_batches = 0\nenable_checkpointing = false\nlogger = false"));
+  fulgur::Trainer trainer(
+      config_from(dir, "max_steps = 4\nlimit_val_batches = 0\nenable_checkpointing = false\nlogger = false"));
   trainer.add_callback(std::make_shared<RecordingCallback>(&trace));
   RecordingModule module(&trace);
   SyntheticData data;
   trainer.fit(module, data, ckpt.string());
   Trace head(trace.begin(), trace.begin() + std::min<size_t>(trace.size(), 8));
-  check_trace(head, {"C.setup", "M.configure_optimizers", "C.on_load_checkpoint", "C.load_state_dict",
-                     "C.on_fit_start", "M.on_fit_start", "C.on_train_start", "M.on_train_start"});
+  check_trace(head, {"C.setup", "M.configure_optimizers", "C.on_load_checkpoint", "C.load_state_dict", "C.on_fit_start",
+                     "M.on_fit_start", "C.on_train_start", "M.on_train_start"});
   CHECK(trainer.global_step() == 4);
 }
 
 TEST_CASE("exact resume: k steps, new trainer, resume to N equals N straight steps bitwise (mid-epoch, dropout)") {
   // 64 samples / batch 16 = 4 batches per epoch; N = 10 steps; stop at k = 6 (inside epoch 1).
   TempDir dir;
-  const std::string common = "limit_val_batches = 0\nenable_checkpointing = false\nlogger = false\ndeterministic = true";
+  const std::string common =
+      "limit_val_batches = 0\nenable_checkpointing = false\nlogger = false\ndeterministic = true";
   std::map<std::string, at::Tensor> straight;
   {
     fulgur::Trainer trainer(config_from(dir, "max_steps = 10\n" + common));
@@ -395,8 +401,9 @@ TEST_CASE("exact resume: k steps, new trainer, resume to N equals N straight ste
 TEST_CASE("a checkpoint opens in Python with torch.load(weights_only=True), with Lightning's keys") {
   TempDir dir;
   fs::path ckpt = dir / "model.ckpt";
-  fulgur::Trainer trainer(config_from(dir, "max_steps = 2\nlimit_val_batches = 0\nenable_checkpointing = false\nlogger = false",
-                                      "[model]\nlr = 0.01\nwidth = 16\n"));
+  fulgur::Trainer trainer(
+      config_from(dir, "max_steps = 2\nlimit_val_batches = 0\nenable_checkpointing = false\nlogger = false",
+                  "[model]\nlr = 0.01\nwidth = 16\n"));
   RecordingModule module(nullptr);
   SyntheticData data;
   trainer.fit(module, data);
@@ -512,7 +519,8 @@ TEST_CASE("bad checkpoints fail clearly and lose nothing") {
 
 TEST_CASE("a model_checkpoint monitoring a metric that is never logged fails with the available names") {
   TempDir dir;
-  fulgur::Trainer trainer(config_from(dir, "max_epochs = 1\nlimit_train_batches = 2\nlimit_val_batches = 1\nlogger = false",
+  fulgur::Trainer trainer(config_from(dir,
+                                      "max_epochs = 1\nlimit_train_batches = 2\nlimit_val_batches = 1\nlogger = false",
                                       "[[callbacks]]\nname = \"model_checkpoint\"\nmonitor = \"val/accuracy\"\n"));
   RecordingModule module(nullptr);
   SyntheticData data;
@@ -528,8 +536,9 @@ TEST_CASE("a model_checkpoint monitoring a metric that is never logged fails wit
 
 TEST_CASE("gradient accumulation steps the optimizer once per window and logs to csv") {
   TempDir dir;
-  fulgur::Trainer trainer(config_from(dir, "max_epochs = 2\naccumulate_grad_batches = 2\nlog_every_n_steps = 1\n"
-                                           "limit_val_batches = 1\nnum_sanity_val_steps = 0\nenable_checkpointing = false",
+  fulgur::Trainer trainer(config_from(dir,
+                                      "max_epochs = 2\naccumulate_grad_batches = 2\nlog_every_n_steps = 1\n"
+                                      "limit_val_batches = 1\nnum_sanity_val_steps = 0\nenable_checkpointing = false",
                                       "[[loggers]]\nname = \"csv\"\n"));
   RecordingModule module(nullptr);
   SyntheticData data;

@@ -46,14 +46,19 @@ Args parse_args(int argc, char** argv) {
       if (i + 1 >= argc) throw Error(ErrorKind::invalid_argument, fmt::format("{} needs a value\n{}", flag, kUsage));
       return std::string(argv[++i]);
     };
-    if (a == "--config") args.config = value("--config");
-    else if (a == "--kind") args.kind = value("--kind");
-    else if (a == "--all") args.all = true;
+    if (a == "--config")
+      args.config = value("--config");
+    else if (a == "--kind")
+      args.kind = value("--kind");
+    else if (a == "--all")
+      args.all = true;
     else if (a == "-h" || a == "--help") {
       std::cout << kUsage;
       std::exit(0);
-    } else if (a.starts_with("--")) throw Error(ErrorKind::invalid_argument, fmt::format("unknown flag {}\n{}", a, kUsage));
-    else args.positional.push_back(a);
+    } else if (a.starts_with("--"))
+      throw Error(ErrorKind::invalid_argument, fmt::format("unknown flag {}\n{}", a, kUsage));
+    else
+      args.positional.push_back(a);
   }
   return args;
 }
@@ -121,9 +126,9 @@ int describe_plugin(const Args& args) {
   for (const PluginCandidate* c : matches) {
     const auto& m = c->metadata;
     std::cout << fmt::format("{} '{}' {}\n  {}\n  file:   {}\n  status: {}{}\n  ABI:    {}.{}, libtorch {}.{}\n",
-                             to_string(m.kind), m.name, m.version, m.description, c->file.string(), to_string(c->status),
-                             c->reason.empty() ? "" : " (" + c->reason + ")", m.abi_major, m.abi_minor,
-                             m.abi_tag.torch_major, m.abi_tag.torch_minor);
+                             to_string(m.kind), m.name, m.version, m.description, c->file.string(),
+                             to_string(c->status), c->reason.empty() ? "" : " (" + c->reason + ")", m.abi_major,
+                             m.abi_minor, m.abi_tag.torch_major, m.abi_tag.torch_minor);
     if (m.options.empty()) {
       std::cout << "  options: none\n";
       continue;

@@ -11,10 +11,10 @@ class Precision;
 class Strategy;
 
 struct Module::Binding {
-  MetricStore* metrics = nullptr;     // the store of the running stage
-  bool training_context = false;      // defaults for log(): on_step in training, on_epoch otherwise
-  bool logging_allowed = false;       // false in hooks where Lightning forbids self.log
-  int64_t batch_size = 0;             // of the current batch (weights epoch means)
+  MetricStore* metrics = nullptr;  // the store of the running stage
+  bool training_context = false;   // defaults for log(): on_step in training, on_epoch otherwise
+  bool logging_allowed = false;    // false in hooks where Lightning forbids self.log
+  int64_t batch_size = 0;          // of the current batch (weights epoch means)
   std::vector<torch::optim::Optimizer*> optimizers;
   Strategy* strategy = nullptr;
   Precision* precision = nullptr;

@@ -62,9 +62,10 @@ c10::impl::GenericDict options_dict(const Options& options) {
 
 c10::impl::GenericDict as_dict(const c10::IValue& v, const std::string& what, const std::string& path) {
   if (!v.isGenericDict())
-    throw Error(ErrorKind::checkpoint, fmt::format("checkpoint {}: '{}' is not a dict; the file is not a Fulgur/Lightning "
-                                                   "checkpoint",
-                                                   path, what));
+    throw Error(ErrorKind::checkpoint,
+                fmt::format("checkpoint {}: '{}' is not a dict; the file is not a Fulgur/Lightning "
+                            "checkpoint",
+                            path, what));
   return v.toGenericDict();
 }
 
@@ -171,8 +172,8 @@ void load_optimizer_state(torch::optim::Optimizer& optimizer, const c10::IValue&
   }
   auto groups = require_key(dict, "param_groups", path, "the optimizer state is incomplete").toList();
   if (groups.size() != optimizer.param_groups().size())
-    throw Error(ErrorKind::checkpoint, fmt::format("checkpoint {}: optimizer has {} param groups, checkpoint has {}", path,
-                                                   optimizer.param_groups().size(), groups.size()));
+    throw Error(ErrorKind::checkpoint, fmt::format("checkpoint {}: optimizer has {} param groups, checkpoint has {}",
+                                                   path, optimizer.param_groups().size(), groups.size()));
   auto state = as_dict(require_key(dict, "state", path, "the optimizer state is incomplete"), "state", path);
   int64_t index = 0;
   for (size_t gi = 0; gi < groups.size(); ++gi) {
@@ -237,8 +238,10 @@ c10::IValue Trainer::Impl::dump_checkpoint(bool weights_only) {
   ckpt.insert("fulgur_version", kFulgurVersion);
 
   auto state_dict = c10::impl::GenericDict(c10::StringType::get(), c10::TensorType::get());
-  for (const auto& item : module_->named_parameters(/*recurse=*/true)) state_dict.insert(item.key(), item.value().detach());
-  for (const auto& item : module_->named_buffers(/*recurse=*/true)) state_dict.insert(item.key(), item.value().detach());
+  for (const auto& item : module_->named_parameters(/*recurse=*/true))
+    state_dict.insert(item.key(), item.value().detach());
+  for (const auto& item : module_->named_buffers(/*recurse=*/true))
+    state_dict.insert(item.key(), item.value().detach());
   ckpt.insert("state_dict", state_dict);
 
   auto fit_loop = string_dict();
@@ -247,14 +250,16 @@ c10::IValue Trainer::Impl::dump_checkpoint(bool weights_only) {
   fit_loop.insert("batches_done_in_epoch", batches_done_in_epoch_);
   fit_loop.insert("epoch_end_phase", in_epoch_end_phase_);
   fit_loop.insert("elapsed_seconds",
-                  elapsed_before_resume_ + std::chrono::duration<double>(std::chrono::steady_clock::now() - fit_start_time_).count());
+                  elapsed_before_resume_ +
+                      std::chrono::duration<double>(std::chrono::steady_clock::now() - fit_start_time_).count());
   fit_loop.insert("cpu_rng_state", cpu_rng_state());
   auto loops = string_dict();
   loops.insert("fit_loop", fit_loop);
   ckpt.insert("loops", loops);
 
   if (!module_->hparams.values().empty()) ckpt.insert("hyper_parameters", options_dict(module_->hparams));
-  if (data_ && !data_->hparams.values().empty()) ckpt.insert("datamodule_hyper_parameters", options_dict(data_->hparams));
+  if (data_ && !data_->hparams.values().empty())
+    ckpt.insert("datamodule_hyper_parameters", options_dict(data_->hparams));
 
   if (!weights_only) {
     auto optimizer_states = any_list();
@@ -317,8 +322,8 @@ std::string Trainer::Impl::resolve_checkpoint_path(const std::string& ckpt_path)
     slot.callback->state_dict(state);
     if (!state.isGenericDict()) continue;
     auto key = ckpt_path == "best" ? "best_model_path" : "last_model_path";
-    if (auto v = get(state.toGenericDict(), key); v && v->isString() && !v->toStringRef().empty() &&
-                                                   fs::exists(v->toStringRef()))
+    if (auto v = get(state.toGenericDict(), key);
+        v && v->isString() && !v->toStringRef().empty() && fs::exists(v->toStringRef()))
       return v->toStringRef();
   }
   if (ckpt_path == "best")
@@ -376,7 +381,8 @@ void Trainer::Impl::restore_model(const c10::IValue& checkpoint, const std::stri
     }
     const at::Tensor t = entry.value().toTensor();
     if (t.sizes() != it->second.sizes())
-      mismatched.push_back(fmt::format("{} (checkpoint {}, model {})", name, c10::str(t.sizes()), c10::str(it->second.sizes())));
+      mismatched.push_back(
+          fmt::format("{} (checkpoint {}, model {})", name, c10::str(t.sizes()), c10::str(it->second.sizes())));
   }
   if (!missing.empty() || !unexpected.empty() || !mismatched.empty()) {
     std::sort(unexpected.begin(), unexpected.end());
@@ -406,12 +412,14 @@ void Trainer::Impl::restore_callbacks(const c10::IValue& checkpoint) {
 
 void Trainer::Impl::restore_training_state(const c10::IValue& checkpoint, const std::string& path) {
   const auto& ckpt = checkpoint.toGenericDict();
-  const char* weights_only_hint = "it was saved with weights only; resume needs a full checkpoint (save_weights_only = false)";
+  const char* weights_only_hint =
+      "it was saved with weights only; resume needs a full checkpoint (save_weights_only = false)";
   auto optimizer_states = require_key(ckpt, "optimizer_states", path, weights_only_hint).toList();
   if (optimizer_states.size() != optimizer_ptrs_.size())
     throw Error(ErrorKind::checkpoint, fmt::format("checkpoint {}: {} optimizer states for {} optimizers", path,
                                                    optimizer_states.size(), optimizer_ptrs_.size()));
-  for (size_t i = 0; i < optimizer_ptrs_.size(); ++i) load_optimizer_state(*optimizer_ptrs_[i], optimizer_states.get(i), path);
+  for (size_t i = 0; i < optimizer_ptrs_.size(); ++i)
+    load_optimizer_state(*optimizer_ptrs_[i], optimizer_states.get(i), path);
 
   auto schedulers = require_key(ckpt, "lr_schedulers", path, weights_only_hint).toList();
   size_t si = 0;

@@ -54,7 +54,8 @@ const std::vector<OptionSchema>& trainer_option_schema() {
         {"limit_test_batches", T::floating, "1.0", "Fraction (float) or count (integer) of test batches"},
         {"limit_predict_batches", T::floating, "1.0", "Fraction (float) or count (integer) of predict batches"},
         {"overfit_batches", T::floating, "0.0", "Train and validate on this fraction/count of training batches"},
-        {"val_check_interval", T::floating, "1.0", "Validate every fraction of an epoch (float) or N batches (integer)"},
+        {"val_check_interval", T::floating, "1.0",
+         "Validate every fraction of an epoch (float) or N batches (integer)"},
         {"check_val_every_n_epoch", T::integer, "1", "Validate every N epochs"},
         {"num_sanity_val_steps", T::integer, "2", "Validation batches run before training (-1: all)"},
         {"log_every_n_steps", T::integer, "50", "Send step-level metrics to loggers every N steps"},
@@ -91,8 +92,8 @@ const std::vector<OptionSchema>& trainer_option_schema() {
 
 namespace {
 
-constexpr std::string_view kKnownTables[] = {"plugins",  "trainer",  "accelerator", "strategy", "precision", "profiler",
-                                             "loggers",  "callbacks", "model",      "data",     "logging"};
+constexpr std::string_view kKnownTables[] = {"plugins", "trainer",   "accelerator", "strategy", "precision", "profiler",
+                                             "loggers", "callbacks", "model",       "data",     "logging"};
 
 SourceLocation location_of(const toml::node& node, const std::string& fallback_file) {
   SourceLocation loc;
@@ -116,8 +117,10 @@ std::vector<std::string> keys_of(const std::vector<OptionSchema>& schema) {
 std::string unknown_key_message(std::string_view key, std::string_view owner, const std::vector<std::string>& known) {
   std::string message = fmt::format("unknown key '{}' for {}", key, owner);
   if (std::string s = closest_match(key, known); !s.empty()) message += fmt::format("; did you mean '{}'?", s);
-  if (!known.empty()) message += fmt::format(" Known keys: {}.", fmt::join(known, ", "));
-  else message += " It accepts no options.";
+  if (!known.empty())
+    message += fmt::format(" Known keys: {}.", fmt::join(known, ", "));
+  else
+    message += " It accepts no options.";
   return message;
 }
 
@@ -148,7 +151,8 @@ Options typed_options(const std::vector<RawOption>& raw, const std::vector<Optio
   for (const auto& s : schema) {
     if (options.contains(s.key)) continue;
     if (!s.default_value)
-      fail(table_where, fmt::format("{}: required key '{}' ({}) is missing: {}", owner, s.key, to_string(s.type), s.help));
+      fail(table_where,
+           fmt::format("{}: required key '{}' ({}) is missing: {}", owner, s.key, to_string(s.type), s.help));
     options.set(s.key, *s.default_value);
   }
   return options;
@@ -180,10 +184,14 @@ Options free_options(const toml::table& table, const std::string& owner, const s
   for (const auto& [key, node] : table) {
     std::string found;
     std::optional<OptionValue> v;
-    if (node.is_boolean()) v = toml_to_option(node, OptionType::boolean, found);
-    else if (node.is_integer()) v = toml_to_option(node, OptionType::integer, found);
-    else if (node.is_floating_point()) v = toml_to_option(node, OptionType::floating, found);
-    else if (node.is_string()) v = toml_to_option(node, OptionType::string, found);
+    if (node.is_boolean())
+      v = toml_to_option(node, OptionType::boolean, found);
+    else if (node.is_integer())
+      v = toml_to_option(node, OptionType::integer, found);
+    else if (node.is_floating_point())
+      v = toml_to_option(node, OptionType::floating, found);
+    else if (node.is_string())
+      v = toml_to_option(node, OptionType::string, found);
     else if (node.is_array()) {
       v = toml_to_option(node, OptionType::float_list, found);
       if (!v) v = toml_to_option(node, OptionType::string_list, found);
@@ -199,7 +207,9 @@ Options free_options(const toml::table& table, const std::string& owner, const s
 
 const toml::table* table_or_fail(const toml::node& node, std::string_view name, const std::string& file) {
   const toml::table* t = node.as_table();
-  if (!t) fail(location_of(node, file), fmt::format("'{}' must be a table ([{}]), found {}", name, name, toml_type_name(node)));
+  if (!t)
+    fail(location_of(node, file),
+         fmt::format("'{}' must be a table ([{}]), found {}", name, name, toml_type_name(node)));
   return t;
 }
 
@@ -314,8 +324,8 @@ Config parse_config(std::string_view toml_text, const fs::path& origin) {
     if (!node) return;
     const toml::array* array = node->as_array();
     if (!array)
-      fail(location_of(*node, file), fmt::format("'{}' must be an array of tables ([[{}]]), found {}", name, name,
-                                                 toml_type_name(*node)));
+      fail(location_of(*node, file),
+           fmt::format("'{}' must be an array of tables ([[{}]]), found {}", name, name, toml_type_name(*node)));
     for (const toml::node& element : *array) {
       const toml::table* t = element.as_table();
       if (!t) fail(location_of(element, file), fmt::format("each [[{}]] entry must be a table", name));
@@ -325,8 +335,10 @@ Config parse_config(std::string_view toml_text, const fs::path& origin) {
   array_of_tables("loggers", PluginKind::logger, config.loggers);
   array_of_tables("callbacks", PluginKind::callback, config.callbacks);
 
-  if (const toml::node* node = root->get("model")) config.model = free_options(*table_or_fail(*node, "model", file), "[model]", file);
-  if (const toml::node* node = root->get("data")) config.data = free_options(*table_or_fail(*node, "data", file), "[data]", file);
+  if (const toml::node* node = root->get("model"))
+    config.model = free_options(*table_or_fail(*node, "model", file), "[model]", file);
+  if (const toml::node* node = root->get("data"))
+    config.data = free_options(*table_or_fail(*node, "data", file), "[data]", file);
   if (const toml::node* node = root->get("logging")) {
     const toml::table* t = table_or_fail(*node, "logging", file);
     for (const auto& [key, value] : *t) {
@@ -341,8 +353,8 @@ Config parse_config(std::string_view toml_text, const fs::path& origin) {
 Config load_config(const fs::path& file) {
   std::ifstream in(file, std::ios::binary);
   if (!in)
-    throw Error(ErrorKind::config, fmt::format("{}: cannot open the config file ({}); check the path",
-                                               file.string(), std::strerror(errno)));
+    throw Error(ErrorKind::config, fmt::format("{}: cannot open the config file ({}); check the path", file.string(),
+                                               std::strerror(errno)));
   std::stringstream buffer;
   buffer << in.rdbuf();
   return parse_config(buffer.str(), file);

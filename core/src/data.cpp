@@ -28,7 +28,8 @@ class TensorLoader final : public BatchLoader {
       throw Error(ErrorKind::invalid_argument,
                   fmt::format("make_tensor_loader: {} inputs but {} targets", inputs_.size(0), targets_.size(0)));
     if (options_.batch_size_ <= 0)
-      throw Error(ErrorKind::invalid_argument, fmt::format("batch_size must be positive, got {}", options_.batch_size_));
+      throw Error(ErrorKind::invalid_argument,
+                  fmt::format("batch_size must be positive, got {}", options_.batch_size_));
   }
   ~TensorLoader() override { stop_workers(); }
 
@@ -57,6 +58,8 @@ class TensorLoader final : public BatchLoader {
     const int64_t padded = per_replica * replicas_;
     if (padded > total) order = at::cat({order, order.slice(0, 0, padded - total)});
     indices_ = order.slice(0, rank_, padded, replicas_).contiguous();
+    // In-order single-replica epochs need no gather: batches are views, as in a hand-written loop.
+    sequential_ = !options_.shuffle_ && replicas_ == 1;
     next_batch_ = std::min(skip_batches, num_batches());
     if (options_.num_workers_ > 0) start_workers();
   }
@@ -84,8 +87,13 @@ class TensorLoader final : public BatchLoader {
   Batch make_batch(int64_t index) const {
     const int64_t begin = index * options_.batch_size_;
     const int64_t end = std::min<int64_t>(begin + options_.batch_size_, indices_.size(0));
-    at::Tensor idx = indices_.slice(0, begin, end);
     Batch b;
+    if (sequential_) {
+      b.input = inputs_.slice(0, begin, end);
+      if (targets_.defined()) b.target = targets_.slice(0, begin, end);
+      return b;
+    }
+    at::Tensor idx = indices_.slice(0, begin, end);
     b.input = inputs_.index_select(0, idx);
     if (targets_.defined()) b.target = targets_.index_select(0, idx);
     return b;
@@ -147,6 +155,7 @@ class TensorLoader final : public BatchLoader {
   TensorLoaderOptions options_;
   int64_t rank_ = 0, replicas_ = 1;
   int64_t next_batch_ = 0;
+  bool sequential_ = false;
 
   std::vector<std::thread> workers_;
   std::mutex mutex_;

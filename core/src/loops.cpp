@@ -7,8 +7,8 @@
 #include <fulgur/error.h>
 
 #include <ATen/core/ivalue.h>
-#include <c10/core/InferenceMode.h>
 #include <c10/core/GradMode.h>
+#include <c10/core/InferenceMode.h>
 #include <fmt/format.h>
 #include <spdlog/spdlog.h>
 #include <torch/nn/module.h>
@@ -47,8 +47,10 @@ class EvalMode {
  public:
   EvalMode(torch::nn::Module& m, bool inference) : m_(m), was_training_(m.is_training()) {
     m_.eval();
-    if (inference) inference_.emplace(true);
-    else no_grad_.emplace(false);
+    if (inference)
+      inference_.emplace(true);
+    else
+      no_grad_.emplace(false);
   }
   ~EvalMode() {
     inference_.reset();
@@ -76,8 +78,8 @@ Batch Trainer::Impl::transfer(Batch batch) {
 
 bool Trainer::Impl::time_exceeded() const {
   if (max_time_seconds_ <= 0) return false;
-  const double elapsed =
-      elapsed_before_resume_ + std::chrono::duration<double>(std::chrono::steady_clock::now() - fit_start_time_).count();
+  const double elapsed = elapsed_before_resume_ +
+                         std::chrono::duration<double>(std::chrono::steady_clock::now() - fit_start_time_).count();
   return elapsed >= max_time_seconds_;
 }
 
@@ -145,7 +147,8 @@ void Trainer::Impl::fit(Module& module, DataModule& data, const std::string& ckp
     optimizer_ptrs_.clear();
     for (auto& cfg : optimizer_configs_) {
       if (!cfg.optimizer)
-        throw Error(ErrorKind::invalid_argument, "configure_optimizers() returned an OptimizerConfig without optimizer");
+        throw Error(ErrorKind::invalid_argument,
+                    "configure_optimizers() returned an OptimizerConfig without optimizer");
       if (cfg.frequency < 1) throw Error(ErrorKind::invalid_argument, "OptimizerConfig::frequency must be >= 1");
       optimizer_ptrs_.push_back(cfg.optimizer.get());
     }
@@ -220,7 +223,8 @@ void Trainer::Impl::run_fit() {
     val_check_batches_ = *n;
   } else {
     const double f = std::get<double>(interval);
-    val_check_batches_ = f >= 1.0 ? 0 : std::max<int64_t>(1, static_cast<int64_t>(f * static_cast<double>(num_train_batches_)));
+    val_check_batches_ =
+        f >= 1.0 ? 0 : std::max<int64_t>(1, static_cast<int64_t>(f * static_cast<double>(num_train_batches_)));
   }
 
   // Sanity check: a few validation batches before training so a broken validation_step fails
@@ -228,7 +232,8 @@ void Trainer::Impl::run_fit() {
   if (val_loader_ && num_sanity_val_steps_ != 0 && num_val_batches_ > 0) {
     sanity_checking_ = true;
     call(Hook::sanity_check_start, [&](Callback& c) { c.on_sanity_check_start(*this); });
-    const int64_t limit = num_sanity_val_steps_ < 0 ? num_val_batches_ : std::min(num_sanity_val_steps_, num_val_batches_);
+    const int64_t limit =
+        num_sanity_val_steps_ < 0 ? num_val_batches_ : std::min(num_sanity_val_steps_, num_val_batches_);
     run_eval_loop(Stage::validate, *val_loader_, limit, /*sanity=*/true);
     call(Hook::sanity_check_end, [&](Callback& c) { c.on_sanity_check_end(*this); });
     sanity_checking_ = false;
@@ -403,7 +408,8 @@ MetricMap Trainer::Impl::run_eval_loop(Stage stage, BatchLoader& loader, int64_t
       out = test ? module_->test_step(batch, batch_idx) : module_->validation_step(batch, batch_idx);
     }
     call(test ? Hook::test_batch_end : Hook::validation_batch_end, [&](Callback& c) {
-      test ? c.on_test_batch_end(*this, out, batch, batch_idx) : c.on_validation_batch_end(*this, out, batch, batch_idx);
+      test ? c.on_test_batch_end(*this, out, batch, batch_idx)
+           : c.on_validation_batch_end(*this, out, batch, batch_idx);
     });
   }
   {

@@ -72,11 +72,12 @@ class CosineWithWarmup final : public LRScheduler {
     std::vector<double> out;
     for (double base : base_lrs_) {
       if (step < warmup_) {
-        const double f = start_factor_ + (1.0 - start_factor_) * static_cast<double>(step) / static_cast<double>(warmup_);
+        const double f =
+            start_factor_ + (1.0 - start_factor_) * static_cast<double>(step) / static_cast<double>(warmup_);
         out.push_back(base * f);
       } else {
-        const double progress =
-            std::min(1.0, static_cast<double>(step - warmup_) / static_cast<double>(std::max<int64_t>(1, total_ - warmup_)));
+        const double progress = std::min(
+            1.0, static_cast<double>(step - warmup_) / static_cast<double>(std::max<int64_t>(1, total_ - warmup_)));
         out.push_back(eta_min_ + (base - eta_min_) * 0.5 * (1.0 + std::cos(std::numbers::pi * progress)));
       }
     }
@@ -100,10 +101,11 @@ class LinearWarmupDecay final : public LRScheduler {
     std::vector<double> out;
     for (double base : base_lrs_) {
       double f;
-      if (step < warmup_) f = static_cast<double>(step + 1) / static_cast<double>(warmup_ + 1);
+      if (step < warmup_)
+        f = static_cast<double>(step + 1) / static_cast<double>(warmup_ + 1);
       else {
-        const double progress =
-            std::min(1.0, static_cast<double>(step - warmup_) / static_cast<double>(std::max<int64_t>(1, total_ - warmup_)));
+        const double progress = std::min(
+            1.0, static_cast<double>(step - warmup_) / static_cast<double>(std::max<int64_t>(1, total_ - warmup_)));
         f = 1.0 + (end_factor_ - 1.0) * progress;
       }
       out.push_back(base * f);
@@ -135,8 +137,10 @@ class OneCycle final : public LRScheduler {
       const double initial = max_lr / div_;
       const double min_lr = initial / final_div_;
       const double s = static_cast<double>(step);
-      if (s <= phase1_end) out.push_back(cos_anneal(initial, max_lr, s / phase1_end));
-      else out.push_back(cos_anneal(max_lr, min_lr, std::min(1.0, (s - phase1_end) / (phase2_end - phase1_end))));
+      if (s <= phase1_end)
+        out.push_back(cos_anneal(initial, max_lr, s / phase1_end));
+      else
+        out.push_back(cos_anneal(max_lr, min_lr, std::min(1.0, (s - phase1_end) / (phase2_end - phase1_end))));
     }
     return out;
   }
@@ -150,7 +154,12 @@ class ReduceOnPlateau final : public LRScheduler {
  public:
   ReduceOnPlateau(torch::optim::Optimizer& o, bool mode_max, double factor, int64_t patience, double threshold,
                   double min_lr)
-      : LRScheduler(o), mode_max_(mode_max), factor_(factor), patience_(patience), threshold_(threshold), min_lr_(min_lr) {
+      : LRScheduler(o),
+        mode_max_(mode_max),
+        factor_(factor),
+        patience_(patience),
+        threshold_(threshold),
+        min_lr_(min_lr) {
     if (factor >= 1.0) throw Error(ErrorKind::invalid_argument, "reduce-on-plateau: factor must be < 1");
     best_ = mode_max ? -INFINITY : INFINITY;
   }

@@ -41,10 +41,18 @@ void MetricStore::log(const std::string& name, const at::Tensor& value, const Lo
       e.epoch_accum = e.reduce == Reduction::mean ? f * w : f.clone();
     } else {
       switch (e.reduce) {
-        case Reduction::mean: e.epoch_accum.add_(f, w); break;
-        case Reduction::sum: e.epoch_accum.add_(f); break;
-        case Reduction::max: e.epoch_accum = at::maximum(e.epoch_accum, f); break;
-        case Reduction::min: e.epoch_accum = at::minimum(e.epoch_accum, f); break;
+        case Reduction::mean:
+          e.epoch_accum.add_(f, w);
+          break;
+        case Reduction::sum:
+          e.epoch_accum.add_(f);
+          break;
+        case Reduction::max:
+          e.epoch_accum = at::maximum(e.epoch_accum, f);
+          break;
+        case Reduction::min:
+          e.epoch_accum = at::minimum(e.epoch_accum, f);
+          break;
       }
     }
     e.epoch_weight += w;
@@ -86,9 +94,15 @@ MetricMap MetricStore::reduce_epoch(Strategy* strategy, bool logger_only, Metric
           weight = both[1].item<double>();
           break;
         }
-        case Reduction::sum: total = strategy->reduce(total, ReduceOp::sum); break;
-        case Reduction::max: total = strategy->reduce(total, ReduceOp::max); break;
-        case Reduction::min: total = strategy->reduce(total, ReduceOp::min); break;
+        case Reduction::sum:
+          total = strategy->reduce(total, ReduceOp::sum);
+          break;
+        case Reduction::max:
+          total = strategy->reduce(total, ReduceOp::max);
+          break;
+        case Reduction::min:
+          total = strategy->reduce(total, ReduceOp::min);
+          break;
       }
     }
     double value = total.item<double>();

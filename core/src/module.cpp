@@ -20,7 +20,8 @@ at::Tensor Module::predict_step(const Batch& batch, int64_t) {
 }
 
 Batch Module::transfer_batch_to_device(Batch batch, const c10::Device& device) {
-  if (batch.input.defined() && batch.input.device() != device) batch.input = batch.input.to(device, /*non_blocking=*/true);
+  if (batch.input.defined() && batch.input.device() != device)
+    batch.input = batch.input.to(device, /*non_blocking=*/true);
   if (batch.target.defined() && batch.target.device() != device)
     batch.target = batch.target.to(device, /*non_blocking=*/true);
   for (auto& t : batch.extra)

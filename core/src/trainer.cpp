@@ -8,8 +8,8 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 #include <spdlog/spdlog.h>
-#include <torch/nn/module.h>
 #include <torch/csrc/autograd/anomaly_mode.h>
+#include <torch/nn/module.h>
 #include <torch/utils.h>
 
 #include <cstdlib>
@@ -38,7 +38,8 @@ double parse_max_time(const std::string& text) {
     if (end == std::string::npos) break;
     start = end + 1;
   }
-  if (parts.size() > 4) throw Error(ErrorKind::config, fmt::format("[trainer] max_time = \"{}\": expected \"DD:HH:MM:SS\"", text));
+  if (parts.size() > 4)
+    throw Error(ErrorKind::config, fmt::format("[trainer] max_time = \"{}\": expected \"DD:HH:MM:SS\"", text));
   const double scale[] = {1, 60, 3600, 86400};
   double seconds = 0;
   for (size_t i = 0; i < parts.size(); ++i) seconds += parts[parts.size() - 1 - i] * scale[i];
@@ -91,11 +92,12 @@ Trainer::Impl::Impl(Config config) : config_(std::move(config)) {
   for (const char* key : {"limit_train_batches", "limit_val_batches", "limit_test_batches", "limit_predict_batches",
                           "overfit_batches", "val_check_interval"}) {
     const OptionValue& v = t.values().at(key);
-    const double x = std::holds_alternative<int64_t>(v) ? static_cast<double>(std::get<int64_t>(v)) : std::get<double>(v);
+    const double x =
+        std::holds_alternative<int64_t>(v) ? static_cast<double>(std::get<int64_t>(v)) : std::get<double>(v);
     require(x >= 0, fmt::format("[trainer] {} = {}: must be >= 0", key, x));
     if (std::holds_alternative<double>(v) && std::string_view(key) != "val_check_interval")
-      require(x <= 1.0, fmt::format("[trainer] {} = {}: a float is a fraction in [0, 1]; use an integer for a count",
-                                    key, x));
+      require(x <= 1.0,
+              fmt::format("[trainer] {} = {}: a float is a fraction in [0, 1]; use an integer for a count", key, x));
   }
   if (fast_dev_run_ > 0) {
     max_epochs_ = 1;
@@ -123,16 +125,18 @@ void Trainer::Impl::create_plugins() {
   // Every table is checked against its plugin's schema before any plugin code runs.
   validate_plugins(config_, *registry_);
 
-  accelerator_ = plugin_cast<Accelerator>(registry_->create(PluginKind::accelerator, config_.accelerator.name,
-                                                            config_.accelerator.options));
+  accelerator_ = plugin_cast<Accelerator>(
+      registry_->create(PluginKind::accelerator, config_.accelerator.name, config_.accelerator.options));
   if (!accelerator_->is_available())
     throw Error(ErrorKind::config, fmt::format("{}: accelerator '{}' is not available on this machine",
                                                config_.accelerator.where.str(), config_.accelerator.name));
-  strategy_ = plugin_cast<Strategy>(registry_->create(PluginKind::strategy, config_.strategy.name, config_.strategy.options));
-  precision_ =
-      plugin_cast<Precision>(registry_->create(PluginKind::precision, config_.precision.name, config_.precision.options));
+  strategy_ =
+      plugin_cast<Strategy>(registry_->create(PluginKind::strategy, config_.strategy.name, config_.strategy.options));
+  precision_ = plugin_cast<Precision>(
+      registry_->create(PluginKind::precision, config_.precision.name, config_.precision.options));
   if (config_.profiler && !barebones)
-    profiler_ = plugin_cast<Profiler>(registry_->create(PluginKind::profiler, config_.profiler->name, config_.profiler->options));
+    profiler_ = plugin_cast<Profiler>(
+        registry_->create(PluginKind::profiler, config_.profiler->name, config_.profiler->options));
   if (!barebones && !dev_run) {
     for (const auto& sel : config_.loggers)
       logger_objects_.push_back(plugin_cast<Logger>(registry_->create(PluginKind::logger, sel.name, sel.options)));
@@ -212,10 +216,13 @@ void Trainer::Impl::call_epoch_end_split(const std::function<void()>& module_fn)
 
 int64_t Trainer::Impl::num_batches(Stage stage) const {
   switch (stage) {
-    case Stage::fit: return num_train_batches_;
+    case Stage::fit:
+      return num_train_batches_;
     case Stage::validate:
-    case Stage::sanity_check: return stage_ == Stage::fit ? num_val_batches_ : num_eval_batches_;
-    default: return num_eval_batches_;
+    case Stage::sanity_check:
+      return stage_ == Stage::fit ? num_val_batches_ : num_eval_batches_;
+    default:
+      return num_eval_batches_;
   }
 }
 
@@ -255,8 +262,8 @@ void Trainer::Impl::setup_environment_once() {
   env.accelerator = accelerator_.get();
   env.devices = accelerator_->parse_devices(config_.trainer.get_string("devices"));
   if (env.devices.empty())
-    throw Error(ErrorKind::config, fmt::format("[trainer] devices = \"{}\" selects no device",
-                                               config_.trainer.get_string("devices")));
+    throw Error(ErrorKind::config,
+                fmt::format("[trainer] devices = \"{}\" selects no device", config_.trainer.get_string("devices")));
   // The strategy sets up the device(s) it was given (Lightning: strategy.setup_environment).
   strategy_->setup_environment(env);
   environment_ready_ = true;
@@ -316,7 +323,9 @@ Trainer& Trainer::add_callback(std::shared_ptr<Callback> callback) {
   impl_->add_callback(std::move(callback), "user");
   return *this;
 }
-void Trainer::fit(Module& module, DataModule& data, const std::string& ckpt_path) { impl_->fit(module, data, ckpt_path); }
+void Trainer::fit(Module& module, DataModule& data, const std::string& ckpt_path) {
+  impl_->fit(module, data, ckpt_path);
+}
 std::vector<MetricMap> Trainer::validate(Module& module, DataModule& data, const std::string& ckpt_path) {
   return impl_->evaluate(Stage::validate, module, data, ckpt_path);
 }
@@ -326,7 +335,9 @@ std::vector<MetricMap> Trainer::test(Module& module, DataModule& data, const std
 std::vector<at::Tensor> Trainer::predict(Module& module, DataModule& data, const std::string& ckpt_path) {
   return impl_->predict(module, data, ckpt_path);
 }
-void Trainer::save_checkpoint(const std::string& path, bool weights_only) { impl_->save_checkpoint(path, weights_only); }
+void Trainer::save_checkpoint(const std::string& path, bool weights_only) {
+  impl_->save_checkpoint(path, weights_only);
+}
 int64_t Trainer::current_epoch() const { return impl_->current_epoch(); }
 int64_t Trainer::global_step() const { return impl_->global_step(); }
 const MetricMap& Trainer::callback_metrics() const { return impl_->callback_metrics(); }

@@ -17,14 +17,22 @@ constexpr size_t kMaxNoteSegment = 1 << 20;  // our notes are a few KiB; refuse 
 
 const char* machine_name(uint16_t machine) {
   switch (machine) {
-    case EM_X86_64: return "x86-64";
-    case EM_386: return "i386";
-    case EM_AARCH64: return "aarch64";
-    case EM_ARM: return "arm";
-    case EM_PPC64: return "ppc64";
-    case EM_RISCV: return "riscv";
-    case EM_S390: return "s390";
-    default: return "unknown";
+    case EM_X86_64:
+      return "x86-64";
+    case EM_386:
+      return "i386";
+    case EM_AARCH64:
+      return "aarch64";
+    case EM_ARM:
+      return "arm";
+    case EM_PPC64:
+      return "ppc64";
+    case EM_RISCV:
+      return "riscv";
+    case EM_S390:
+      return "s390";
+    default:
+      return "unknown";
   }
 }
 
@@ -89,8 +97,8 @@ std::string parse_payload(const char* desc, size_t size, PluginMetadata& out) {
     } else {
       option.default_value = parse_option_default(option.type, option.default_text);
       if (!option.default_value)
-        return fmt::format("option '{}' declares default {} which is not a valid {}", option.key,
-                           option.default_text, to_string(option.type));
+        return fmt::format("option '{}' declares default {} which is not a valid {}", option.key, option.default_text,
+                           to_string(option.type));
     }
     out.options.push_back(std::move(option));
   }
@@ -202,12 +210,18 @@ const OptionSchema* PluginMetadata::find_option(std::string_view key) const {
 
 std::string_view to_string(PluginKind kind) {
   switch (kind) {
-    case PluginKind::accelerator: return "accelerator";
-    case PluginKind::strategy: return "strategy";
-    case PluginKind::precision: return "precision";
-    case PluginKind::logger: return "logger";
-    case PluginKind::profiler: return "profiler";
-    case PluginKind::callback: return "callback";
+    case PluginKind::accelerator:
+      return "accelerator";
+    case PluginKind::strategy:
+      return "strategy";
+    case PluginKind::precision:
+      return "precision";
+    case PluginKind::logger:
+      return "logger";
+    case PluginKind::profiler:
+      return "profiler";
+    case PluginKind::callback:
+      return "callback";
   }
   return "unknown";
 }

@@ -2,11 +2,11 @@
 #include <fulgur/host.h>
 #include <fulgur/registry/registry.h>
 
-#include <boost/dll/shared_library.hpp>
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 #include <spdlog/spdlog.h>
 #include <sys/stat.h>
+#include <boost/dll/shared_library.hpp>
 
 #include <algorithm>
 #include <array>
@@ -20,10 +20,14 @@ namespace fs = std::filesystem;
 
 std::string_view to_string(CandidateStatus status) {
   switch (status) {
-    case CandidateStatus::available: return "available";
-    case CandidateStatus::rejected: return "rejected";
-    case CandidateStatus::shadowed: return "shadowed";
-    case CandidateStatus::ambiguous: return "ambiguous";
+    case CandidateStatus::available:
+      return "available";
+    case CandidateStatus::rejected:
+      return "rejected";
+    case CandidateStatus::shadowed:
+      return "shadowed";
+    case CandidateStatus::ambiguous:
+      return "ambiguous";
   }
   return "unknown";
 }
@@ -35,18 +39,30 @@ bool is_reserved_builtin_name(PluginKind kind, std::string_view name) {
   };
   // Built-ins that ship with Fulgur, today or as planned: third parties pick other names.
   static constexpr std::array kReserved = {
-      Reserved{PluginKind::accelerator, "cpu"},           Reserved{PluginKind::accelerator, "cuda"},
-      Reserved{PluginKind::strategy, "single_device"},    Reserved{PluginKind::strategy, "ddp"},
-      Reserved{PluginKind::strategy, "fsdp"},             Reserved{PluginKind::strategy, "deepspeed"},
-      Reserved{PluginKind::precision, "64-true"},         Reserved{PluginKind::precision, "32-true"},
-      Reserved{PluginKind::precision, "16-true"},         Reserved{PluginKind::precision, "bf16-true"},
-      Reserved{PluginKind::precision, "16-mixed"},        Reserved{PluginKind::precision, "bf16-mixed"},
-      Reserved{PluginKind::logger, "csv"},                Reserved{PluginKind::logger, "tensorboard"},
-      Reserved{PluginKind::profiler, "simple"},           Reserved{PluginKind::profiler, "advanced"},
-      Reserved{PluginKind::profiler, "pytorch"},          Reserved{PluginKind::callback, "model_checkpoint"},
-      Reserved{PluginKind::callback, "early_stopping"},   Reserved{PluginKind::callback, "progress_bar"},
-      Reserved{PluginKind::callback, "model_summary"},    Reserved{PluginKind::callback, "lr_monitor"},
-      Reserved{PluginKind::callback, "throughput_monitor"}, Reserved{PluginKind::callback, "device_stats"},
+      Reserved{PluginKind::accelerator, "cpu"},
+      Reserved{PluginKind::accelerator, "cuda"},
+      Reserved{PluginKind::strategy, "single_device"},
+      Reserved{PluginKind::strategy, "ddp"},
+      Reserved{PluginKind::strategy, "fsdp"},
+      Reserved{PluginKind::strategy, "deepspeed"},
+      Reserved{PluginKind::precision, "64-true"},
+      Reserved{PluginKind::precision, "32-true"},
+      Reserved{PluginKind::precision, "16-true"},
+      Reserved{PluginKind::precision, "bf16-true"},
+      Reserved{PluginKind::precision, "16-mixed"},
+      Reserved{PluginKind::precision, "bf16-mixed"},
+      Reserved{PluginKind::logger, "csv"},
+      Reserved{PluginKind::logger, "tensorboard"},
+      Reserved{PluginKind::profiler, "simple"},
+      Reserved{PluginKind::profiler, "advanced"},
+      Reserved{PluginKind::profiler, "pytorch"},
+      Reserved{PluginKind::callback, "model_checkpoint"},
+      Reserved{PluginKind::callback, "early_stopping"},
+      Reserved{PluginKind::callback, "progress_bar"},
+      Reserved{PluginKind::callback, "model_summary"},
+      Reserved{PluginKind::callback, "lr_monitor"},
+      Reserved{PluginKind::callback, "throughput_monitor"},
+      Reserved{PluginKind::callback, "device_stats"},
       Reserved{PluginKind::callback, "timer"},
   };
   return std::any_of(kReserved.begin(), kReserved.end(),
@@ -80,14 +96,14 @@ std::string writable_by_others(const fs::path& path) {
 std::vector<std::string> abi_tag_differences(const fulgur_abi_tag& plugin, const fulgur_abi_tag& host) {
   std::vector<std::string> out;
   if (plugin.cxx_interface_major != host.cxx_interface_major)
-    out.push_back(fmt::format("C++ interface version: plugin {}, host {}", plugin.cxx_interface_major,
-                              host.cxx_interface_major));
+    out.push_back(
+        fmt::format("C++ interface version: plugin {}, host {}", plugin.cxx_interface_major, host.cxx_interface_major));
   if (plugin.torch_major != host.torch_major || plugin.torch_minor != host.torch_minor)
     out.push_back(fmt::format("libtorch: plugin {}.{}, host {}.{}", plugin.torch_major, plugin.torch_minor,
                               host.torch_major, host.torch_minor));
   if (plugin.glibcxx_cxx11_abi != host.glibcxx_cxx11_abi)
-    out.push_back(fmt::format("_GLIBCXX_USE_CXX11_ABI: plugin {}, host {}", plugin.glibcxx_cxx11_abi,
-                              host.glibcxx_cxx11_abi));
+    out.push_back(
+        fmt::format("_GLIBCXX_USE_CXX11_ABI: plugin {}, host {}", plugin.glibcxx_cxx11_abi, host.glibcxx_cxx11_abi));
   if (plugin.stdlib != host.stdlib)
     out.push_back(fmt::format("C++ standard library: plugin {}, host {}",
                               plugin.stdlib == FULGUR_STDLIB_LIBCXX ? "libc++" : "libstdc++",
@@ -101,13 +117,15 @@ std::vector<std::string> abi_tag_differences(const fulgur_abi_tag& plugin, const
 std::string metadata_problem(const PluginMetadata& meta) {
   const fulgur_abi_tag& host = host_abi_tag();
   if (meta.abi_major != FULGUR_PLUGIN_ABI_MAJOR)
-    return fmt::format("built for plugin ABI {}.x, this host implements ABI {}.{}; rebuild the plugin against "
-                       "this Fulgur SDK (find_package(Fulgur))",
-                       meta.abi_major, FULGUR_PLUGIN_ABI_MAJOR, FULGUR_PLUGIN_ABI_MINOR);
+    return fmt::format(
+        "built for plugin ABI {}.x, this host implements ABI {}.{}; rebuild the plugin against "
+        "this Fulgur SDK (find_package(Fulgur))",
+        meta.abi_major, FULGUR_PLUGIN_ABI_MAJOR, FULGUR_PLUGIN_ABI_MINOR);
   if (meta.abi_minor > FULGUR_PLUGIN_ABI_MINOR)
-    return fmt::format("needs plugin ABI {}.{}, this host implements {}.{}; upgrade Fulgur or rebuild the plugin "
-                       "against this SDK",
-                       meta.abi_major, meta.abi_minor, FULGUR_PLUGIN_ABI_MAJOR, FULGUR_PLUGIN_ABI_MINOR);
+    return fmt::format(
+        "needs plugin ABI {}.{}, this host implements {}.{}; upgrade Fulgur or rebuild the plugin "
+        "against this SDK",
+        meta.abi_major, meta.abi_minor, FULGUR_PLUGIN_ABI_MAJOR, FULGUR_PLUGIN_ABI_MINOR);
   if (!is_valid_plugin_kind(static_cast<uint32_t>(meta.kind)))
     return fmt::format("declares unknown kind {}", static_cast<uint32_t>(meta.kind));
   if (!valid_plugin_name(meta.name))
@@ -205,14 +223,16 @@ void PluginRegistry::scan() {
           spdlog::debug("plugin scan: {} is not a Fulgur plugin", file.string());
           continue;
         case S::wrong_arch:
-          problems_.push_back({file, true, ErrorKind::plugin_rejected,
-                               fmt::format("wrong architecture: {}; rebuild the plugin for this machine", notes.detail)});
+          problems_.push_back(
+              {file, true, ErrorKind::plugin_rejected,
+               fmt::format("wrong architecture: {}; rebuild the plugin for this machine", notes.detail)});
           continue;
         case S::corrupt:
           problems_.push_back({file, true, ErrorKind::plugin_rejected,
                                fmt::format("{}; rebuild or reinstall the plugin", notes.detail)});
           continue;
-        case S::plugin: break;
+        case S::plugin:
+          break;
       }
       std::string file_writable = writable_by_others(file);
       for (PluginMetadata& meta : notes.plugins) {
@@ -222,10 +242,11 @@ void PluginRegistry::scan() {
         candidate.metadata = std::move(meta);
         std::string problem = metadata_problem(candidate.metadata);
         if (problem.empty() && !options_.allow_writable && (!file_writable.empty() || !dir_writable.empty())) {
-          problem = fmt::format("refused because the {} is {} (anyone who can write it can run code in this "
-                                "process); fix with chmod go-w, or set [plugins] allow_writable = true",
-                                file_writable.empty() ? "directory " + dir.path.string() : "file",
-                                file_writable.empty() ? dir_writable : file_writable);
+          problem = fmt::format(
+              "refused because the {} is {} (anyone who can write it can run code in this "
+              "process); fix with chmod go-w, or set [plugins] allow_writable = true",
+              file_writable.empty() ? "directory " + dir.path.string() : "file",
+              file_writable.empty() ? dir_writable : file_writable);
         }
         if (problem.empty() && dir.origin != "install" &&
             is_reserved_builtin_name(candidate.metadata.kind, candidate.metadata.name)) {
@@ -308,8 +329,8 @@ const PluginCandidate& PluginRegistry::resolve(PluginKind kind, std::string_view
   if (!broken.empty()) message += fmt::format("\nRefused plugin files:\n  {}", fmt::join(broken, "\n  "));
   std::vector<std::string> dirs;
   for (const auto& d : search_path_) dirs.push_back(fmt::format("{} ({})", d.path.string(), d.origin));
-  message += fmt::format("\nSearched: {}. Add a directory with [plugins] paths or FULGUR_PLUGIN_PATH.",
-                         fmt::join(dirs, ", "));
+  message +=
+      fmt::format("\nSearched: {}. Add a directory with [plugins] paths or FULGUR_PLUGIN_PATH.", fmt::join(dirs, ", "));
   throw Error(ErrorKind::plugin_not_found, message);
 }
 
@@ -336,10 +357,11 @@ const LoadedLibrary& load_library(const PluginCandidate& candidate) {
       hint = fmt::format("it was built for another ABI than this host's ({}); rebuild it against this Fulgur SDK",
                          host_abi_guard_symbol());
     else if (what.find("undefined symbol") != std::string::npos)
-      hint = "it references a symbol no loaded library provides; rebuild it with fulgur_add_plugin() "
-             "(links with --no-undefined) against this Fulgur and libtorch";
-    throw Error(ErrorKind::plugin_load, fmt::format("plugin {}: cannot be loaded: {}; {}", candidate.file.string(),
-                                                    what, hint));
+      hint =
+          "it references a symbol no loaded library provides; rebuild it with fulgur_add_plugin() "
+          "(links with --no-undefined) against this Fulgur and libtorch";
+    throw Error(ErrorKind::plugin_load,
+                fmt::format("plugin {}: cannot be loaded: {}; {}", candidate.file.string(), what, hint));
   }
   if (!loaded.library->has(FULGUR_PLUGIN_QUERY_SYMBOL))
     throw Error(ErrorKind::plugin_load,
@@ -371,17 +393,19 @@ const fulgur_plugin_desc& find_descriptor(const LoadedLibrary& library, const Pl
                             "file is corrupt or was edited after linking, rebuild it",
                             candidate.file.string(), describe(candidate.metadata.kind, candidate.metadata.name)));
   if (std::string mismatch = descriptor_mismatch(*found, candidate.metadata); !mismatch.empty())
-    throw Error(ErrorKind::plugin_load,
-                fmt::format("plugin {}: metadata mismatch for {}: {}; the file is corrupt or was edited after linking, "
-                            "rebuild it",
-                            candidate.file.string(), describe(candidate.metadata.kind, candidate.metadata.name),
-                            mismatch));
+    throw Error(
+        ErrorKind::plugin_load,
+        fmt::format("plugin {}: metadata mismatch for {}: {}; the file is corrupt or was edited after linking, "
+                    "rebuild it",
+                    candidate.file.string(), describe(candidate.metadata.kind, candidate.metadata.name), mismatch));
   return *found;
 }
 
 }  // namespace
 
-void PluginRegistry::load(const PluginCandidate& candidate) const { find_descriptor(load_library(candidate), candidate); }
+void PluginRegistry::load(const PluginCandidate& candidate) const {
+  find_descriptor(load_library(candidate), candidate);
+}
 
 PluginObject PluginRegistry::create(PluginKind kind, std::string_view name, const Options& options) const {
   const PluginCandidate& candidate = resolve(kind, name);

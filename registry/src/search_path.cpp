@@ -17,8 +17,10 @@ std::filesystem::path install_plugin_directory() {
 }
 
 std::filesystem::path user_plugin_directory() {
-  if (const char* data = std::getenv("XDG_DATA_HOME"); data && *data) return std::filesystem::path(data) / "fulgur/plugins";
-  if (const char* home = std::getenv("HOME"); home && *home) return std::filesystem::path(home) / ".local/share/fulgur/plugins";
+  if (const char* data = std::getenv("XDG_DATA_HOME"); data && *data)
+    return std::filesystem::path(data) / "fulgur/plugins";
+  if (const char* home = std::getenv("HOME"); home && *home)
+    return std::filesystem::path(home) / ".local/share/fulgur/plugins";
   return {};
 }
 

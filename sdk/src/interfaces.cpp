@@ -21,26 +21,32 @@ Communicator::~Communicator() = default;
 PendingCollective::~PendingCollective() = default;
 TrainerContext::~TrainerContext() = default;
 
-bool TrainerContext::is_global_zero() const {
-  return const_cast<TrainerContext*>(this)->strategy().is_global_zero();
-}
+bool TrainerContext::is_global_zero() const { return const_cast<TrainerContext*>(this)->strategy().is_global_zero(); }
 
 const char* to_string(Stage stage) {
   switch (stage) {
-    case Stage::fit: return "fit";
-    case Stage::validate: return "validate";
-    case Stage::test: return "test";
-    case Stage::predict: return "predict";
-    case Stage::sanity_check: return "sanity_check";
+    case Stage::fit:
+      return "fit";
+    case Stage::validate:
+      return "validate";
+    case Stage::test:
+      return "test";
+    case Stage::predict:
+      return "predict";
+    case Stage::sanity_check:
+      return "sanity_check";
   }
   return "unknown";
 }
 
 const char* to_string(RunStatus status) {
   switch (status) {
-    case RunStatus::success: return "success";
-    case RunStatus::failed: return "failed";
-    case RunStatus::interrupted: return "interrupted";
+    case RunStatus::success:
+      return "success";
+    case RunStatus::failed:
+      return "failed";
+    case RunStatus::interrupted:
+      return "interrupted";
   }
   return "unknown";
 }

@@ -8,12 +8,18 @@ namespace fulgur {
 
 std::string_view to_string(OptionType type) {
   switch (type) {
-    case OptionType::boolean: return "boolean";
-    case OptionType::integer: return "integer";
-    case OptionType::floating: return "float";
-    case OptionType::string: return "string";
-    case OptionType::string_list: return "array of strings";
-    case OptionType::float_list: return "array of floats";
+    case OptionType::boolean:
+      return "boolean";
+    case OptionType::integer:
+      return "integer";
+    case OptionType::floating:
+      return "float";
+    case OptionType::string:
+      return "string";
+    case OptionType::string_list:
+      return "array of strings";
+    case OptionType::float_list:
+      return "array of floats";
   }
   return "unknown";
 }
@@ -38,9 +44,9 @@ namespace {
 template <class T>
 const T& get_as(const Options& options, const OptionValue& value, std::string_view key, std::string_view wanted) {
   if (const T* v = std::get_if<T>(&value)) return *v;
-  throw Error(ErrorKind::config, fmt::format("{}: option '{}' holds {}, not {}",
-                                             options.owner().empty() ? "options" : options.owner(), key,
-                                             format_option_value(value), wanted));
+  throw Error(ErrorKind::config,
+              fmt::format("{}: option '{}' holds {}, not {}", options.owner().empty() ? "options" : options.owner(),
+                          key, format_option_value(value), wanted));
 }
 }  // namespace
 

@@ -49,7 +49,7 @@ struct PluginSelection {
 };
 
 struct Config {
-  std::filesystem::path file;  // empty when built in code
+  std::filesystem::path file;                       // empty when built in code
   std::vector<std::filesystem::path> plugin_paths;  // resolved against the TOML's directory
   bool allow_writable_plugins = false;
 
@@ -60,8 +60,8 @@ struct Config {
   std::optional<PluginSelection> profiler;
   std::vector<PluginSelection> loggers;
   std::vector<PluginSelection> callbacks;
-  Options model;  // [model] as given (integers, floats, strings, booleans, arrays)
-  Options data;   // [data] as given
+  Options model;          // [model] as given (integers, floats, strings, booleans, arrays)
+  Options data;           // [data] as given
   std::string log_level;  // [logging] level, overridden by FULGUR_LOG_LEVEL
 
   // Every selection in a fixed order: accelerator, strategy, precision, profiler, loggers, callbacks.

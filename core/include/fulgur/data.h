@@ -26,13 +26,31 @@ class BatchLoader {
 };
 
 struct TensorLoaderOptions {
-  TensorLoaderOptions& batch_size(int64_t v) { batch_size_ = v; return *this; }
-  TensorLoaderOptions& shuffle(bool v) { shuffle_ = v; return *this; }
-  TensorLoaderOptions& seed(uint64_t v) { seed_ = v; return *this; }
-  TensorLoaderOptions& drop_last(bool v) { drop_last_ = v; return *this; }
+  TensorLoaderOptions& batch_size(int64_t v) {
+    batch_size_ = v;
+    return *this;
+  }
+  TensorLoaderOptions& shuffle(bool v) {
+    shuffle_ = v;
+    return *this;
+  }
+  TensorLoaderOptions& seed(uint64_t v) {
+    seed_ = v;
+    return *this;
+  }
+  TensorLoaderOptions& drop_last(bool v) {
+    drop_last_ = v;
+    return *this;
+  }
   // Background threads assembling the next batches while the current one trains (0: inline).
-  TensorLoaderOptions& num_workers(int64_t v) { num_workers_ = v; return *this; }
-  TensorLoaderOptions& prefetch(int64_t v) { prefetch_ = v; return *this; }
+  TensorLoaderOptions& num_workers(int64_t v) {
+    num_workers_ = v;
+    return *this;
+  }
+  TensorLoaderOptions& prefetch(int64_t v) {
+    prefetch_ = v;
+    return *this;
+  }
 
   int64_t batch_size_ = 32;
   bool shuffle_ = false;

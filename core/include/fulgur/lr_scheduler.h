@@ -57,7 +57,7 @@ std::shared_ptr<LRScheduler> make_one_cycle(torch::optim::Optimizer& optimizer, 
                                             double final_div_factor = 1e4);
 // ReduceLROnPlateau: multiply lr by factor after `patience` non-improving steps (mode "min"/"max").
 std::shared_ptr<LRScheduler> make_reduce_on_plateau(torch::optim::Optimizer& optimizer, bool mode_max = false,
-                                                    double factor = 0.1, int64_t patience = 10,
-                                                    double threshold = 1e-4, double min_lr = 0.0);
+                                                    double factor = 0.1, int64_t patience = 10, double threshold = 1e-4,
+                                                    double min_lr = 0.0);
 
 }  // namespace fulgur

@@ -42,13 +42,34 @@ enum class Reduction { mean, sum, max, min };
 // How a value passed to Module::log is aggregated and where it goes (Lightning's self.log flags).
 struct LogOptions {
   // on_step / on_epoch default like Lightning: step-level in training, epoch-level in evaluation.
-  LogOptions& on_step(bool v) { on_step_ = v; return *this; }
-  LogOptions& on_epoch(bool v) { on_epoch_ = v; return *this; }
-  LogOptions& prog_bar(bool v) { prog_bar_ = v; return *this; }
-  LogOptions& logger(bool v) { logger_ = v; return *this; }
-  LogOptions& reduce(Reduction v) { reduce_ = v; return *this; }
-  LogOptions& sync_dist(bool v) { sync_dist_ = v; return *this; }
-  LogOptions& batch_size(int64_t v) { batch_size_ = v; return *this; }
+  LogOptions& on_step(bool v) {
+    on_step_ = v;
+    return *this;
+  }
+  LogOptions& on_epoch(bool v) {
+    on_epoch_ = v;
+    return *this;
+  }
+  LogOptions& prog_bar(bool v) {
+    prog_bar_ = v;
+    return *this;
+  }
+  LogOptions& logger(bool v) {
+    logger_ = v;
+    return *this;
+  }
+  LogOptions& reduce(Reduction v) {
+    reduce_ = v;
+    return *this;
+  }
+  LogOptions& sync_dist(bool v) {
+    sync_dist_ = v;
+    return *this;
+  }
+  LogOptions& batch_size(int64_t v) {
+    batch_size_ = v;
+    return *this;
+  }
 
   std::optional<bool> on_step_;
   std::optional<bool> on_epoch_;

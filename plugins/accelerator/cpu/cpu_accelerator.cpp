@@ -4,10 +4,10 @@
 #include <ATen/Parallel.h>
 #include <fmt/format.h>
 
-#include <fstream>
-#include <string>
 #include <sys/resource.h>
 #include <unistd.h>
+#include <fstream>
+#include <string>
 
 namespace {
 
@@ -27,7 +27,8 @@ class CpuAccelerator final : public fulgur::Accelerator {
     try {
       size_t used = 0;
       long n = std::stol(s, &used);
-      if (used == s.size() && n >= 1) return std::vector<c10::Device>(static_cast<size_t>(n), c10::Device(c10::DeviceType::CPU));
+      if (used == s.size() && n >= 1)
+        return std::vector<c10::Device>(static_cast<size_t>(n), c10::Device(c10::DeviceType::CPU));
     } catch (const std::exception&) {
     }
     throw fulgur::Error(fulgur::ErrorKind::config,
@@ -53,7 +54,8 @@ class CpuAccelerator final : public fulgur::Accelerator {
     std::ifstream statm("/proc/self/statm");
     long pages_total = 0, pages_resident = 0;
     if (statm >> pages_total >> pages_resident)
-      stats["rss_mb"] = static_cast<double>(pages_resident) * static_cast<double>(sysconf(_SC_PAGESIZE)) / (1024.0 * 1024.0);
+      stats["rss_mb"] =
+          static_cast<double>(pages_resident) * static_cast<double>(sysconf(_SC_PAGESIZE)) / (1024.0 * 1024.0);
     stats["num_threads"] = at::get_num_threads();
     return stats;
   }

@@ -52,7 +52,11 @@ typedef enum fulgur_option_type {
   FULGUR_OPTION_FLOAT_LIST = 6
 } fulgur_option_type;
 
-typedef enum fulgur_stdlib { FULGUR_STDLIB_UNKNOWN = 0, FULGUR_STDLIB_LIBSTDCXX = 1, FULGUR_STDLIB_LIBCXX = 2 } fulgur_stdlib;
+typedef enum fulgur_stdlib {
+  FULGUR_STDLIB_UNKNOWN = 0,
+  FULGUR_STDLIB_LIBSTDCXX = 1,
+  FULGUR_STDLIB_LIBCXX = 2
+} fulgur_stdlib;
 
 /* Everything that must equal the host's for the C++ layer behind `create` to be safe. */
 typedef struct fulgur_abi_tag {
@@ -88,7 +92,7 @@ typedef struct fulgur_plugin_desc {
   uint32_t struct_size;
   uint32_t abi_major;
   uint32_t abi_minor;
-  uint32_t kind; /* fulgur_kind */
+  uint32_t kind;           /* fulgur_kind */
   const char* name;        /* [a-z0-9_.-]{1,63}, unique per kind; what the TOML refers to */
   const char* version;     /* the plugin's own version */
   const char* description; /* one line */

@@ -44,18 +44,18 @@
 // named after the host's ABI; every plugin references the one named after its own. A mismatched
 // plugin that bypasses the registry's checks still fails at load with an undefined symbol whose
 // name says what differs, e.g. `fulgur_abi_v1_iface1_torch2_10_cxx11abi1`.
-#define FULGUR_ABI_GUARD                                                                         \
-  FULGUR_PP_CAT(                                                                                 \
-      FULGUR_PP_CAT(                                                                             \
-          FULGUR_PP_CAT(                                                                         \
-              FULGUR_PP_CAT(                                                                     \
-                  FULGUR_PP_CAT(FULGUR_PP_CAT(FULGUR_PP_CAT(FULGUR_PP_CAT(fulgur_abi_v, FULGUR_PLUGIN_ABI_MAJOR), \
-                                                            _iface),                             \
-                                              FULGUR_CXX_INTERFACE_MAJOR),                       \
-                                _torch),                                                         \
-                  FULGUR_ABI_TORCH_MAJOR),                                                       \
-              _),                                                                                \
-          FULGUR_ABI_TORCH_MINOR),                                                               \
+#define FULGUR_ABI_GUARD                                                                                         \
+  FULGUR_PP_CAT(                                                                                                 \
+      FULGUR_PP_CAT(                                                                                             \
+          FULGUR_PP_CAT(                                                                                         \
+              FULGUR_PP_CAT(                                                                                     \
+                  FULGUR_PP_CAT(                                                                                 \
+                      FULGUR_PP_CAT(FULGUR_PP_CAT(FULGUR_PP_CAT(fulgur_abi_v, FULGUR_PLUGIN_ABI_MAJOR), _iface), \
+                                    FULGUR_CXX_INTERFACE_MAJOR),                                                 \
+                      _torch),                                                                                   \
+                  FULGUR_ABI_TORCH_MAJOR),                                                                       \
+              _),                                                                                                \
+          FULGUR_ABI_TORCH_MINOR),                                                                               \
       FULGUR_PP_CAT(_, FULGUR_ABI_CXX11_TOKEN))
 
 namespace fulgur::detail {

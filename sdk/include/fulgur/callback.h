@@ -95,7 +95,8 @@ class FULGUR_SDK_API Callback {
   virtual void on_predict_epoch_start(TrainerContext&) {}
   virtual void on_predict_epoch_end(TrainerContext&) {}
   virtual void on_predict_batch_start(TrainerContext&, const Batch&, int64_t /*batch_idx*/) {}
-  virtual void on_predict_batch_end(TrainerContext&, const at::Tensor& /*prediction*/, const Batch&, int64_t /*batch_idx*/) {}
+  virtual void on_predict_batch_end(TrainerContext&, const at::Tensor& /*prediction*/, const Batch&,
+                                    int64_t /*batch_idx*/) {}
   virtual void on_before_backward(TrainerContext&, const at::Tensor& /*loss*/) {}
   virtual void on_after_backward(TrainerContext&) {}
   // Gradients are unscaled (true values) when this runs.

@@ -11,11 +11,11 @@
 namespace fulgur {
 
 enum class ErrorKind {
-  config,          // TOML syntax, unknown key, wrong type, bad value
+  config,  // TOML syntax, unknown key, wrong type, bad value
   plugin_not_found,
-  plugin_rejected, // metadata phase: ABI, torch tag, architecture, permissions, reserved name
-  plugin_load,     // dlopen failed, entry point missing, descriptor inconsistent
-  plugin_create,   // the factory reported an error
+  plugin_rejected,  // metadata phase: ABI, torch tag, architecture, permissions, reserved name
+  plugin_load,      // dlopen failed, entry point missing, descriptor inconsistent
+  plugin_create,    // the factory reported an error
   plugin_ambiguous,
   checkpoint,
   io,

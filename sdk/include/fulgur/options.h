@@ -25,8 +25,7 @@ enum class OptionType : uint32_t {
 
 FULGUR_SDK_API std::string_view to_string(OptionType type);
 
-using OptionValue =
-    std::variant<bool, int64_t, double, std::string, std::vector<std::string>, std::vector<double>>;
+using OptionValue = std::variant<bool, int64_t, double, std::string, std::vector<std::string>, std::vector<double>>;
 
 class FULGUR_SDK_API Options {
  public:

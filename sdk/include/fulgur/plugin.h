@@ -58,24 +58,30 @@ namespace detail {
 
 template <class T>
 constexpr uint32_t kind_of() {
-  if constexpr (std::is_base_of_v<Accelerator, T>) return FULGUR_KIND_ACCELERATOR;
-  else if constexpr (std::is_base_of_v<Strategy, T>) return FULGUR_KIND_STRATEGY;
-  else if constexpr (std::is_base_of_v<Precision, T>) return FULGUR_KIND_PRECISION;
-  else if constexpr (std::is_base_of_v<Logger, T>) return FULGUR_KIND_LOGGER;
-  else if constexpr (std::is_base_of_v<Profiler, T>) return FULGUR_KIND_PROFILER;
-  else if constexpr (std::is_base_of_v<Callback, T>) return FULGUR_KIND_CALLBACK;
-  else static_assert(sizeof(T) == 0, "a Fulgur plugin class must derive from one of the six interfaces");
+  if constexpr (std::is_base_of_v<Accelerator, T>)
+    return FULGUR_KIND_ACCELERATOR;
+  else if constexpr (std::is_base_of_v<Strategy, T>)
+    return FULGUR_KIND_STRATEGY;
+  else if constexpr (std::is_base_of_v<Precision, T>)
+    return FULGUR_KIND_PRECISION;
+  else if constexpr (std::is_base_of_v<Logger, T>)
+    return FULGUR_KIND_LOGGER;
+  else if constexpr (std::is_base_of_v<Profiler, T>)
+    return FULGUR_KIND_PROFILER;
+  else if constexpr (std::is_base_of_v<Callback, T>)
+    return FULGUR_KIND_CALLBACK;
+  else
+    static_assert(sizeof(T) == 0, "a Fulgur plugin class must derive from one of the six interfaces");
 }
 
 template <class T>
 using interface_of = std::conditional_t<
     std::is_base_of_v<Accelerator, T>, Accelerator,
-    std::conditional_t<
-        std::is_base_of_v<Strategy, T>, Strategy,
-        std::conditional_t<
-            std::is_base_of_v<Precision, T>, Precision,
-            std::conditional_t<std::is_base_of_v<Logger, T>, Logger,
-                               std::conditional_t<std::is_base_of_v<Profiler, T>, Profiler, Callback>>>>>;
+    std::conditional_t<std::is_base_of_v<Strategy, T>, Strategy,
+                       std::conditional_t<std::is_base_of_v<Precision, T>, Precision,
+                                          std::conditional_t<std::is_base_of_v<Logger, T>, Logger,
+                                                             std::conditional_t<std::is_base_of_v<Profiler, T>,
+                                                                                Profiler, Callback>>>>>;
 
 template <class... O>
 constexpr std::array<OptionSpec, sizeof...(O)> make_options(O... options) {
@@ -95,8 +101,7 @@ template <class Spec>
 constexpr size_t note_strings_size() {
   size_t n = cstr_bytes(Spec::name) + cstr_bytes(Spec::version) + cstr_bytes(Spec::description);
   for (const OptionSpec& o : Spec::options)
-    n += cstr_bytes(o.key) + cstr_bytes(o.default_value ? o.default_value : kRequiredMarker) +
-         cstr_bytes(o.help);
+    n += cstr_bytes(o.key) + cstr_bytes(o.default_value ? o.default_value : kRequiredMarker) + cstr_bytes(o.help);
   return n;
 }
 
@@ -243,19 +248,19 @@ namespace {
 [[gnu::used]] const int* const fulgur_abi_guard_reference = &FULGUR_ABI_GUARD;
 }  // namespace
 
-#define FULGUR_PLUGIN_IMPL(Class, Name, Version, Description, Id, ...)                                  \
-  namespace {                                                                                           \
-  struct FULGUR_PP_CAT(fulgur_spec_, Id) {                                                              \
-    using type = Class;                                                                                 \
-    static constexpr const char* name = Name;                                                           \
-    static constexpr const char* version = Version;                                                     \
-    static constexpr const char* description = Description;                                             \
-    static constexpr auto options = ::fulgur::detail::make_options(__VA_ARGS__);                        \
-  };                                                                                                    \
-  [[gnu::section(".note.fulgur.plugin"), gnu::used, gnu::aligned(4)]] constexpr auto FULGUR_PP_CAT(fulgur_note_, Id) =   \
-      ::fulgur::detail::make_note<FULGUR_PP_CAT(fulgur_spec_, Id)>();                                   \
-  const ::fulgur::detail::Registrar FULGUR_PP_CAT(fulgur_registrar_, Id){                               \
-      &::fulgur::detail::Descriptor<FULGUR_PP_CAT(fulgur_spec_, Id)>::desc};                            \
+#define FULGUR_PLUGIN_IMPL(Class, Name, Version, Description, Id, ...)                                                 \
+  namespace {                                                                                                          \
+  struct FULGUR_PP_CAT(fulgur_spec_, Id) {                                                                             \
+    using type = Class;                                                                                                \
+    static constexpr const char* name = Name;                                                                          \
+    static constexpr const char* version = Version;                                                                    \
+    static constexpr const char* description = Description;                                                            \
+    static constexpr auto options = ::fulgur::detail::make_options(__VA_ARGS__);                                       \
+  };                                                                                                                   \
+  [[gnu::section(".note.fulgur.plugin"), gnu::used, gnu::aligned(4)]] constexpr auto FULGUR_PP_CAT(fulgur_note_, Id) = \
+      ::fulgur::detail::make_note<FULGUR_PP_CAT(fulgur_spec_, Id)>();                                                  \
+  const ::fulgur::detail::Registrar FULGUR_PP_CAT(fulgur_registrar_, Id){                                              \
+      &::fulgur::detail::Descriptor<FULGUR_PP_CAT(fulgur_spec_, Id)>::desc};                                           \
   }
 
 // FULGUR_PLUGIN(Class, "name", "version", "description", FULGUR_OPTION(...)...)

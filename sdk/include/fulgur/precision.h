@@ -22,8 +22,7 @@ class FULGUR_SDK_API Precision {
   // Brings gradients back to their true values (idempotent per step); called before
   // on_before_optimizer_step callbacks and before clipping.
   virtual void unscale_gradients(torch::optim::Optimizer& optimizer) = 0;
-  virtual void clip_gradients(torch::optim::Optimizer& optimizer, double clip_value,
-                              GradClipAlgorithm algorithm) = 0;
+  virtual void clip_gradients(torch::optim::Optimizer& optimizer, double clip_value, GradClipAlgorithm algorithm) = 0;
   // Steps the optimizer unless gradients are not finite; returns whether it stepped.
   virtual bool optimizer_step(torch::optim::Optimizer& optimizer) = 0;
   // Scaler state for checkpoints (an empty dict when stateless).

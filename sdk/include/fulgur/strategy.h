@@ -19,9 +19,9 @@ class Precision;
 
 struct StrategyEnvironment {
   Accelerator* accelerator = nullptr;
-  std::vector<c10::Device> devices;     // what the accelerator parsed from `devices`
-  ClusterInfo cluster;                  // from the detected cluster environment
-  Communicator* communicator = nullptr; // null when world_size == 1
+  std::vector<c10::Device> devices;      // what the accelerator parsed from `devices`
+  ClusterInfo cluster;                   // from the detected cluster environment
+  Communicator* communicator = nullptr;  // null when world_size == 1
 };
 
 class FULGUR_SDK_API Strategy {

@@ -29,8 +29,8 @@ bool is_valid_plugin_kind(uint32_t kind);
 struct OptionSchema {
   std::string key;
   OptionType type = OptionType::string;
-  std::string default_text;                 // TOML value text, empty when required
-  std::optional<OptionValue> default_value; // parsed; nullopt = required
+  std::string default_text;                  // TOML value text, empty when required
+  std::optional<OptionValue> default_value;  // parsed; nullopt = required
   std::string help;
 };
 
@@ -50,11 +50,11 @@ struct PluginMetadata {
 // What reading a file's notes found.
 struct NoteReadResult {
   enum class Status {
-    plugin,          // one or more Fulgur notes
-    not_elf,         // not an ELF file at all
-    not_plugin,      // ELF without a Fulgur note
-    wrong_arch,      // ELF for another class/endianness/machine
-    corrupt,         // truncated or inconsistent headers or note
+    plugin,      // one or more Fulgur notes
+    not_elf,     // not an ELF file at all
+    not_plugin,  // ELF without a Fulgur note
+    wrong_arch,  // ELF for another class/endianness/machine
+    corrupt,     // truncated or inconsistent headers or note
   };
   Status status = Status::not_elf;
   std::string detail;  // for wrong_arch / corrupt: what exactly

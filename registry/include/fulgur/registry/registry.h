@@ -21,9 +21,9 @@ struct SearchDirectory {
 
 struct SearchPathOptions {
   std::vector<std::filesystem::path> config_paths;  // already resolved against the TOML's directory
-  bool use_environment = true;                       // FULGUR_PLUGIN_PATH
-  bool use_user_directory = true;                    // $XDG_DATA_HOME/fulgur/plugins
-  bool use_install_directory = true;                 // <dir of libfulgur_registry.so>/fulgur/plugins
+  bool use_environment = true;                      // FULGUR_PLUGIN_PATH
+  bool use_user_directory = true;                   // $XDG_DATA_HOME/fulgur/plugins
+  bool use_install_directory = true;                // <dir of libfulgur_registry.so>/fulgur/plugins
 };
 
 // The search path in precedence order: config, FULGUR_PLUGIN_PATH, user dir, install dir.
@@ -40,7 +40,7 @@ struct PluginCandidate {
   PluginMetadata metadata;
   CandidateStatus status = CandidateStatus::available;
   ErrorKind error_kind = ErrorKind::plugin_rejected;  // when rejected
-  std::string reason;  // why rejected / shadowed by what / ambiguous with what
+  std::string reason;                                 // why rejected / shadowed by what / ambiguous with what
 };
 
 // A file on the search path that is not a usable plugin library at all.

@@ -1,0 +1,105 @@
+// Fashion-MNIST for Fulgur: an IDX reader, a DataModule and two classifiers (a small CNN and an
+// MLP). The example program, the tests and the step-time benchmark all use this library, so the
+// header stays cheap to include (no <torch/torch.h>; the layers live in fashion_mnist.cpp).
+#pragma once
+
+#include <fulgur/data.h>
+#include <fulgur/module.h>
+
+#include <cstdint>
+#include <filesystem>
+#include <memory>
+#include <string>
+
+namespace fulgur::examples {
+
+// Where the Debian package dataset-fashion-mnist installs the gzipped IDX files.
+inline constexpr const char* kFashionMnistDefaultDir = "/usr/share/datasets/fashion-mnist";
+inline constexpr int64_t kFashionMnistClasses = 10;
+// Mean and standard deviation of the training pixels (scaled to [0, 1]).
+inline constexpr double kFashionMnistMean = 0.2860;
+inline constexpr double kFashionMnistStd = 0.3530;
+
+// Reads one IDX file, gzipped (`name.gz`, preferred) or plain (`name`, as torchvision leaves it
+// after extracting). Checks the magic number (unsigned bytes, `expected_dims` dimensions) and that
+// the payload is exactly the size the header announces. Returns a uint8 tensor of the header's
+// shape. Throws fulgur::Error(io) naming the file.
+at::Tensor read_idx(const std::filesystem::path& file, int64_t expected_dims);
+
+struct FashionMnistSplit {
+  at::Tensor images;  // float32 [N, 1, 28, 28], normalized: (x / 255 - mean) / std
+  at::Tensor labels;  // int64 [N], values in [0, 10)
+};
+
+// Loads the training (60000 images) or test (10000 images) split from `dir`.
+FashionMnistSplit load_fashion_mnist(const std::filesystem::path& dir, bool train);
+
+// [data] hyperparameters:
+//   dir         directory with the IDX files (default kFashionMnistDefaultDir)
+//   batch_size  64
+//   num_workers 0     background threads assembling batches
+//   val_split   5000  training images held out for validation (0: no validation loader)
+//   seed        42    fixes which images are held out and the shuffling order
+// Unknown keys are rejected with a suggestion, like the Trainer's own tables.
+class FashionMnistDataModule : public DataModule {
+ public:
+  explicit FashionMnistDataModule(Options hparams = {});
+
+  void setup(Stage stage) override;
+  std::unique_ptr<BatchLoader> train_loader() override;
+  std::unique_ptr<BatchLoader> val_loader() override;
+  std::unique_ptr<BatchLoader> test_loader() override;
+  // The test images, in order.
+  std::unique_ptr<BatchLoader> predict_loader() override;
+
+  int64_t batch_size() const { return batch_size_; }
+  const FashionMnistSplit& train_split() const { return train_; }
+  const FashionMnistSplit& val_split() const { return val_; }
+  const FashionMnistSplit& test_split() const { return test_; }
+
+ private:
+  std::unique_ptr<BatchLoader> loader(const FashionMnistSplit& split, bool shuffle, const char* stage) const;
+
+  std::filesystem::path dir_;
+  int64_t batch_size_ = 64;
+  int64_t num_workers_ = 0;
+  int64_t val_count_ = 5000;
+  uint64_t seed_ = 42;
+  FashionMnistSplit train_, val_, test_;
+};
+
+// Common steps of both classifiers. [model] hyperparameters:
+//   arch          "cnn" or "mlp" (used by make_fashion_mnist_model)
+//   optimizer     "adam" (default) or "sgd"
+//   lr            1e-3
+//   weight_decay  0.0
+//   momentum      0.9   (sgd only)
+//   dropout       0.25  (cnn only)
+// training_step logs train/loss (progress bar); validation_step val/loss and val/acc (progress
+// bar); test_step test/loss and test/acc; predict_step returns the logits [B, 10].
+class FashionMnistClassifier : public Module {
+ public:
+  explicit FashionMnistClassifier(Options hparams);
+
+  // Logits [B, 10] for images [B, 1, 28, 28].
+  virtual at::Tensor forward(const at::Tensor& images) = 0;
+
+  StepOutput training_step(const Batch& batch, int64_t batch_idx) override;
+  StepOutput validation_step(const Batch& batch, int64_t batch_idx) override;
+  StepOutput test_step(const Batch& batch, int64_t batch_idx) override;
+  at::Tensor predict_step(const Batch& batch, int64_t batch_idx) override;
+  std::vector<OptimizerConfig> configure_optimizers() override;
+
+  // The optimizer configure_optimizers() returns, also used by the benchmark's hand-written loop
+  // so that both sides step the same way.
+  std::shared_ptr<torch::optim::Optimizer> make_optimizer();
+
+ private:
+  StepOutput evaluate(const Batch& batch, const char* loss_name, const char* acc_name, bool prog_bar);
+};
+
+// Builds the classifier that [model] arch names ("cnn" by default). Throws fulgur::Error(config)
+// for an unknown arch or key, or a hyperparameter of the wrong type.
+std::shared_ptr<FashionMnistClassifier> make_fashion_mnist_model(const Options& hparams);
+
+}  // namespace fulgur::examples

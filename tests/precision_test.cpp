@@ -1,0 +1,423 @@
+// The built-in precisions beyond 32-true, loaded through the registry as the Trainer loads them:
+// bf16-mixed (autocast scope), 16-mixed (loss scaler: skip on inf, backoff, growth, state,
+// clipping on unscaled gradients), 64-true / bf16-true / 16-true (dtype conversion), and short
+// end-to-end fits through the Trainer.
+#include "test_support.h"
+
+#include <fulgur/config.h>
+#include <fulgur/data.h>
+#include <fulgur/module.h>
+#include <fulgur/precision.h>
+#include <fulgur/registry/registry.h>
+#include <fulgur/trainer.h>
+
+#include <ATen/autocast_mode.h>
+#include <ATen/core/Dict.h>
+#include <ATen/core/ivalue.h>
+#include <c10/core/DefaultDtype.h>
+#include <fmt/format.h>
+#include <torch/torch.h>
+
+namespace fulgur {
+namespace {
+
+using test::error_from;
+using test::TempDir;
+
+PluginRegistry& registry() {
+  static PluginRegistry instance(plugin_search_path({}));
+  return instance;
+}
+
+// Every schema default, then `overrides` (as the config loader does).
+Options options_for(std::string_view name, const std::map<std::string, OptionValue>& overrides = {}) {
+  Options options(fmt::format("precision '{}'", name));
+  for (const OptionSchema& schema : registry().resolve(PluginKind::precision, name).metadata.options) {
+    REQUIRE_MESSAGE(schema.default_value.has_value(), "option without default: " << schema.key);
+    options.set(schema.key, *schema.default_value);
+  }
+  for (const auto& [key, value] : overrides) {
+    REQUIRE_MESSAGE(registry().resolve(PluginKind::precision, name).metadata.find_option(key) != nullptr,
+                    "no option " << key);
+    options.set(key, value);
+  }
+  return options;
+}
+
+std::shared_ptr<Precision> precision(std::string_view name, const std::map<std::string, OptionValue>& overrides = {}) {
+  return plugin_cast<Precision>(registry().create(PluginKind::precision, name, options_for(name, overrides)));
+}
+
+double scale_of(Precision& p) {
+  c10::IValue state;
+  p.state_dict(state);
+  REQUIRE(state.isGenericDict());
+  return state.toGenericDict().at("scale").toDouble();
+}
+
+int64_t tracker_of(Precision& p) {
+  c10::IValue state;
+  p.state_dict(state);
+  return state.toGenericDict().at("growth_tracker").toInt();
+}
+
+std::vector<at::Tensor> snapshot(torch::nn::Module& m) {
+  std::vector<at::Tensor> out;
+  for (const at::Tensor& p : m.parameters()) out.push_back(p.detach().clone());
+  return out;
+}
+
+bool same(const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& b) {
+  if (a.size() != b.size()) return false;
+  for (size_t i = 0; i < a.size(); ++i)
+    if (!torch::equal(a[i], b[i])) return false;
+  return true;
+}
+
+// One fp32 backward of the scaled loss (no autocast, so gradients are exact multiples).
+void scaled_backward(Precision& p, torch::nn::Linear& model, const at::Tensor& x) {
+  at::Tensor loss = model->forward(x).pow(2).mean();
+  p.scale_loss(loss).backward();
+}
+
+}  // namespace
+
+// ----------------------------------------------------------------------------------------------
+// bf16-mixed
+
+TEST_CASE("bf16-mixed: bf16 compute inside the scope, fp32 outside, fp32 weights, state restored") {
+  auto p = precision("bf16-mixed");
+  torch::manual_seed(0);
+  torch::nn::Linear linear(4, 3);
+  p->convert_module(*linear);
+  CHECK((linear->weight.scalar_type() == at::kFloat));
+  const at::Tensor x = torch::randn({2, 4});
+  fulgur::Batch batch{x, torch::tensor({0, 1})};
+  p->convert_input(batch);
+  CHECK((batch.input.scalar_type() == at::kFloat));
+
+  REQUIRE_FALSE(at::autocast::is_autocast_enabled(c10::DeviceType::CPU));
+  const at::ScalarType dtype_before = at::autocast::get_autocast_dtype(c10::DeviceType::CPU);
+  {
+    PrecisionScope scope(*p);
+    CHECK(at::autocast::is_autocast_enabled(c10::DeviceType::CPU));
+    CHECK((linear->forward(x).scalar_type() == at::kBFloat16));
+    {
+      PrecisionScope inner(*p);  // nested scopes leave the outer one intact
+      CHECK((linear->forward(x).scalar_type() == at::kBFloat16));
+    }
+    CHECK(at::autocast::is_autocast_enabled(c10::DeviceType::CPU));
+    CHECK((linear->forward(x).scalar_type() == at::kBFloat16));
+  }
+  CHECK_FALSE(at::autocast::is_autocast_enabled(c10::DeviceType::CPU));
+  CHECK((at::autocast::get_autocast_dtype(c10::DeviceType::CPU) == dtype_before));
+  CHECK((linear->forward(x).scalar_type() == at::kFloat));
+  CHECK((linear->weight.scalar_type() == at::kFloat));
+
+  // Backward through the bf16 forward gives fp32 gradients; the optimizer steps fp32 weights.
+  torch::optim::SGD sgd(linear->parameters(), torch::optim::SGDOptions(0.1));
+  at::Tensor loss;
+  {
+    PrecisionScope scope(*p);
+    loss = linear->forward(x).pow(2).mean();
+  }
+  p->scale_loss(loss).backward();
+  CHECK((linear->weight.grad().scalar_type() == at::kFloat));
+  p->unscale_gradients(sgd);
+  CHECK(p->optimizer_step(sgd));
+  CHECK((linear->weight.scalar_type() == at::kFloat));
+
+  c10::IValue state;
+  p->state_dict(state);
+  CHECK(state.isGenericDict());
+  CHECK(state.toGenericDict().empty());
+  p->load_state_dict(state);
+}
+
+// ----------------------------------------------------------------------------------------------
+// 16-mixed
+
+TEST_CASE("16-mixed: scaled loss, unscale once, skip on inf, back off, grow after growth_interval") {
+  auto p = precision("16-mixed", {{"init_scale", 1024.0}, {"growth_interval", int64_t{3}}});
+  torch::manual_seed(1);
+  torch::nn::Linear model(4, 2);
+  torch::nn::Linear reference(4, 2);
+  {
+    torch::NoGradGuard no_grad;
+    reference->weight.copy_(model->weight);
+    reference->bias.copy_(model->bias);
+  }
+  p->convert_module(*model);  // CPU: warns and autocasts to bf16 in the scope
+  torch::optim::SGD sgd(model->parameters(), torch::optim::SGDOptions(0.1));
+  const at::Tensor x = torch::randn({8, 4});
+  CHECK(scale_of(*p) == 1024.0);
+  CHECK(tracker_of(*p) == 0);
+
+  // The loss is multiplied by the scale; unscaling recovers the true gradients, once.
+  const at::Tensor loss = model->forward(x).pow(2).mean();
+  CHECK(p->scale_loss(loss).item<double>() == doctest::Approx(loss.item<double>() * 1024.0));
+  sgd.zero_grad();
+  scaled_backward(*p, model, x);
+  reference->zero_grad();
+  reference->forward(x).pow(2).mean().backward();
+  CHECK(torch::allclose(model->weight.grad(), reference->weight.grad() * 1024.0));
+  p->unscale_gradients(sgd);
+  CHECK(torch::allclose(model->weight.grad(), reference->weight.grad()));
+  p->unscale_gradients(sgd);  // idempotent within a step
+  CHECK(torch::allclose(model->weight.grad(), reference->weight.grad()));
+  std::vector<at::Tensor> before = snapshot(*model);
+  CHECK(p->optimizer_step(sgd));
+  CHECK_FALSE(same(before, snapshot(*model)));
+  CHECK(scale_of(*p) == 1024.0);
+  CHECK(tracker_of(*p) == 1);
+
+  // Injected inf: the step is skipped, parameters unchanged, the scale halves, the tracker resets.
+  for (const at::Tensor& bad : {torch::tensor(std::numeric_limits<float>::infinity()),
+                                torch::tensor(std::numeric_limits<float>::quiet_NaN())}) {
+    sgd.zero_grad();
+    scaled_backward(*p, model, x);
+    {
+      torch::NoGradGuard no_grad;
+      model->bias.grad()[0] = bad;
+    }
+    before = snapshot(*model);
+    const double scale = scale_of(*p);
+    CHECK_FALSE(p->optimizer_step(sgd));  // unscales itself when the Trainer did not
+    CHECK(same(before, snapshot(*model)));
+    CHECK(scale_of(*p) == scale * 0.5);
+    CHECK(tracker_of(*p) == 0);
+  }
+  CHECK(scale_of(*p) == 256.0);
+
+  // growth_interval (3) good steps in a row double it again.
+  for (int step = 1; step <= 3; ++step) {
+    sgd.zero_grad();
+    scaled_backward(*p, model, x);
+    p->unscale_gradients(sgd);
+    CHECK(p->optimizer_step(sgd));
+    CHECK(scale_of(*p) == (step < 3 ? 256.0 : 512.0));
+    CHECK(tracker_of(*p) == (step < 3 ? step : 0));
+  }
+}
+
+TEST_CASE("16-mixed: state_dict / load_state_dict round-trip restores the scale") {
+  auto p = precision("16-mixed", {{"init_scale", 64.0}});
+  torch::nn::Linear model(3, 1);
+  p->convert_module(*model);
+  torch::optim::SGD sgd(model->parameters(), torch::optim::SGDOptions(0.1));
+  const at::Tensor x = torch::randn({4, 3});
+  scaled_backward(*p, model, x);
+  {
+    torch::NoGradGuard no_grad;
+    model->weight.grad().fill_(std::numeric_limits<float>::infinity());
+  }
+  CHECK_FALSE(p->optimizer_step(sgd));
+  sgd.zero_grad();
+  scaled_backward(*p, model, x);
+  CHECK(p->optimizer_step(sgd));
+  c10::IValue state;
+  p->state_dict(state);
+  REQUIRE(state.isGenericDict());
+  CHECK(state.toGenericDict().at("scale").toDouble() == 32.0);
+  CHECK(state.toGenericDict().at("growth_tracker").toInt() == 1);
+
+  auto fresh = precision("16-mixed");
+  CHECK(scale_of(*fresh) == 65536.0);
+  fresh->load_state_dict(state);
+  CHECK(scale_of(*fresh) == 32.0);
+  CHECK(tracker_of(*fresh) == 1);
+  const at::Tensor loss = torch::tensor(2.0f);
+  CHECK(fresh->scale_loss(loss).item<double>() == 64.0);
+
+  // A checkpoint without scaler state (32-true) keeps the scale; malformed state fails clearly.
+  fresh->load_state_dict(c10::impl::GenericDict(c10::StringType::get(), c10::AnyType::get()));
+  CHECK(scale_of(*fresh) == 32.0);
+  c10::impl::GenericDict bad(c10::StringType::get(), c10::AnyType::get());
+  bad.insert("scale", std::string("big"));
+  bad.insert("growth_tracker", int64_t{0});
+  CHECK(error_from([&] { fresh->load_state_dict(bad); }).kind() == ErrorKind::checkpoint);
+  CHECK(error_from([&] { fresh->load_state_dict(c10::IValue(int64_t{3})); }).kind() == ErrorKind::checkpoint);
+  CHECK(scale_of(*fresh) == 32.0);
+}
+
+TEST_CASE("16-mixed: clipping acts on unscaled gradients, like clip_grad_norm_/clip_grad_value_") {
+  for (GradClipAlgorithm algorithm : {GradClipAlgorithm::norm, GradClipAlgorithm::value}) {
+    for (bool trainer_unscales : {true, false}) {
+      CAPTURE(static_cast<int>(algorithm));
+      CAPTURE(trainer_unscales);
+      auto p = precision("16-mixed", {{"init_scale", 4096.0}});
+      torch::manual_seed(2);
+      torch::nn::Linear model(5, 3);
+      torch::nn::Linear reference(5, 3);
+      {
+        torch::NoGradGuard no_grad;
+        reference->weight.copy_(model->weight);
+        reference->bias.copy_(model->bias);
+      }
+      p->convert_module(*model);
+      torch::optim::SGD sgd(model->parameters(), torch::optim::SGDOptions(0.1));
+      const at::Tensor x = torch::randn({6, 5}) * 10;
+      scaled_backward(*p, model, x);
+      reference->forward(x).pow(2).mean().backward();
+      if (trainer_unscales) p->unscale_gradients(sgd);
+      const double clip = algorithm == GradClipAlgorithm::norm ? 0.5 : 0.05;
+      p->clip_gradients(sgd, clip, algorithm);
+      if (algorithm == GradClipAlgorithm::norm)
+        torch::nn::utils::clip_grad_norm_(reference->parameters(), clip);
+      else
+        torch::nn::utils::clip_grad_value_(reference->parameters(), clip);
+      CHECK(torch::allclose(model->weight.grad(), reference->weight.grad(), 1e-5, 1e-6));
+      CHECK(torch::allclose(model->bias.grad(), reference->bias.grad(), 1e-5, 1e-6));
+      p->unscale_gradients(sgd);  // the Trainer's call after clipping changes nothing
+      CHECK(torch::allclose(model->weight.grad(), reference->weight.grad(), 1e-5, 1e-6));
+      CHECK(p->optimizer_step(sgd));
+    }
+  }
+}
+
+TEST_CASE("16-mixed: bad scaler options are config errors") {
+  const std::vector<std::pair<std::string, OptionValue>> bad = {
+      {"init_scale", 0.0}, {"growth_factor", 0.5}, {"backoff_factor", 1.5}, {"growth_interval", int64_t{0}}};
+  for (const auto& [key, value] : bad) {
+    CAPTURE(key);
+    const Error e = error_from([&] { precision("16-mixed", {{key, value}}); });
+    FULGUR_CHECK_CONTAINS(e.what(), key);
+  }
+}
+
+TEST_CASE("16-mixed on CPU autocasts to bf16 in the scope") {
+  auto p = precision("16-mixed");
+  torch::nn::Linear linear(4, 3);
+  p->convert_module(*linear);
+  const at::Tensor x = torch::randn({2, 4});
+  {
+    PrecisionScope scope(*p);
+    CHECK((linear->forward(x).scalar_type() == at::kBFloat16));
+  }
+  CHECK((linear->forward(x).scalar_type() == at::kFloat));
+  CHECK((linear->weight.scalar_type() == at::kFloat));
+}
+
+// ----------------------------------------------------------------------------------------------
+// 64-true, bf16-true, 16-true
+
+TEST_CASE("64-true: float64 parameters and floating buffers, converted inputs, float64 default in forward") {
+  auto p = precision("64-true");
+  torch::nn::Sequential model(torch::nn::Linear(4, 3), torch::nn::BatchNorm1d(3));
+  torch::optim::SGD sgd(model->parameters(), torch::optim::SGDOptions(0.1));  // built before conversion
+  p->convert_module(*model);
+  for (const at::Tensor& param : model->parameters()) CHECK((param.scalar_type() == at::kDouble));
+  for (const auto& buffer : model->named_buffers()) {
+    CAPTURE(buffer.key());
+    const bool counter = buffer.key().find("num_batches_tracked") != std::string::npos;
+    CHECK((buffer.value().scalar_type() == (counter ? at::kLong : at::kDouble)));
+  }
+  Batch batch{torch::randn({5, 4}), torch::tensor({0, 1, 2, 0, 1}), {torch::rand({5}), torch::arange(5)}};
+  p->convert_input(batch);
+  CHECK((batch.input.scalar_type() == at::kDouble));
+  CHECK((batch.target.scalar_type() == at::kLong));
+  CHECK((batch.extra[0].scalar_type() == at::kDouble));
+  CHECK((batch.extra[1].scalar_type() == at::kLong));
+  at::Tensor out;
+  {
+    PrecisionScope scope(*p);
+    CHECK((torch::ones({2}).scalar_type() == at::kDouble));
+    out = model->forward(batch.input);
+  }
+  CHECK((torch::ones({2}).scalar_type() == at::kFloat));
+  CHECK((out.scalar_type() == at::kDouble));
+  p->scale_loss(out.pow(2).mean()).backward();
+  p->unscale_gradients(sgd);
+  p->clip_gradients(sgd, 0.1, GradClipAlgorithm::norm);
+  CHECK(p->optimizer_step(sgd));  // the optimizer built before conversion steps the double params
+  for (const at::Tensor& param : model->parameters()) CHECK((param.scalar_type() == at::kDouble));
+}
+
+TEST_CASE("bf16-true and 16-true convert parameters and inputs") {
+  for (const auto& [name, dtype] : {std::pair<std::string, at::ScalarType>{"bf16-true", at::kBFloat16},
+                                    std::pair<std::string, at::ScalarType>{"16-true", at::kHalf}}) {
+    CAPTURE(name);
+    auto p = precision(name);
+    torch::nn::Linear linear(4, 2);
+    p->convert_module(*linear);  // 16-true on CPU: checks a float16 matmul works here
+    CHECK((linear->weight.scalar_type() == dtype));
+    Batch batch{torch::randn({3, 4}), torch::tensor({0, 1, 1})};
+    p->convert_input(batch);
+    CHECK((batch.input.scalar_type() == dtype));
+    CHECK((batch.target.scalar_type() == at::kLong));
+    PrecisionScope scope(*p);
+    CHECK((linear->forward(batch.input).scalar_type() == dtype));
+  }
+}
+
+// ----------------------------------------------------------------------------------------------
+// end to end through the Trainer
+
+namespace {
+
+struct TinyModule : fulgur::Module {
+  TinyModule() {
+    fc1 = register_module("fc1", torch::nn::Linear(8, 16));
+    fc2 = register_module("fc2", torch::nn::Linear(16, 3));
+  }
+  StepOutput training_step(const Batch& b, int64_t) override {
+    const at::Tensor out = fc2->forward(torch::relu(fc1->forward(b.input)));
+    output_dtypes.push_back(out.scalar_type());
+    return {torch::nn::functional::cross_entropy(out.to(fc2->weight.scalar_type()), b.target)};
+  }
+  std::vector<OptimizerConfig> configure_optimizers() override {
+    return {OptimizerConfig(std::make_shared<torch::optim::SGD>(parameters(), torch::optim::SGDOptions(0.05)))};
+  }
+  torch::nn::Linear fc1{nullptr}, fc2{nullptr};
+  std::vector<at::ScalarType> output_dtypes;
+};
+
+struct TinyData : fulgur::DataModule {
+  TinyData() {
+    x = torch::randn({32, 8});
+    y = (x.select(1, 0) > 0).to(at::kLong);
+  }
+  std::unique_ptr<BatchLoader> train_loader() override {
+    return make_tensor_loader(x, y, TensorLoaderOptions().batch_size(8));
+  }
+  at::Tensor x, y;
+};
+
+}  // namespace
+
+TEST_CASE("Trainer fits with each precision: compute dtype, parameter dtype, checkpointed scaler") {
+  struct Case {
+    std::string name;
+    at::ScalarType compute;
+    at::ScalarType params;
+  };
+  for (const Case& c : {Case{"bf16-mixed", at::kBFloat16, at::kFloat}, Case{"16-mixed", at::kBFloat16, at::kFloat},
+                        Case{"64-true", at::kDouble, at::kDouble}, Case{"bf16-true", at::kBFloat16, at::kBFloat16}}) {
+    CAPTURE(c.name);
+    TempDir dir;
+    const std::string text = fmt::format(R"(
+[trainer]
+default_root_dir = "{}"
+seed = 3
+precision = "{}"
+max_steps = 4
+enable_progress_bar = false
+enable_model_summary = false
+logger = false
+gradient_clip_val = 1.0
+)",
+                                         dir.path().string(), c.name);
+    fulgur::Trainer trainer(parse_config(text, dir / "test.toml"));
+    TinyModule module;
+    TinyData data;
+    const at::Tensor before = module.fc1->weight.detach().clone();
+    trainer.fit(module, data);
+    CHECK(trainer.global_step() == 4);
+    REQUIRE(module.output_dtypes.size() == 4);
+    for (at::ScalarType t : module.output_dtypes) CHECK((t == c.compute));
+    CHECK((module.fc1->weight.scalar_type() == c.params));
+    CHECK_FALSE(torch::equal(module.fc1->weight.to(at::kFloat), before));
+  }
+}
+
+}  // namespace fulgur
