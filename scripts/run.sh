@@ -4,7 +4,7 @@
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 source "$here/env.sh"
-"$here/build.sh" fashion_mnist fulgur all
+"$here/build.sh"
 cd "$here/.."
 "$FULGUR_BUILD_DIR/bin/fulgur" plugins list
 exec "$FULGUR_BUILD_DIR/bin/fashion_mnist" --config examples/fashion_mnist/fashion_mnist.toml "$@"
