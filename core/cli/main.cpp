@@ -168,19 +168,7 @@ int load_plugin(const Args& args) {
     for (const PluginSelection* sel : config->selections())
       if (sel->kind == candidate.metadata.kind && sel->name == name) selected = sel;
   }
-  Options options(fmt::format("{} '{}'", to_string(candidate.metadata.kind), name));
-  if (selected) {
-    options = selected->options;
-  } else {
-    for (const auto& o : candidate.metadata.options) {
-      if (!o.default_value)
-        throw Error(ErrorKind::config,
-                    fmt::format("{} '{}' needs option '{}' ({}); give it in the plugin's table of a config and pass "
-                                "--config",
-                                to_string(candidate.metadata.kind), name, o.key, to_string(o.type)));
-      options.set(o.key, *o.default_value);
-    }
-  }
+  const Options options = selected ? selected->options : default_options(candidate.metadata);
   PluginObject object = registry->create(candidate.metadata.kind, name, options);
   std::vector<std::string> opts;
   for (const auto& [k, v] : options.values()) opts.push_back(fmt::format("{} = {}", k, format_option_value(v)));

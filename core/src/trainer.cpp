@@ -141,10 +141,7 @@ void Trainer::Impl::create_plugins() {
     for (const auto& sel : config_.loggers)
       logger_objects_.push_back(plugin_cast<Logger>(registry_->create(PluginKind::logger, sel.name, sel.options)));
     if (config_.loggers.empty() && config_.trainer.get_bool("logger")) {
-      const PluginCandidate& csv = registry_->resolve(PluginKind::logger, "csv");
-      Options defaults("logger 'csv'");
-      for (const auto& o : csv.metadata.options)
-        if (o.default_value) defaults.set(o.key, *o.default_value);
+      const Options defaults = default_options(registry_->resolve(PluginKind::logger, "csv").metadata);
       logger_objects_.push_back(plugin_cast<Logger>(registry_->create(PluginKind::logger, "csv", defaults)));
     }
   }
@@ -165,13 +162,7 @@ void Trainer::Impl::add_default_callbacks() {
     return false;
   };
   auto add_with_defaults = [&](const char* name) {
-    const PluginCandidate& candidate = registry_->resolve(PluginKind::callback, name);
-    Options options(fmt::format("callback '{}'", name));
-    for (const auto& o : candidate.metadata.options) {
-      if (!o.default_value)
-        throw Error(ErrorKind::config, fmt::format("default callback '{}' has a required option '{}'", name, o.key));
-      options.set(o.key, *o.default_value);
-    }
+    const Options options = default_options(registry_->resolve(PluginKind::callback, name).metadata);
     add_callback(plugin_cast<Callback>(registry_->create(PluginKind::callback, name, options)), name);
   };
   const Options& t = config_.trainer;

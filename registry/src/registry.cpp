@@ -183,6 +183,19 @@ std::string descriptor_mismatch(const fulgur_plugin_desc& desc, const PluginMeta
 
 }  // namespace
 
+Options default_options(const PluginMetadata& metadata) {
+  Options options(describe(metadata.kind, metadata.name));
+  for (const auto& o : metadata.options) {
+    if (!o.default_value)
+      throw Error(ErrorKind::config,
+                  fmt::format("{} needs option '{}' ({}), which has no default; select the plugin in the config and "
+                              "set it in its table",
+                              describe(metadata.kind, metadata.name), o.key, to_string(o.type)));
+    options.set(o.key, *o.default_value);
+  }
+  return options;
+}
+
 PluginRegistry::PluginRegistry(std::vector<SearchDirectory> search_path, RegistryOptions options)
     : search_path_(std::move(search_path)), options_(options) {
   scan();
