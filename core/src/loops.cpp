@@ -269,7 +269,6 @@ void Trainer::Impl::run_train_epoch() {
   train_loader_->start_epoch(epoch_, skip);
   batches_done_in_epoch_ = skip;
   const bool validate_this_epoch = val_loader_ && num_val_batches_ > 0 && (epoch_ + 1) % check_val_every_n_epoch_ == 0;
-  bool stopped_mid_epoch = false;
   for (int64_t batch_idx = skip; batch_idx < num_train_batches_; ++batch_idx) {
     std::optional<Batch> next;
     {
@@ -278,17 +277,13 @@ void Trainer::Impl::run_train_epoch() {
     }
     if (!next) break;
     is_last_batch_ = batch_idx + 1 == num_train_batches_;
-    if (!run_train_batch(*next, batch_idx)) break;  // on_train_batch_start asked to skip the epoch
-    batches_done_in_epoch_ = batch_idx + 1;
+    run_train_batch(*next, batch_idx);
     if (validate_this_epoch && val_check_batches_ > 0 && (batch_idx + 1) % val_check_batches_ == 0 && !is_last_batch_)
       run_validation(false);
-    if ((max_steps_ >= 0 && global_step_ >= max_steps_) || time_exceeded() ||
-        (should_stop_ && epoch_ >= min_epochs_ && global_step_ >= min_steps_)) {
-      stopped_mid_epoch = !is_last_batch_;
-      break;
-    }
+    // Mid-epoch, fit_done()'s epoch limit cannot hold yet: this checks max_steps, max_time and a
+    // requested stop.
+    if (fit_done()) break;
   }
-  (void)stopped_mid_epoch;
   in_epoch_end_phase_ = true;
   // End-of-epoch validation runs before on_train_epoch_end (Lightning).
   if (validate_this_epoch) run_validation(false);
@@ -304,7 +299,7 @@ void Trainer::Impl::run_train_epoch() {
   in_epoch_end_phase_ = false;
 }
 
-bool Trainer::Impl::run_train_batch(Batch& batch, int64_t batch_idx) {
+void Trainer::Impl::run_train_batch(Batch& batch, int64_t batch_idx) {
   ProfileScope batch_scope(profiler_.get(), "run_training_batch");
   batch = transfer(std::move(batch));
   binding_.batch_size = batch.size();
@@ -366,7 +361,6 @@ bool Trainer::Impl::run_train_batch(Batch& batch, int64_t batch_idx) {
   call(Hook::train_batch_end, [&](Callback& c) { c.on_train_batch_end(*this, output, batch, batch_idx); });
   module_->on_train_batch_end(output, batch, batch_idx);
   if (global_step_ % log_every_n_steps_ == 0 || is_last_batch_) log_step_metrics();
-  return true;
 }
 
 void Trainer::Impl::run_validation(bool sanity) {
@@ -374,8 +368,6 @@ void Trainer::Impl::run_validation(bool sanity) {
 }
 
 MetricMap Trainer::Impl::run_eval_loop(Stage stage, BatchLoader& loader, int64_t limit, bool sanity) {
-  const Stage saved_stage = stage_;
-  const bool in_fit = stage_ == Stage::fit;
   ProfileScope loop_scope(profiler_.get(), stage == Stage::test ? "run_test_evaluation" : "run_validation_evaluation");
   EvalMode eval_mode(*module_, inference_mode_);
   const bool test = stage == Stage::test;
@@ -431,8 +423,6 @@ MetricMap Trainer::Impl::run_eval_loop(Stage stage, BatchLoader& loader, int64_t
   }
   call(test ? Hook::test_end : Hook::validation_end,
        [&](Callback& c) { test ? c.on_test_end(*this) : c.on_validation_end(*this); });
-  stage_ = saved_stage;
-  (void)in_fit;
   return all;
 }
 

@@ -13,10 +13,9 @@ Module::~Module() = default;
 
 StepOutput Module::validation_step(const Batch&, int64_t) { return {}; }
 StepOutput Module::test_step(const Batch&, int64_t) { return {}; }
-at::Tensor Module::predict_step(const Batch& batch, int64_t) {
+at::Tensor Module::predict_step(const Batch&, int64_t) {
   throw Error(ErrorKind::invalid_argument,
               fmt::format("{} does not override predict_step(); implement it to use Trainer::predict", name()));
-  (void)batch;
 }
 
 Batch Module::transfer_batch_to_device(Batch batch, const c10::Device& device) {

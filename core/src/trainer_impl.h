@@ -93,7 +93,7 @@ class Trainer::Impl final : public TrainerContext {
   // Loops (loops.cpp).
   void run_fit();
   void run_train_epoch();
-  bool run_train_batch(Batch& batch, int64_t batch_idx);
+  void run_train_batch(Batch& batch, int64_t batch_idx);
   void run_validation(bool sanity);
   MetricMap run_eval_loop(Stage stage, BatchLoader& loader, int64_t limit, bool sanity);
   Batch transfer(Batch batch);

@@ -1,31 +1,10 @@
 // Built-in precision `32-true`: float32 parameters and compute, libtorch's default. Everything on
 // the forward path is a no-op so that the default costs nothing per step.
-#include <fulgur/plugin.h>
-
-#include <ATen/TensorOperators.h>
-#include <ATen/core/Dict.h>
-#include <ATen/core/grad_mode.h>
-#include <ATen/core/ivalue.h>
-#include <ATen/core/jit_type.h>
-#include <ATen/ops/stack.h>
-#include <fmt/format.h>
-#include <fmt/ranges.h>
-#include <spdlog/spdlog.h>
-#include <torch/optim/optimizer.h>
-
-#include <vector>
+#include "../common/precision_support.h"
 
 namespace {
 
-// Gradients of every parameter the optimizer updates; parameters without a gradient (frozen, or
-// unused in this step) are skipped, as torch.nn.utils.clip_grad_* do.
-std::vector<at::Tensor> gradients_of(torch::optim::Optimizer& optimizer) {
-  std::vector<at::Tensor> grads;
-  for (auto& group : optimizer.param_groups())
-    for (const at::Tensor& param : group.params())
-      if (param.grad().defined()) grads.push_back(param.grad());
-  return grads;
-}
+namespace ps = fulgur::precision_support;
 
 class Fp32Precision final : public fulgur::Precision {
  public:
@@ -36,18 +15,10 @@ class Fp32Precision final : public fulgur::Precision {
   at::Tensor scale_loss(const at::Tensor& loss) override { return loss; }
   void unscale_gradients(torch::optim::Optimizer&) override {}
 
+  // Lightning's clip_gradients; a clip value of 0 (or less) means "no clipping".
   void clip_gradients(torch::optim::Optimizer& optimizer, double clip_value,
                       fulgur::GradClipAlgorithm algorithm) override {
-    // Lightning: a clip value of 0 (or less) means "no clipping".
-    if (clip_value <= 0.0) return;
-    std::vector<at::Tensor> grads = gradients_of(optimizer);
-    if (grads.empty()) return;
-    at::NoGradGuard no_grad;
-    if (algorithm == fulgur::GradClipAlgorithm::value) {
-      for (at::Tensor& grad : grads) grad.clamp_(-clip_value, clip_value);
-      return;
-    }
-    clip_by_total_norm(grads, clip_value);
+    ps::clip_gradients(optimizer, clip_value, algorithm);
   }
 
   bool optimizer_step(torch::optim::Optimizer& optimizer) override {
@@ -75,20 +46,6 @@ class Fp32Precision final : public fulgur::Precision {
         "precision '32-true' ignores the precision state in the checkpoint (keys: {}); it was saved by "
         "another precision plugin",
         fmt::join(keys, ", "));
-  }
-
- private:
-  // torch::nn::utils::clip_grad_norm_ (L2, error_if_nonfinite = false) without its final
-  // .item(): that would synchronise host and device on every step only to return a number
-  // nobody reads here. Same arithmetic: total = ||(||g_i||)||, g_i *= min(1, max / (total + 1e-6)).
-  static void clip_by_total_norm(std::vector<at::Tensor>& grads, double max_norm) {
-    const c10::Device device = grads.front().device();
-    std::vector<at::Tensor> norms;
-    norms.reserve(grads.size());
-    for (const at::Tensor& grad : grads) norms.push_back(grad.norm(2).to(device));
-    const at::Tensor total = norms.size() == 1 ? norms.front() : at::stack(norms).norm(2);
-    const at::Tensor coefficient = (max_norm / (total + 1e-6)).clamp_max(1.0);
-    for (at::Tensor& grad : grads) grad.mul_(grad.device() == device ? coefficient : coefficient.to(grad.device()));
   }
 };
 

@@ -5,6 +5,7 @@
 #include <fulgur/error.h>
 #include <fulgur/options.h>
 #include <fulgur/registry/metadata.h>
+#include <fulgur/suggest.h>
 
 #include <filesystem>
 #include <memory>
@@ -104,8 +105,5 @@ std::shared_ptr<Interface> plugin_cast(const PluginObject& object) {
 // The options a plugin gets when nothing is configured for it: every schema default. Throws
 // fulgur::Error(config) naming the first required key (which has no default).
 Options default_options(const PluginMetadata& metadata);
-
-// Edit-distance suggestion among `choices` ("did you mean"); empty when nothing is close.
-std::string closest_match(std::string_view word, const std::vector<std::string>& choices);
 
 }  // namespace fulgur

@@ -1,11 +1,10 @@
-#include <fulgur/registry/registry.h>
+#include <fulgur/suggest.h>
 
 #include <algorithm>
 #include <numeric>
 
 namespace fulgur {
 
-namespace {
 size_t edit_distance(std::string_view a, std::string_view b) {
   std::vector<size_t> row(b.size() + 1);
   std::iota(row.begin(), row.end(), size_t{0});
@@ -20,7 +19,6 @@ size_t edit_distance(std::string_view a, std::string_view b) {
   }
   return row[b.size()];
 }
-}  // namespace
 
 std::string closest_match(std::string_view word, const std::vector<std::string>& choices) {
   std::string best;

@@ -1,0 +1,19 @@
+// "Did you mean": the closest of a set of names, shared by the registry, the config loader and
+// plugins (unknown plugin names, option keys, metric names).
+#pragma once
+
+#include <fulgur/export.h>
+
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace fulgur {
+
+// Levenshtein distance between two names.
+FULGUR_SDK_API size_t edit_distance(std::string_view a, std::string_view b);
+
+// The choice closest to `word` by edit distance, or empty when nothing is close enough.
+FULGUR_SDK_API std::string closest_match(std::string_view word, const std::vector<std::string>& choices);
+
+}  // namespace fulgur
