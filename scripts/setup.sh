@@ -7,7 +7,7 @@ set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 source "$here/env.sh"
 
-apt_packages=(build-essential cmake ninja-build ccache libboost-dev libtomlplusplus-dev
+apt_packages=(build-essential cmake ninja-build ccache libboost-dev libgloo-dev libtomlplusplus-dev
   libspdlog-dev libfmt-dev doctest-dev zlib1g-dev dataset-fashion-mnist python3-venv binutils file)
 missing=()
 for p in "${apt_packages[@]}"; do

@@ -53,7 +53,8 @@ class TensorLoader final : public BatchLoader {
     } else {
       order = at::arange(total, at::kLong);
     }
-    // Distributed sampling: pad by wrapping so every replica gets the same count, then stride.
+    // Distributed sampling: pad by wrapping (or cut, with drop_last) so that every replica gets the
+    // same count, then stride: replica r takes samples r, r + R, r + 2R, ...
     const int64_t per_replica = samples_per_replica();
     const int64_t padded = per_replica * replicas_;
     if (padded > total) order = at::cat({order, order.slice(0, 0, padded - total)});
@@ -79,9 +80,11 @@ class TensorLoader final : public BatchLoader {
   }
 
  private:
+  // As torch's DistributedSampler: drop_last drops the tail that does not divide evenly, otherwise
+  // the first samples are repeated to pad every replica to the same count.
   int64_t samples_per_replica() const {
     const int64_t total = inputs_.size(0);
-    return (total + replicas_ - 1) / replicas_;
+    return options_.drop_last_ ? total / replicas_ : (total + replicas_ - 1) / replicas_;
   }
 
   Batch make_batch(int64_t index) const {

@@ -14,6 +14,7 @@
 #include <torch/nn/module.h>
 #include <torch/optim/optimizer.h>
 
+#include "distributed/local_launcher.h"
 #include "trainer_impl.h"
 
 namespace fulgur {
@@ -165,8 +166,10 @@ void Trainer::Impl::fit(Module& module, DataModule& data, const std::string& ckp
       call(Hook::after_backward, [&](Callback& c) { c.on_after_backward(*this); });
       module_->on_after_backward();
     };
-    strategy_->setup_module(module);
+    // The dtype first (Lightning's order): a data-parallel strategy builds its gradient buckets
+    // on the parameters as they will train.
     precision_->convert_module(module);
+    strategy_->setup_module(module);
     strategy_->setup_optimizers(optimizer_ptrs_);
 
     setup_loggers_once();
@@ -187,6 +190,7 @@ void Trainer::Impl::fit(Module& module, DataModule& data, const std::string& ckp
     run_fit();
   } catch (const std::exception& e) {
     status = RunStatus::failed;
+    detail::note_local_run_failed();  // ranks this process launched stop instead of being awaited
     call(Hook::exception, [&](Callback& c) { c.on_exception(*this, e); });
     finish_stage(Stage::fit, status);
     throw;
@@ -306,6 +310,9 @@ void Trainer::Impl::run_train_batch(Batch& batch, int64_t batch_idx) {
   LogContext log(binding_, &train_metrics_, /*training=*/true, /*allowed=*/true);
   call(Hook::train_batch_start, [&](Callback& c) { c.on_train_batch_start(*this, batch, batch_idx); });
   module_->on_train_batch_start(batch, batch_idx);
+  // Gradient accumulation: only the last micro-step of a window synchronizes (DDP's no_sync).
+  strategy_->before_training_step(!module_->automatic_optimization || (batch_idx + 1) % accumulate_ == 0 ||
+                                  is_last_batch_);
 
   StepOutput output;
   if (!module_->automatic_optimization) {
@@ -438,8 +445,10 @@ std::vector<MetricMap> Trainer::Impl::evaluate(Stage stage, Module& module, Data
     strategy_->barrier("prepare_data");
     call(Hook::setup, [&](Callback& c) { c.setup(*this, stage); });
     data.setup(stage);
-    strategy_->setup_module(module);
+    // The dtype first (Lightning's order): a data-parallel strategy builds its gradient buckets
+    // on the parameters as they will train.
     precision_->convert_module(module);
+    strategy_->setup_module(module);
     setup_loggers_once();
     if (profiler_) profiler_->setup(stage, log_dir());
     if (!ckpt_path.empty()) {
@@ -459,6 +468,7 @@ std::vector<MetricMap> Trainer::Impl::evaluate(Stage stage, Module& module, Data
     results = run_eval_loop(stage, *loader, num_eval_batches_, false);
   } catch (const std::exception& e) {
     status = RunStatus::failed;
+    detail::note_local_run_failed();  // ranks this process launched stop instead of being awaited
     call(Hook::exception, [&](Callback& c) { c.on_exception(*this, e); });
     finish_stage(stage, status);
     throw;
@@ -479,8 +489,10 @@ std::vector<at::Tensor> Trainer::Impl::predict(Module& module, DataModule& data,
     if (strategy_->cluster().local_rank == 0) data.prepare_data();
     call(Hook::setup, [&](Callback& c) { c.setup(*this, Stage::predict); });
     data.setup(Stage::predict);
-    strategy_->setup_module(module);
+    // The dtype first (Lightning's order): a data-parallel strategy builds its gradient buckets
+    // on the parameters as they will train.
     precision_->convert_module(module);
+    strategy_->setup_module(module);
     if (!ckpt_path.empty()) {
       const std::string resolved = resolve_checkpoint_path(ckpt_path);
       restore_model(read_checkpoint(resolved), resolved);
@@ -512,6 +524,7 @@ std::vector<at::Tensor> Trainer::Impl::predict(Module& module, DataModule& data,
     call(Hook::predict_end, [&](Callback& c) { c.on_predict_end(*this); });
   } catch (const std::exception& e) {
     status = RunStatus::failed;
+    detail::note_local_run_failed();  // ranks this process launched stop instead of being awaited
     call(Hook::exception, [&](Callback& c) { c.on_exception(*this, e); });
     finish_stage(Stage::predict, status);
     throw;

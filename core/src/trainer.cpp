@@ -1,5 +1,7 @@
 // Trainer construction: config -> validated plugin selections -> plugin objects; the hook index;
 // the TrainerContext that plugins see.
+#include <fulgur/cluster_environment.h>
+#include <fulgur/communicator.h>
 #include <fulgur/error.h>
 #include <fulgur/trainer.h>
 
@@ -12,8 +14,12 @@
 #include <torch/nn/module.h>
 #include <torch/utils.h>
 
+#include <algorithm>
 #include <cstdlib>
+#include <thread>
 
+#include "distributed/local_launcher.h"
+#include "distributed/process_group.h"
 #include "trainer_impl.h"
 
 namespace fulgur {
@@ -249,15 +255,59 @@ torch::nn::Module& Trainer::Impl::model() {
 
 void Trainer::Impl::setup_environment_once() {
   if (environment_ready_) return;
+  try {
+    strategy_->setup_environment(make_strategy_environment());
+  } catch (...) {
+    detail::note_local_run_failed();  // children launched for this run must not wait for us
+    throw;
+  }
+  environment_ready_ = true;
+}
+
+StrategyEnvironment Trainer::Impl::make_strategy_environment() {
+  const std::string spec = config_.trainer.get_string("devices");
+  ClusterEnvironment cluster = detect_cluster_environment();
+  const bool multi_process = strategy_->launches_processes();
+  // Under a launcher, "auto" means one device per process of this node.
+  const bool automatic = spec == "auto" || spec == "-1";
   StrategyEnvironment env;
   env.accelerator = accelerator_.get();
-  env.devices = accelerator_->parse_devices(config_.trainer.get_string("devices"));
+  env.devices = accelerator_->parse_devices(
+      cluster.detected() && automatic && multi_process ? std::to_string(cluster.info.local_world_size) : spec);
   if (env.devices.empty())
+    throw Error(ErrorKind::config, fmt::format("[trainer] devices = \"{}\" selects no device", spec));
+
+  if (!cluster.detected() && multi_process && env.devices.size() > 1) {
+    // Lightning's subprocess launcher: the program runs again once per extra device.
+    detail::launch_local_processes(static_cast<int64_t>(env.devices.size()));
+    cluster = detect_cluster_environment();
+  }
+  if (cluster.detected() && multi_process && !automatic &&
+      static_cast<int64_t>(env.devices.size()) != cluster.info.local_world_size)
     throw Error(ErrorKind::config,
-                fmt::format("[trainer] devices = \"{}\" selects no device", config_.trainer.get_string("devices")));
-  // The strategy sets up the device(s) it was given (Lightning: strategy.setup_environment).
-  strategy_->setup_environment(env);
-  environment_ready_ = true;
+                fmt::format("[trainer] devices = \"{}\" selects {} device(s), but {} started {} process(es) on this "
+                            "node; make them match, or set devices = \"auto\"",
+                            spec, env.devices.size(), to_string(cluster.kind), cluster.info.local_world_size));
+  if (!multi_process && cluster.info.world_size > 1)
+    throw Error(ErrorKind::config,
+                fmt::format("{} started {} processes, but strategy '{}' runs a single one, so each would train "
+                            "alone; use strategy = \"ddp\"",
+                            to_string(cluster.kind), cluster.info.world_size, config_.strategy.name));
+  env.cluster = cluster.info;
+
+  if (cluster.info.local_world_size > 1) {
+    // Processes sharing a node share its cores (torchrun sets OMP_NUM_THREADS=1 for the same
+    // reason); the accelerator's `threads` option still wins.
+    if (!std::getenv("OMP_NUM_THREADS")) {
+      const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+      at::set_num_threads(std::max(1, cores / static_cast<int>(cluster.info.local_world_size)));
+    }
+  }
+  // Diagnostics come from rank zero only unless FULGUR_LOG_LEVEL asks otherwise.
+  if (cluster.info.global_rank != 0 && !std::getenv("FULGUR_LOG_LEVEL")) spdlog::set_level(spdlog::level::warn);
+  const ClusterInfo info = cluster.info;
+  env.connect = [info](const CommunicatorOptions& options) { return detail::connect_process_group(info, options); };
+  return env;
 }
 
 void Trainer::Impl::setup_loggers_once() {

@@ -87,6 +87,7 @@ class Trainer::Impl final : public TrainerContext {
   void index_hooks();
   void attach(Module& module, DataModule& data, Stage stage);
   void setup_environment_once();
+  StrategyEnvironment make_strategy_environment();
   void setup_loggers_once();
   void finish_stage(Stage stage, RunStatus status);
 

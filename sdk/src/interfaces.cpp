@@ -19,6 +19,7 @@ Profiler::~Profiler() = default;
 Callback::~Callback() = default;
 Communicator::~Communicator() = default;
 PendingCollective::~PendingCollective() = default;
+GradientSync::~GradientSync() = default;
 TrainerContext::~TrainerContext() = default;
 
 bool TrainerContext::is_global_zero() const { return const_cast<TrainerContext*>(this)->strategy().is_global_zero(); }

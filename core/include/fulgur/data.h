@@ -61,8 +61,9 @@ struct TensorLoaderOptions {
 };
 
 // Batches from in-memory tensors (first dimension = samples). Shuffling draws a permutation from
-// (seed, epoch), and with several replicas each sees a disjoint, equally sized slice (padded by
-// wrapping around, like torch's DistributedSampler with drop_last=false).
+// (seed, epoch), and with several replicas each sees a disjoint, equally sized slice, like torch's
+// DistributedSampler: padded by wrapping around, or with drop_last the uneven tail is dropped
+// (and, as DataLoader's drop_last, the last incomplete batch of each replica).
 std::unique_ptr<BatchLoader> make_tensor_loader(at::Tensor inputs, at::Tensor targets, TensorLoaderOptions options);
 
 class DataModule {

@@ -6,6 +6,8 @@
 
 #include <c10/core/Device.h>
 
+#include <functional>
+#include <memory>
 #include <span>
 #include <string>
 #include <string_view>
@@ -15,18 +17,26 @@ namespace fulgur {
 
 class Accelerator;
 class Communicator;
+struct CommunicatorOptions;
 class Precision;
 
 struct StrategyEnvironment {
   Accelerator* accelerator = nullptr;
-  std::vector<c10::Device> devices;      // what the accelerator parsed from `devices`
-  ClusterInfo cluster;                   // from the detected cluster environment
-  Communicator* communicator = nullptr;  // null when world_size == 1
+  std::vector<c10::Device> devices;  // what the accelerator parsed from `devices`
+  ClusterInfo cluster;               // from the detected cluster environment (torchrun, SLURM, MPI, ...)
+  // Joins this process to the job's process group (c10d: TCPStore rendezvous at
+  // cluster.master_addr:master_port, then Gloo or NCCL). Blocks until every rank has joined or
+  // options.timeout passes; throws fulgur::Error(distributed) saying why (port in use, timeout).
+  std::function<std::shared_ptr<Communicator>(const CommunicatorOptions&)> connect;
 };
 
 class FULGUR_SDK_API Strategy {
  public:
   virtual ~Strategy();
+
+  // True when every device needs a process of its own (ddp). With `devices = N` and no launcher
+  // detected (torchrun, SLURM, MPI), the Trainer then starts N-1 more copies of the program.
+  virtual bool launches_processes() const { return false; }
 
   // Called once per process before anything touches the model.
   virtual void setup_environment(const StrategyEnvironment& environment) = 0;
@@ -38,6 +48,8 @@ class FULGUR_SDK_API Strategy {
   virtual void setup_module(torch::nn::Module& module) = 0;
   virtual void setup_optimizers(std::span<torch::optim::Optimizer* const> optimizers) = 0;
 
+  // Before each training forward; `sync_gradients` as for backward() below.
+  virtual void before_training_step(bool /*sync_gradients*/) {}
   // backward of `loss` through the precision plugin's scaling; `sync_gradients` is false on
   // gradient-accumulation micro-steps so that data-parallel strategies skip communication.
   virtual void backward(const at::Tensor& loss, Precision& precision, bool sync_gradients) = 0;

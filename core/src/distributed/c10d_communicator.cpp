@@ -1,0 +1,348 @@
+// Fulgur's Communicator over LibTorch c10d: TCPStore rendezvous, ProcessGroupGloo (CPU) or
+// ProcessGroupNCCL (CUDA, nccl_backend.cpp), and c10d's Reducer for gradient buckets that are
+// all-reduced while backward still runs. Every c10d include of the project is here or in
+// nccl_backend.cpp.
+//
+// The torch wheel ships ProcessGroupGloo.hpp but not the gloo headers it includes; the Debian
+// package libgloo-dev provides them. Only forward-declared gloo types are used from this TU (no
+// gloo object is built or called here), so the header version only has to declare the names.
+#include "distributed/process_group.h"
+
+#include <fulgur/error.h>
+
+#include <torch/torch.h>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+#include <torch/csrc/distributed/c10d/comm.hpp>
+#include <torch/csrc/distributed/c10d/reducer.hpp>
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <mutex>
+
+namespace fulgur::detail {
+
+// Defined in nccl_backend.cpp (throws there when this build has no NCCL).
+c10::intrusive_ptr<c10d::Backend> make_nccl_backend(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
+                                                    std::chrono::milliseconds timeout);
+
+namespace {
+
+std::mutex reporter_mutex;
+std::function<std::string()> peer_reporter;
+
+std::string first_line(std::string_view text) {
+  const auto end = text.find('\n');
+  return std::string(text.substr(0, end));
+}
+
+c10d::ReduceOp to_c10d(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::max:
+      return c10d::ReduceOp::MAX;
+    case ReduceOp::min:
+      return c10d::ReduceOp::MIN;
+    default:  // mean is a sum divided afterwards: Gloo has no AVG
+      return c10d::ReduceOp::SUM;
+  }
+}
+
+bool is_loopback(const std::string& addr) { return addr == "localhost" || addr.starts_with("127."); }
+
+class C10dPendingCollective final : public PendingCollective {
+ public:
+  C10dPendingCollective(c10::intrusive_ptr<c10d::Work> work, at::Tensor tensor, int64_t divide_by,
+                        std::function<void(const std::exception&)> on_error)
+      : work_(std::move(work)), tensor_(std::move(tensor)), divide_by_(divide_by), on_error_(std::move(on_error)) {}
+  void wait() override {
+    try {
+      work_->wait();
+    } catch (const std::exception& e) {
+      on_error_(e);
+    }
+    if (divide_by_ > 1) tensor_.div_(divide_by_);
+  }
+
+ private:
+  c10::intrusive_ptr<c10d::Work> work_;
+  at::Tensor tensor_;
+  int64_t divide_by_;
+  std::function<void(const std::exception&)> on_error_;
+};
+
+class ReducerGradientSync final : public GradientSync {
+ public:
+  ReducerGradientSync(std::shared_ptr<c10d::Reducer> reducer, c10::intrusive_ptr<c10d::ProcessGroup> group)
+      : reducer_(std::move(reducer)), group_(std::move(group)) {}
+  ~ReducerGradientSync() override {
+    // The Reducer must go before the process group it references.
+    reducer_.reset();
+  }
+  void prepare_for_forward() override {
+    reducer_->prepare_for_forward();
+    // After the first iteration the buckets follow the order in which gradients became ready
+    // (rank 0's order, broadcast): a collective, so every rank calls it every step.
+    reducer_->rebuild_buckets();
+  }
+  void prepare_for_backward(const std::vector<at::Tensor>& outputs) override {
+    reducer_->prepare_for_backward(outputs);
+  }
+
+ private:
+  std::shared_ptr<c10d::Reducer> reducer_;
+  c10::intrusive_ptr<c10d::ProcessGroup> group_;
+};
+
+class C10dCommunicator final : public Communicator {
+ public:
+  C10dCommunicator(c10::intrusive_ptr<c10d::Store> store, c10::intrusive_ptr<c10d::ProcessGroup> group,
+                   std::string backend, int64_t rank, int64_t world)
+      : store_(std::move(store)), group_(std::move(group)), backend_(std::move(backend)), rank_(rank), world_(world) {}
+
+  ~C10dCommunicator() override {
+    // Rank 0 serves the store: leave together so no rank loses its rendezvous mid-teardown.
+    try {
+      if (!failed_) group_->barrier()->wait();
+    } catch (...) {
+    }
+    group_.reset();
+    store_.reset();
+  }
+
+  int64_t rank() const override { return rank_; }
+  int64_t world_size() const override { return world_; }
+  std::string backend() const override { return backend_; }
+
+  void all_reduce(at::Tensor& tensor, ReduceOp op) override {
+    guarded("all_reduce", [&] {
+      std::vector<at::Tensor> tensors{tensor};
+      c10d::AllreduceOptions options;
+      options.reduceOp = to_c10d(op);
+      group_->allreduce(tensors, options)->wait();
+    });
+    if (op == ReduceOp::mean) tensor.div_(world_);
+  }
+
+  std::unique_ptr<PendingCollective> all_reduce_async(at::Tensor& tensor, ReduceOp op) override {
+    c10::intrusive_ptr<c10d::Work> work;
+    guarded("all_reduce", [&] {
+      std::vector<at::Tensor> tensors{tensor};
+      c10d::AllreduceOptions options;
+      options.reduceOp = to_c10d(op);
+      work = group_->allreduce(tensors, options);
+    });
+    return std::make_unique<C10dPendingCollective>(std::move(work), tensor, op == ReduceOp::mean ? world_ : 1,
+                                                   [this](const std::exception& e) { fail("all_reduce", e); });
+  }
+
+  std::vector<at::Tensor> all_gather(const at::Tensor& tensor) override {
+    std::vector<std::vector<at::Tensor>> outputs(1);
+    const at::Tensor input = tensor.contiguous();
+    for (int64_t r = 0; r < world_; ++r) outputs[0].push_back(at::empty_like(input));
+    guarded("all_gather", [&] {
+      std::vector<at::Tensor> inputs{input};
+      group_->allgather(outputs, inputs)->wait();
+    });
+    return outputs[0];
+  }
+
+  void broadcast(at::Tensor& tensor, int64_t src) override {
+    guarded("broadcast", [&] {
+      std::vector<at::Tensor> tensors{tensor};
+      c10d::BroadcastOptions options;
+      options.rootRank = src;
+      group_->broadcast(tensors, options)->wait();
+    });
+  }
+
+  void broadcast_coalesced(std::vector<at::Tensor>& tensors, int64_t src) override {
+    if (tensors.empty()) return;
+    guarded("broadcast", [&] {
+      torch::NoGradGuard no_grad;  // parameters are leaves that require grad
+      c10d::broadcast_coalesced(group_, tensors, size_t{256} << 20, static_cast<int>(src));
+    });
+  }
+
+  void reduce_scatter(at::Tensor& output, const at::Tensor& input, ReduceOp op) override {
+    guarded("reduce_scatter", [&] {
+      at::Tensor in = input.contiguous();
+      c10d::ReduceScatterOptions options;
+      options.reduceOp = to_c10d(op);
+      group_->_reduce_scatter_base(output, in, options)->wait();
+    });
+    if (op == ReduceOp::mean) output.div_(world_);
+  }
+
+  void barrier() override {
+    guarded("barrier", [&] { group_->barrier()->wait(); });
+  }
+
+  [[noreturn]] void rethrow(const char* operation, std::exception_ptr error) override {
+    try {
+      std::rethrow_exception(error);
+    } catch (const Error&) {
+      throw;
+    } catch (const c10::DistError& e) {
+      fail(operation, e);
+    } catch (const std::exception& e) {
+      // Gloo's transport errors reach the autograd engine as plain c10::Errors.
+      const std::string text = e.what();
+      if (text.find("gloo") != std::string::npos || text.find("NCCL") != std::string::npos ||
+          !describe_peer_failures().empty())
+        fail(operation, e);
+      throw;
+    }
+  }
+
+  std::unique_ptr<GradientSync> make_gradient_sync(std::vector<at::Tensor> parameters,
+                                                   const GradientSyncOptions& options) override {
+    if (parameters.empty())
+      throw Error(ErrorKind::invalid_argument, "gradient sync: the module has no parameters that require grad");
+    const int64_t cap = std::max<int64_t>(1, options.bucket_cap_mb) * 1024 * 1024;
+    const std::vector<bool> sparse(parameters.size(), false);
+    auto [buckets, limits] = c10d::compute_bucket_assignment_by_size(
+        parameters,
+        {static_cast<size_t>(std::min<int64_t>(c10d::kDefaultFirstBucketBytes, cap)), static_cast<size_t>(cap)},
+        sparse);
+    // Gradients of the last layers are ready first: their buckets go first (as PyTorch's DDP).
+    std::reverse(buckets.begin(), buckets.end());
+    std::reverse(limits.begin(), limits.end());
+    std::vector<int64_t> limit_list(limits.begin(), limits.end());
+    std::shared_ptr<c10d::Reducer> reducer;
+    guarded("setting up gradient buckets", [&] {
+      reducer = std::make_shared<c10d::Reducer>(std::move(parameters), std::move(buckets), group_, sparse, cap,
+                                                options.find_unused_parameters, options.gradient_as_bucket_view,
+                                                std::unordered_map<size_t, std::string>{},
+                                                std::min<int64_t>(c10d::kDefaultFirstBucketBytes, cap),
+                                                /*skip_all_reduce_unused_params=*/false,
+                                                /*use_python_reducer=*/false, std::move(limit_list));
+    });
+    return std::make_unique<ReducerGradientSync>(std::move(reducer), group_);
+  }
+
+ private:
+  template <class F>
+  void guarded(const char* what, F&& body) {
+    try {
+      body();
+    } catch (const std::exception& e) {
+      fail(what, e);
+    }
+  }
+
+  [[noreturn]] void fail(const char* what, const std::exception& e) {
+    failed_ = true;
+    const auto* c10_error = dynamic_cast<const c10::Error*>(&e);
+    const std::string cause = first_line(c10_error ? c10_error->what_without_backtrace() : e.what());
+    std::string peers = describe_peer_failures();
+    if (peers.empty())
+      peers = "a peer process probably ended or is stuck; its launcher (torchrun, srun, mpirun) reports which";
+    throw Error(ErrorKind::distributed,
+                fmt::format("{} failed on rank {} of {} ({}): {}; {}", what, rank_, world_, backend_, cause, peers));
+  }
+
+  c10::intrusive_ptr<c10d::Store> store_;
+  c10::intrusive_ptr<c10d::ProcessGroup> group_;
+  std::string backend_;
+  int64_t rank_, world_;
+  bool failed_ = false;
+};
+
+c10::intrusive_ptr<c10d::Store> rendezvous(const ClusterInfo& cluster, const CommunicatorOptions& options) {
+  c10d::TCPStoreOptions store_options;  // fields assigned one by one: torch appends new ones
+  store_options.port = static_cast<uint16_t>(cluster.master_port);
+  store_options.isServer = cluster.global_rank == 0;
+  store_options.numWorkers = static_cast<size_t>(cluster.world_size);
+  store_options.waitWorkers = true;
+  store_options.timeout = options.timeout;
+  try {
+    return c10::make_intrusive<c10d::TCPStore>(cluster.master_addr, store_options);
+  } catch (const std::exception& e) {
+    const auto* c10_error = dynamic_cast<const c10::Error*>(&e);
+    const std::string cause = first_line(c10_error ? c10_error->what_without_backtrace() : e.what());
+    const bool in_use = cause.find("EADDRINUSE") != std::string::npos || cause.find("in use") != std::string::npos;
+    if (in_use)
+      throw Error(ErrorKind::distributed,
+                  fmt::format("rank 0 cannot serve the rendezvous on {}:{}: the port is already in use ({}); set "
+                              "MASTER_PORT to a free port, or leave it unset under `devices = N` so that Fulgur "
+                              "picks one",
+                              cluster.master_addr, cluster.master_port, cause));
+    throw Error(ErrorKind::distributed,
+                fmt::format("rank {} of {} could not join the rendezvous at {}:{} within {} s: {}; check that "
+                            "every rank was started with the same MASTER_ADDR/MASTER_PORT and WORLD_SIZE and that "
+                            "rank 0 is running",
+                            cluster.global_rank, cluster.world_size, cluster.master_addr, cluster.master_port,
+                            std::chrono::duration_cast<std::chrono::seconds>(options.timeout).count(), cause));
+  }
+}
+
+c10::intrusive_ptr<c10d::Backend> make_gloo_backend(const c10::intrusive_ptr<c10d::Store>& store,
+                                                    const ClusterInfo& cluster, std::chrono::milliseconds timeout) {
+  auto gloo_options = c10d::ProcessGroupGloo::Options::create(timeout);
+  // Like torch.distributed: GLOO_SOCKET_IFNAME picks the interface. A single-node job talks over
+  // loopback, which exists in every container (the hostname often resolves to an unusable address).
+  if (const char* ifname = std::getenv("GLOO_SOCKET_IFNAME"); ifname && *ifname)
+    gloo_options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForInterface(ifname));
+  else if (cluster.local_world_size == cluster.world_size && is_loopback(cluster.master_addr))
+    gloo_options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1"));
+  else
+    gloo_options->devices.push_back(c10d::ProcessGroupGloo::createDefaultDevice());
+  return c10::make_intrusive<c10d::ProcessGroupGloo>(store, static_cast<int>(cluster.global_rank),
+                                                     static_cast<int>(cluster.world_size), gloo_options);
+}
+
+}  // namespace
+
+void set_peer_failure_reporter(std::function<std::string()> reporter) {
+  std::lock_guard lock(reporter_mutex);
+  peer_reporter = std::move(reporter);
+}
+
+std::string describe_peer_failures() {
+  std::function<std::string()> reporter;
+  {
+    std::lock_guard lock(reporter_mutex);
+    reporter = peer_reporter;
+  }
+  return reporter ? reporter() : std::string();
+}
+
+std::shared_ptr<Communicator> connect_process_group(const ClusterInfo& cluster, const CommunicatorOptions& options) {
+  if (options.backend != "gloo" && options.backend != "nccl")
+    throw Error(
+        ErrorKind::config,
+        fmt::format("unknown process group backend '{}': use \"gloo\" (CPU) or \"nccl\" (CUDA)", options.backend));
+
+  auto store = rendezvous(cluster, options);
+  const int rank = static_cast<int>(cluster.global_rank);
+  const int size = static_cast<int>(cluster.world_size);
+  auto prefixed = c10::make_intrusive<c10d::PrefixStore>("fulgur/default_pg", store);
+  auto group = c10::make_intrusive<c10d::ProcessGroup>(prefixed, rank, size);
+  try {
+    if (options.backend == "gloo") {
+      auto gloo = make_gloo_backend(prefixed, cluster, options.timeout);
+      group->setDefaultBackend(c10d::ProcessGroup::BackendType::GLOO);
+      group->setBackend(c10::DeviceType::CPU, c10d::ProcessGroup::BackendType::GLOO, gloo);
+      // Gloo also moves CUDA tensors (through host memory), as torch.distributed allows.
+      group->setBackend(c10::DeviceType::CUDA, c10d::ProcessGroup::BackendType::GLOO, gloo);
+    } else {
+      auto nccl = make_nccl_backend(prefixed, rank, size, options.timeout);
+      group->setDefaultBackend(c10d::ProcessGroup::BackendType::NCCL);
+      group->setBackend(c10::DeviceType::CUDA, c10d::ProcessGroup::BackendType::NCCL, nccl);
+    }
+    group->setGroupName("0");
+  } catch (const Error&) {
+    throw;
+  } catch (const std::exception& e) {
+    const auto* c10_error = dynamic_cast<const c10::Error*>(&e);
+    throw Error(ErrorKind::distributed,
+                fmt::format("rank {} of {} could not create the {} process group: {}", rank, size, options.backend,
+                            first_line(c10_error ? c10_error->what_without_backtrace() : e.what())));
+  }
+  return std::make_shared<C10dCommunicator>(store, group, options.backend, rank, size);
+}
+
+}  // namespace fulgur::detail

@@ -1,0 +1,142 @@
+// A small training program for the multi-process tests: the same binary runs as every rank, under
+// Fulgur's launcher (devices = N), under torchrun, or alone. It trains a fixed MLP on fixed data,
+// checks the collectives at fit start, and writes its final weights and metrics per rank.
+//
+//   fulgur_ddp_worker <config.toml> <out_dir> [--resume <ckpt>] [--save <ckpt>]
+//   FULGUR_TEST_DIE_RANK=r FULGUR_TEST_DIE_STEP=s: rank r kills itself (SIGKILL) at step s.
+#include <fulgur/callback.h>
+#include <fulgur/config.h>
+#include <fulgur/data.h>
+#include <fulgur/error.h>
+#include <fulgur/module.h>
+#include <fulgur/strategy.h>
+#include <fulgur/trainer.h>
+#include <fulgur/trainer_context.h>
+
+#include <fmt/format.h>
+#include <torch/torch.h>
+
+#include <csignal>
+#include <cstdlib>
+#include <fstream>
+#include <iostream>
+
+namespace {
+
+struct Mlp : fulgur::Module {
+  Mlp() {
+    fc1 = register_module("fc1", torch::nn::Linear(16, 32));
+    fc2 = register_module("fc2", torch::nn::Linear(32, 4));
+  }
+  at::Tensor forward(const at::Tensor& x) { return fc2->forward(torch::tanh(fc1->forward(x))); }
+  fulgur::StepOutput training_step(const fulgur::Batch& b, int64_t) override {
+    at::Tensor loss = torch::nn::functional::cross_entropy(forward(b.input), b.target);
+    log("train/loss", loss, fulgur::LogOptions().sync_dist(true));
+    return {loss};
+  }
+  fulgur::StepOutput validation_step(const fulgur::Batch& b, int64_t) override {
+    log("val/loss", torch::nn::functional::cross_entropy(forward(b.input), b.target),
+        fulgur::LogOptions().sync_dist(true));
+    // Differs per rank: after sync_dist every rank must hold the mean.
+    log("val/rank", torch::full({}, static_cast<double>(rank), at::kFloat), fulgur::LogOptions().sync_dist(true));
+    return {};
+  }
+  std::vector<fulgur::OptimizerConfig> configure_optimizers() override {
+    return {fulgur::OptimizerConfig(std::make_shared<torch::optim::SGD>(parameters(), torch::optim::SGDOptions(0.1)))};
+  }
+  torch::nn::Linear fc1{nullptr}, fc2{nullptr};
+  int64_t rank = 0;
+};
+
+struct FixedData : fulgur::DataModule {
+  FixedData(int64_t batch, bool shuffle) : batch(batch), shuffle(shuffle) {
+    auto gen = at::make_generator<at::CPUGeneratorImpl>(1234);
+    inputs = at::randn({96, 16}, gen);
+    targets = at::randint(0, 4, {96}, gen, at::kLong);
+  }
+  std::unique_ptr<fulgur::BatchLoader> train_loader() override {
+    return fulgur::make_tensor_loader(inputs, targets,
+                                      fulgur::TensorLoaderOptions().batch_size(batch).shuffle(shuffle).seed(5));
+  }
+  std::unique_ptr<fulgur::BatchLoader> val_loader() override {
+    return fulgur::make_tensor_loader(inputs.slice(0, 0, 32), targets.slice(0, 0, 32),
+                                      fulgur::TensorLoaderOptions().batch_size(8));
+  }
+  int64_t batch;
+  bool shuffle;
+  at::Tensor inputs, targets;
+};
+
+// Every collective a callback may use, checked against what the ranks must agree on.
+struct CollectiveCheck : fulgur::Callback {
+  fulgur::HookSet hooks() const override { return static_cast<fulgur::HookSet>(fulgur::Hook::fit_start); }
+  void on_fit_start(fulgur::TrainerContext& trainer) override {
+    fulgur::Strategy& s = trainer.strategy();
+    const int64_t rank = s.cluster().global_rank, world = s.cluster().world_size;
+    auto expect = [&](bool ok, const std::string& what) {
+      if (!ok) throw std::runtime_error(fmt::format("rank {}: collective check failed: {}", rank, what));
+    };
+    const at::Tensor mine = torch::full({2}, static_cast<double>(rank + 1));
+    expect(s.reduce(mine, fulgur::ReduceOp::sum)[0].item<double>() == world * (world + 1) / 2.0, "reduce sum");
+    expect(s.reduce(mine, fulgur::ReduceOp::mean)[1].item<double>() == (world + 1) / 2.0, "reduce mean");
+    expect(s.reduce(mine, fulgur::ReduceOp::max)[0].item<double>() == world, "reduce max");
+    expect(s.reduce(mine, fulgur::ReduceOp::min)[0].item<double>() == 1, "reduce min");
+    const auto gathered = s.all_gather(torch::full({1}, static_cast<double>(rank)));
+    expect(static_cast<int64_t>(gathered.size()) == world, "all_gather size");
+    for (int64_t r = 0; r < world; ++r) expect(gathered[r].item<double>() == r, "all_gather value");
+    at::Tensor from_last = torch::full({3}, static_cast<double>(rank));
+    s.broadcast(from_last, world - 1);
+    expect(from_last[2].item<double>() == world - 1, "broadcast");
+    expect(s.broadcast_string(rank == 0 ? "dir/from rank 0" : "other", 0) == "dir/from rank 0", "broadcast_string");
+    expect(s.reduce_boolean_decision(rank == 0, /*all=*/false), "decision any");
+    expect(s.reduce_boolean_decision(rank == 0, /*all=*/true) == (world == 1), "decision all");
+    s.barrier("check");
+  }
+};
+
+struct DieAtStep : fulgur::Callback {
+  DieAtStep(int64_t rank, int64_t step) : rank(rank), step(step) {}
+  fulgur::HookSet hooks() const override { return static_cast<fulgur::HookSet>(fulgur::Hook::train_batch_start); }
+  void on_train_batch_start(fulgur::TrainerContext& t, const fulgur::Batch&, int64_t) override {
+    if (t.strategy().cluster().global_rank == rank && t.global_step() == step) raise(SIGKILL);
+  }
+  int64_t rank, step;
+};
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc < 3) {
+    std::cerr << "usage: fulgur_ddp_worker <config.toml> <out_dir> [--resume ckpt] [--save ckpt]\n";
+    return 2;
+  }
+  std::string resume, save;
+  for (int i = 3; i + 1 < argc; i += 2) {
+    if (std::string(argv[i]) == "--resume") resume = argv[i + 1];
+    if (std::string(argv[i]) == "--save") save = argv[i + 1];
+  }
+  try {
+    fulgur::Trainer trainer = fulgur::Trainer::from_toml(argv[1]);
+    const fulgur::Config& config = trainer.config();
+    auto module = std::make_shared<Mlp>();  // after the Trainer: its seed fixes the weights
+    FixedData data(config.data.get_int("batch_size"), config.data.get_bool("shuffle"));
+    trainer.add_callback(std::make_shared<CollectiveCheck>());
+    if (const char* r = std::getenv("FULGUR_TEST_DIE_RANK"))
+      trainer.add_callback(std::make_shared<DieAtStep>(std::atoll(r), std::atoll(std::getenv("FULGUR_TEST_DIE_STEP"))));
+    module->rank = std::getenv("RANK") ? std::atoll(std::getenv("RANK")) : 0;
+    trainer.fit(*module, data, resume);
+    if (!save.empty()) trainer.save_checkpoint(save);
+
+    const std::string rank = std::getenv("RANK") ? std::getenv("RANK") : "0";
+    std::vector<at::Tensor> weights;
+    for (const auto& p : module->parameters()) weights.push_back(p.detach().clone());
+    torch::save(weights, fmt::format("{}/weights_rank{}.pt", argv[2], rank));
+    std::ofstream metrics(fmt::format("{}/metrics_rank{}.txt", argv[2], rank));
+    for (const auto& [k, v] : trainer.callback_metrics()) metrics << k << ' ' << fmt::format("{:.9g}", v) << '\n';
+    metrics << "global_step " << trainer.global_step() << '\n';
+    return 0;
+  } catch (const std::exception& e) {
+    std::cerr << "fulgur_ddp_worker: " << e.what() << '\n';
+    return 1;
+  }
+}
