@@ -148,6 +148,7 @@ class FakeTrainer final : public fulgur::TrainerContext {
   fulgur::Accelerator& accelerator() override { throw std::logic_error("callbacks do not use the accelerator"); }
   fulgur::Precision& precision() override { throw std::logic_error("callbacks do not use the precision"); }
   std::span<fulgur::Logger* const> loggers() override { return {}; }
+  int64_t log_every_n_steps() const override { return 50; }
 
   // The fit loop's moments, in Lightning's order.
   void start_fit(Callback& callback) {

@@ -317,11 +317,24 @@ void Trainer::Impl::setup_loggers_once() {
   setup.global_rank = strategy_->cluster().global_rank;
   for (Logger* l : logger_ptrs_) l->setup(setup);
   loggers_ready_ = true;
-  // Hyperparameters of model, data and trainer, flattened with their table as prefix.
+  // Hyperparameters of model, data and trainer, flattened with their table as prefix. Model and
+  // data come from the objects (attach() fills them from [model] / [data] unless set in code), so
+  // hyperparameters a Module sets itself are logged too; the selected accelerator, strategy,
+  // precision and profiler add their options.
   std::map<std::string, std::string> params;
-  for (const auto& [k, v] : config_.model.values()) params["model." + k] = format_option_value(v);
-  for (const auto& [k, v] : config_.data.values()) params["data." + k] = format_option_value(v);
-  for (const auto& [k, v] : config_.trainer.values()) params["trainer." + k] = format_option_value(v);
+  auto add = [&](const std::string& prefix, const Options& options) {
+    for (const auto& [k, v] : options.values()) params[prefix + k] = format_option_value(v);
+  };
+  add("model.", module_ ? module_->hparams : config_.model);
+  add("data.", data_ ? data_->hparams : config_.data);
+  add("trainer.", config_.trainer);
+  add("accelerator.", config_.accelerator.options);
+  add("strategy.", config_.strategy.options);
+  add("precision.", config_.precision.options);
+  if (config_.profiler) {
+    params["profiler.name"] = format_option_value(OptionValue(config_.profiler->name));
+    add("profiler.", config_.profiler->options);
+  }
   for (Logger* l : logger_ptrs_) l->log_hyperparams(params);
 }
 

@@ -54,6 +54,7 @@ class Trainer::Impl final : public TrainerContext {
   Accelerator& accelerator() override { return *accelerator_; }
   Precision& precision() override { return *precision_; }
   std::span<Logger* const> loggers() override { return logger_ptrs_; }
+  int64_t log_every_n_steps() const override { return log_every_n_steps_; }
 
   // ---- entry points ---------------------------------------------------------------------------
   void fit(Module& module, DataModule& data, const std::string& ckpt_path);

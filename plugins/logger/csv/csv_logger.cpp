@@ -30,6 +30,8 @@
 #include <fcntl.h>
 #include <unistd.h>
 
+#include "../common/logger_support.h"
+
 namespace fs = std::filesystem;
 
 namespace {
@@ -139,22 +141,6 @@ std::string read_file(const fs::path& path) {
   return content.str();
 }
 
-// The next free version number under `root`: one more than the largest version_<N> there.
-int64_t next_version(const fs::path& root) {
-  std::error_code error;
-  if (!fs::is_directory(root, error)) return 0;
-  int64_t next = 0;
-  for (const fs::directory_entry& entry : fs::directory_iterator(root, error)) {
-    const std::string name = entry.path().filename().string();
-    if (name.rfind("version_", 0) != 0 || !entry.is_directory(error)) continue;
-    const std::string digits = name.substr(8);
-    if (digits.empty() || !std::all_of(digits.begin(), digits.end(), [](char c) { return c >= '0' && c <= '9'; }))
-      continue;
-    next = std::max<int64_t>(next, std::stoll(digits) + 1);
-  }
-  return next;
-}
-
 class CsvLogger final : public fulgur::Logger {
  public:
   explicit CsvLogger(const fulgur::Options& options)
@@ -187,7 +173,7 @@ class CsvLogger final : public fulgur::Logger {
     if (log_dir_.empty()) {
       const fs::path root = fs::path(save_dir_.empty() ? setup.root_dir : save_dir_) / name_;
       // Every rank computes the same path; only rank zero creates it.
-      const int64_t version = version_ >= 0 ? version_ : next_version(root);
+      const int64_t version = version_ >= 0 ? version_ : fulgur::logger_support::next_free_version(root);
       log_dir_ = (root / fmt::format("version_{}", version)).string();
     }
     if (!writes_) return;

@@ -25,7 +25,8 @@ extern "C" {
 #define FULGUR_PLUGIN_ABI_MAJOR 1
 #define FULGUR_PLUGIN_ABI_MINOR 0
 /* Version of the six C++ interfaces as a whole; a new virtual function bumps it. */
-#define FULGUR_CXX_INTERFACE_MAJOR 2 /* 2: Strategy::launches_processes/before_training_step, GradientSync */
+#define FULGUR_CXX_INTERFACE_MAJOR \
+  2 /* 2: Strategy::launches_processes/before_training_step, GradientSync, TrainerContext::log_every_n_steps */
 
 #define FULGUR_PLUGIN_QUERY_SYMBOL "fulgur_plugin_query_v1"
 #define FULGUR_NOTE_OWNER "fulgur"

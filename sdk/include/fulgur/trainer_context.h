@@ -52,6 +52,11 @@ class FULGUR_SDK_API TrainerContext {
   virtual Precision& precision() = 0;
   virtual std::span<Logger* const> loggers() = 0;
   bool is_global_zero() const;
+
+  // [trainer] log_every_n_steps: monitoring callbacks that write to the loggers themselves
+  // (lr_monitor, device_stats, throughput_monitor) log on the same steps as the Trainer does.
+  // Appended last (interface version 2) so the earlier vtable slots keep their places.
+  virtual int64_t log_every_n_steps() const = 0;
 };
 
 }  // namespace fulgur

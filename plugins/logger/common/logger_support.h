@@ -1,0 +1,111 @@
+// Helpers shared by the built-in loggers: Lightning's version_N directory rules, the early
+// "can this directory be written" check, and hparams.yaml rendering. Header-only on purpose: each
+// logger is its own plugin library built against the SDK only, so there is no library to share.
+#pragma once
+
+#include <fulgur/checkpoint_io.h>
+#include <fulgur/error.h>
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cctype>
+#include <cerrno>
+#include <cstdint>
+#include <cstring>
+#include <filesystem>
+#include <map>
+#include <string>
+#include <string_view>
+#include <system_error>
+
+#include <fcntl.h>
+#include <unistd.h>
+
+namespace fulgur::logger_support {
+
+namespace fs = std::filesystem;
+
+// The N of a "version_N" directory name, or -1.
+inline int64_t version_number(const std::string& name) {
+  if (name.rfind("version_", 0) != 0) return -1;
+  const std::string digits = name.substr(8);
+  if (digits.empty() || digits.size() > 15 ||
+      !std::all_of(digits.begin(), digits.end(), [](char c) { return c >= '0' && c <= '9'; }))
+    return -1;
+  return std::stoll(digits);
+}
+
+// The next free version under `root`: one more than the largest version_N there that holds
+// anything. An empty version_N is free: another logger of the same run (csv next to tensorboard)
+// may have just created it, and both should write into the same run directory, as in Lightning.
+inline int64_t next_free_version(const fs::path& root) {
+  std::error_code error;
+  if (!fs::is_directory(root, error)) return 0;
+  int64_t next = 0;
+  for (const fs::directory_entry& entry : fs::directory_iterator(root, error)) {
+    const int64_t n = version_number(entry.path().filename().string());
+    if (n < 0 || !entry.is_directory(error)) continue;
+    if (fs::is_empty(entry.path(), error) && !error) {
+      next = std::max<int64_t>(next, n);  // reusable, but nothing above it is
+      continue;
+    }
+    next = std::max<int64_t>(next, n + 1);
+  }
+  return next;
+}
+
+// Creates `dir` and proves it writable by creating a file in it: a log directory that cannot be
+// written must fail when the run starts, not at the first flush minutes later.
+inline void ensure_writable_directory(std::string_view owner, const std::string& dir) {
+  std::error_code error;
+  fs::create_directories(dir, error);
+  if (error)
+    throw Error(ErrorKind::io, fmt::format("{}: cannot create the log directory '{}': {}; set save_dir to a "
+                                           "directory you can write, or fix its permissions",
+                                           owner, dir, error.message()));
+  const std::string probe = fmt::format("{}/.write-test-{}", dir, ::getpid());
+  const int fd = ::open(probe.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+  if (fd < 0)
+    throw Error(ErrorKind::io, fmt::format("{}: the log directory '{}' is not writable: {}; set save_dir to a "
+                                           "directory you can write, or fix its permissions",
+                                           owner, dir, std::strerror(errno)));
+  ::close(fd);
+  ::unlink(probe.c_str());
+}
+
+// Hyperparameter values arrive as TOML value text; nearly all of it is valid YAML as is. The
+// exceptions are TOML's special floats and inline tables.
+inline std::string yaml_quoted(std::string_view text) {
+  std::string quoted = "'";
+  for (char c : text) {
+    if (c == '\'') quoted += '\'';
+    quoted += c;
+  }
+  return quoted + "'";
+}
+
+inline std::string yaml_value(const std::string& toml) {
+  if (toml == "inf" || toml == "+inf") return ".inf";
+  if (toml == "-inf") return "-.inf";
+  if (toml == "nan" || toml == "+nan" || toml == "-nan") return ".nan";
+  // { a = 1 } would be misread by YAML (the '='): keep it as a string.
+  if (!toml.empty() && toml.front() == '{') return yaml_quoted(toml);
+  return toml;
+}
+
+inline std::string yaml_key(const std::string& key) {
+  const bool plain = !key.empty() && key.front() != '-' && std::all_of(key.begin(), key.end(), [](char c) {
+    return std::isalnum(static_cast<unsigned char>(c)) || c == '_' || c == '.' || c == '-' || c == '/';
+  });
+  return plain ? key : yaml_quoted(key);
+}
+
+// <dir>/hparams.yaml, "key: value" per line, written atomically.
+inline void write_hparams_yaml(const std::string& dir, const std::map<std::string, std::string>& hparams) {
+  std::string content;
+  for (const auto& [key, value] : hparams) content += fmt::format("{}: {}\n", yaml_key(key), yaml_value(value));
+  atomic_write_text((fs::path(dir) / "hparams.yaml").string(), content);
+}
+
+}  // namespace fulgur::logger_support
