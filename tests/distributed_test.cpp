@@ -11,6 +11,7 @@
 #include <fmt/format.h>
 #include <netinet/in.h>
 #include <signal.h>
+#include <sys/prctl.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <torch/torch.h>
@@ -233,6 +234,58 @@ TEST_CASE("ddp: a killed rank ends the run with its rank named, without hanging"
   CHECK(contains(run->result.output, "rank 1"));
   CHECK(contains(run->result.output, "killed by signal 9"));
   CHECK_FALSE(fs::exists(run->dir / "weights_rank0.pt"));
+}
+
+TEST_CASE("ddp: SIGTERM to the launching process ends every rank") {
+  TempDir dir;
+  const fs::path config = dir / "run.toml";
+  std::string toml = worker_config("ddp", "2", 8, 1000000);
+  toml.replace(toml.find("max_epochs = 100"), 16, "max_epochs = 1000000");
+  fulgur::test::write_bytes(config, toml);
+  const fs::path log = dir / "output.log";
+  fulgur::test::write_bytes(log, "");
+  auto env = clean_env();
+  // Orphaned ranks become our children, so that they can be reaped and counted below.
+  prctl(PR_SET_CHILD_SUBREAPER, 1);
+  const pid_t pid = fork();
+  REQUIRE(pid >= 0);
+  if (pid == 0) {
+    setpgid(0, 0);
+    const int fd = open(log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    dup2(fd, 1);
+    dup2(fd, 2);
+    for (const auto& [k, v] : env) setenv(k.c_str(), v.c_str(), 1);
+    execl(FULGUR_TEST_DDP_WORKER, FULGUR_TEST_DDP_WORKER, config.c_str(), dir.path().c_str(), nullptr);
+    _exit(127);
+  }
+  setpgid(pid, pid);
+  // Wait until both ranks train (the collective check at fit start has passed).
+  const auto start = std::chrono::steady_clock::now();
+  while (!contains(fulgur::test::read_bytes(log), "started 2 processes") &&
+         std::chrono::steady_clock::now() - start < std::chrono::seconds(60))
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  std::this_thread::sleep_for(std::chrono::seconds(2));
+  REQUIRE(kill(pid, SIGTERM) == 0);  // the parent only, as a job scheduler would
+  int status = 0;
+  bool exited = false;
+  for (int i = 0; i < 600 && !exited; ++i) {
+    exited = waitpid(pid, &status, WNOHANG) == pid;
+    if (!exited) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  if (!exited) kill(-pid, SIGKILL);
+  REQUIRE(exited);
+  CHECK(WIFSIGNALED(status));
+  CHECK(WTERMSIG(status) == SIGTERM);
+  // Rank 1 got the signal too: nothing of the job is left in its process group.
+  bool group_gone = false;
+  for (int i = 0; i < 200 && !group_gone; ++i) {
+    while (waitpid(-pid, nullptr, WNOHANG) > 0) {
+    }
+    group_gone = kill(-pid, 0) != 0 && errno == ESRCH;
+    if (!group_gone) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  if (!group_gone) kill(-pid, SIGKILL);
+  CHECK(group_gone);
 }
 
 TEST_CASE("ddp: a rendezvous port already in use is a clear error") {

@@ -1,0 +1,133 @@
+// bench_ddp: what data parallelism buys on this machine. One measurement per process layout, each
+// a real Fulgur run (strategy ddp under Fulgur's launcher, or single_device):
+//   --procs P --threads T --batch B [--accumulate K]  ->  a line "RESULT key=value ..." from rank 0
+// bench/ddp.sh runs the layouts side by side and prints the table. Timings are per training batch
+// (on_train_batch_start to on_train_batch_end: forward, backward with its all-reduce, step).
+#include <fulgur/callback.h>
+#include <fulgur/config.h>
+#include <fulgur/data.h>
+#include <fulgur/module.h>
+#include <fulgur/strategy.h>
+#include <fulgur/trainer.h>
+#include <fulgur/trainer_context.h>
+
+#include <fmt/format.h>
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdlib>
+#include <iostream>
+#include <string>
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// Compute-bound on a CPU: matmuls dominate, 1.9 M parameters (7.6 MB of gradients per step).
+struct WideMlp : fulgur::Module {
+  WideMlp() {
+    fc1 = register_module("fc1", torch::nn::Linear(784, 1024));
+    fc2 = register_module("fc2", torch::nn::Linear(1024, 1024));
+    fc3 = register_module("fc3", torch::nn::Linear(1024, 10));
+  }
+  fulgur::StepOutput training_step(const fulgur::Batch& b, int64_t) override {
+    at::Tensor h = torch::relu(fc2->forward(torch::relu(fc1->forward(b.input))));
+    return {torch::nn::functional::cross_entropy(fc3->forward(h), b.target)};
+  }
+  std::vector<fulgur::OptimizerConfig> configure_optimizers() override {
+    return {fulgur::OptimizerConfig(std::make_shared<torch::optim::SGD>(parameters(), torch::optim::SGDOptions(0.01)))};
+  }
+  torch::nn::Linear fc1{nullptr}, fc2{nullptr}, fc3{nullptr};
+};
+
+struct RandomData : fulgur::DataModule {
+  RandomData(int64_t samples, int64_t batch) : batch(batch) {
+    auto gen = at::make_generator<at::CPUGeneratorImpl>(3);
+    inputs = at::randn({samples, 784}, gen);
+    targets = at::randint(0, 10, {samples}, gen, at::kLong);
+  }
+  std::unique_ptr<fulgur::BatchLoader> train_loader() override {
+    return fulgur::make_tensor_loader(inputs, targets, fulgur::TensorLoaderOptions().batch_size(batch));
+  }
+  int64_t batch;
+  at::Tensor inputs, targets;
+};
+
+struct BatchTimer : fulgur::Callback {
+  fulgur::HookSet hooks() const override {
+    return fulgur::Hook::fit_start | fulgur::Hook::train_batch_start | fulgur::Hook::train_batch_end;
+  }
+  void on_fit_start(fulgur::TrainerContext& trainer) override {
+    // The all-reduce alone, on a tensor the size of all gradients, for the overlap estimate.
+    int64_t numel = 0;
+    for (const auto& p : trainer.model().parameters()) numel += p.numel();
+    at::Tensor flat = torch::ones({numel});
+    for (int i = 0; i < 23; ++i) {
+      trainer.strategy().barrier("bench");
+      const auto t0 = Clock::now();
+      trainer.strategy().reduce(flat, fulgur::ReduceOp::mean);
+      if (i >= 3) allreduce_ms.push_back(std::chrono::duration<double, std::milli>(Clock::now() - t0).count());
+    }
+  }
+  void on_train_batch_start(fulgur::TrainerContext&, const fulgur::Batch&, int64_t) override { t0 = Clock::now(); }
+  void on_train_batch_end(fulgur::TrainerContext&, const fulgur::StepOutput&, const fulgur::Batch&,
+                          int64_t batch_idx) override {
+    const double ms = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
+    if (batch_idx >= 3) batch_ms.push_back(ms);  // warm-up: allocator, bucket rebuild after step 1
+  }
+  static double median(std::vector<double> v) {
+    if (v.empty()) return 0;
+    std::nth_element(v.begin(), v.begin() + v.size() / 2, v.end());
+    return v[v.size() / 2];
+  }
+  Clock::time_point t0;
+  std::vector<double> batch_ms, allreduce_ms;
+};
+
+std::string arg(int argc, char** argv, const std::string& name, const std::string& fallback) {
+  for (int i = 1; i + 1 < argc; ++i)
+    if (argv[i] == name) return argv[i + 1];
+  return fallback;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const int64_t procs = std::stoll(arg(argc, argv, "--procs", "2"));
+  const int64_t threads = std::stoll(arg(argc, argv, "--threads", "1"));
+  const int64_t batch = std::stoll(arg(argc, argv, "--batch", "128"));
+  const int64_t steps = std::stoll(arg(argc, argv, "--steps", "40"));
+  // A large accumulation makes every measured batch a micro-step without communication.
+  const int64_t accumulate = std::stoll(arg(argc, argv, "--accumulate", "1"));
+  const std::string toml = fmt::format(R"(
+[trainer]
+accelerator = "cpu"
+strategy = "{}"
+devices = "{}"
+max_epochs = 1
+limit_train_batches = {}
+accumulate_grad_batches = {}
+seed = 1
+num_sanity_val_steps = 0
+enable_progress_bar = false
+enable_model_summary = false
+enable_checkpointing = false
+logger = false
+[accelerator]
+threads = {}
+)",
+                                       procs > 1 ? "ddp" : "single_device", procs, steps, accumulate, threads);
+  fulgur::Trainer trainer(fulgur::parse_config(toml, "bench_ddp.toml"));
+  WideMlp model;
+  RandomData data(batch * steps, batch);
+  auto timer = std::make_shared<BatchTimer>();
+  trainer.add_callback(timer);
+  trainer.fit(model, data);
+  const char* rank = std::getenv("RANK");
+  if (!rank || std::string(rank) == "0")
+    std::cout << fmt::format("RESULT procs={} threads={} batch={} accumulate={} batch_ms={:.3f} allreduce_ms={:.3f}\n",
+                             procs, threads, batch, accumulate, BatchTimer::median(timer->batch_ms),
+                             procs > 1 ? BatchTimer::median(timer->allreduce_ms) : 0.0);
+  return 0;
+}
