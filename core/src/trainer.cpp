@@ -244,7 +244,7 @@ void Trainer::Impl::request_stop(std::string_view reason) {
 }
 
 std::string Trainer::Impl::log_dir() const {
-  if (!logger_ptrs_.empty() && loggers_ready_) return logger_ptrs_.front()->log_dir();
+  if (loggers_ready_) return log_dir_;
   return root_dir_;
 }
 
@@ -317,6 +317,9 @@ void Trainer::Impl::setup_loggers_once() {
   setup.global_rank = strategy_->cluster().global_rank;
   for (Logger* l : logger_ptrs_) l->setup(setup);
   loggers_ready_ = true;
+  // Every rank names the run by rank 0's directory (the loggers of other ranks write nothing, and
+  // their own version numbering may differ).
+  log_dir_ = strategy_->broadcast_string(logger_ptrs_.empty() ? root_dir_ : logger_ptrs_.front()->log_dir(), 0);
   // Hyperparameters of model, data and trainer, flattened with their table as prefix. Model and
   // data come from the objects (attach() fills them from [model] / [data] unless set in code), so
   // hyperparameters a Module sets itself are logged too; the selected accelerator, strategy,
@@ -399,5 +402,6 @@ const MetricMap& Trainer::logged_metrics() const { return impl_->logged_metrics(
 bool Trainer::should_stop() const { return impl_->should_stop(); }
 const Config& Trainer::config() const { return impl_->config(); }
 std::string Trainer::log_dir() const { return impl_->log_dir(); }
+int64_t Trainer::global_rank() const { return impl_->global_rank(); }
 
 }  // namespace fulgur

@@ -47,6 +47,7 @@ class Trainer::Impl final : public TrainerContext {
   void request_stop(std::string_view reason) override;
   const std::string& default_root_dir() const override { return root_dir_; }
   std::string log_dir() const override;
+  int64_t global_rank() const { return environment_ready_ ? strategy_->cluster().global_rank : 0; }
   void save_checkpoint(const std::string& path, bool weights_only) override;
   torch::nn::Module& model() override;
   std::vector<torch::optim::Optimizer*> optimizers() override { return optimizer_ptrs_; }
@@ -153,6 +154,7 @@ class Trainer::Impl final : public TrainerContext {
   int64_t num_train_batches_ = -1, num_val_batches_ = -1, num_eval_batches_ = -1;
   int64_t val_check_batches_ = 0;  // validate every N training batches (0: at epoch end)
   bool environment_ready_ = false, loggers_ready_ = false;
+  std::string log_dir_;  // rank 0's, once the loggers are set up
   std::chrono::steady_clock::time_point fit_start_time_;
   double elapsed_before_resume_ = 0;
 

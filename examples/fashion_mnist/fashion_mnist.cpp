@@ -353,8 +353,9 @@ StepOutput FashionMnistClassifier::evaluate(const Batch& batch, const char* loss
   at::Tensor loss = torch::nn::functional::cross_entropy(logits, batch.target);
   at::Tensor acc = logits.argmax(1).eq(batch.target).to(torch::kFloat32).mean();
   // Both are epoch means weighted by batch size (the default), so a short last batch counts right.
-  log(loss_name, loss, LogOptions().prog_bar(prog_bar));
-  log(acc_name, acc, LogOptions().prog_bar(prog_bar));
+  // Averaged over ranks at epoch end in a ddp run (a no-op in one process).
+  log(loss_name, loss, LogOptions().prog_bar(prog_bar).sync_dist(true));
+  log(acc_name, acc, LogOptions().prog_bar(prog_bar).sync_dist(true));
   return {loss};
 }
 

@@ -71,6 +71,7 @@ int run(const std::filesystem::path& config_path) {
   trainer.fit(*model, *data);
   const double fit_seconds = std::chrono::duration<double>(Clock::now() - fit_start).count();
   const std::vector<fulgur::MetricMap> results = trainer.test(*model, *data);
+  if (!trainer.is_global_zero()) return 0;  // ddp: rank 0 reports for all
 
   std::printf("\n");
   for (size_t i = 0; i < timer->seconds.size(); ++i)

@@ -44,6 +44,9 @@ class Trainer {
   bool should_stop() const;
   const Config& config() const;
   std::string log_dir() const;
+  // This process's place in a multi-process run (0 and true before the first stage starts it).
+  int64_t global_rank() const;
+  bool is_global_zero() const { return global_rank() == 0; }
 
   class Impl;
 
