@@ -4,6 +4,7 @@
 //
 //   fulgur_ddp_worker <config.toml> <out_dir> [--resume <ckpt>] [--save <ckpt>]
 //   FULGUR_TEST_DIE_RANK=r FULGUR_TEST_DIE_STEP=s: rank r kills itself (SIGKILL) at step s.
+//   FULGUR_TEST_UNUSED_LAYER=1: the model has a layer that forward never uses.
 #include <fulgur/callback.h>
 #include <fulgur/config.h>
 #include <fulgur/data.h>
@@ -27,6 +28,8 @@ struct Mlp : fulgur::Module {
   Mlp() {
     fc1 = register_module("fc1", torch::nn::Linear(16, 32));
     fc2 = register_module("fc2", torch::nn::Linear(32, 4));
+    // A layer that gets no gradient (ddp needs find_unused_parameters for it).
+    if (std::getenv("FULGUR_TEST_UNUSED_LAYER")) register_module("unused", torch::nn::Linear(4, 4));
   }
   at::Tensor forward(const at::Tensor& x) { return fc2->forward(torch::tanh(fc1->forward(x))); }
   fulgur::StepOutput training_step(const fulgur::Batch& b, int64_t) override {

@@ -188,6 +188,22 @@ TEST_CASE("ddp: gradient accumulation syncs once per window and matches one proc
   CHECK(max_difference(weights(*ddp, 0), weights(*single, 0)) < 1e-5);
 }
 
+TEST_CASE("ddp: parameters without gradients need find_unused_parameters") {
+  auto env = clean_env();
+  env["FULGUR_TEST_UNUSED_LAYER"] = "1";
+  std::string toml = worker_config("ddp", "2", 8, 4);
+  auto refused = run_worker(toml, {}, env);
+  CHECK(refused->result.status != 0);
+  CHECK_FALSE(refused->result.timed_out);
+  CHECK(contains(refused->result.output, "parameters unused.weight, unused.bias got no gradient"));
+  CHECK(contains(refused->result.output, "find_unused_parameters = true"));
+  toml.replace(toml.find("timeout = 30.0"), 14, "timeout = 30.0\nfind_unused_parameters = true");
+  auto run = run_worker(toml, {}, env);
+  REQUIRE_SUCCESS(run);
+  CHECK(max_difference(weights(*run, 0), weights(*run, 1)) == 0.0);
+  CHECK(metrics(*run, 0).at("global_step") == 4);
+}
+
 TEST_CASE("ddp: the same binary runs under torchrun") {
   auto launcher = run_worker(worker_config("ddp", "2", 8, 4, 1, /*shuffle=*/true));
   REQUIRE_SUCCESS(launcher);

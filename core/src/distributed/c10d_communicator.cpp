@@ -19,9 +19,11 @@
 #include <torch/csrc/distributed/c10d/reducer.hpp>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <algorithm>
 #include <mutex>
+#include <sstream>
 
 namespace fulgur::detail {
 
@@ -73,27 +75,62 @@ class C10dPendingCollective final : public PendingCollective {
   std::function<void(const std::exception&)> on_error_;
 };
 
+// "Parameter indices which did not receive grad for rank 0: 4 5" -> the names of 4 and 5.
+std::string unused_parameter_names(const std::string& message, const std::vector<std::string>& names) {
+  const std::string marker = "did not receive grad for rank ";
+  const size_t at = message.find(marker);
+  if (at == std::string::npos) return "";
+  const size_t colon = message.find(':', at);
+  std::istringstream indices(message.substr(colon + 1, message.find('\n', colon) - colon - 1));
+  std::vector<std::string> found;
+  size_t index = 0;
+  while (indices >> index) found.push_back(index < names.size() ? names[index] : fmt::format("#{}", index));
+  return fmt::format("{}", fmt::join(found, ", "));
+}
+
 class ReducerGradientSync final : public GradientSync {
  public:
-  ReducerGradientSync(std::shared_ptr<c10d::Reducer> reducer, c10::intrusive_ptr<c10d::ProcessGroup> group)
-      : reducer_(std::move(reducer)), group_(std::move(group)) {}
+  ReducerGradientSync(std::shared_ptr<c10d::Reducer> reducer, c10::intrusive_ptr<c10d::ProcessGroup> group,
+                      std::vector<std::string> names, int64_t rank)
+      : reducer_(std::move(reducer)), group_(std::move(group)), names_(std::move(names)), rank_(rank) {}
   ~ReducerGradientSync() override {
     // The Reducer must go before the process group it references.
     reducer_.reset();
   }
   void prepare_for_forward() override {
-    reducer_->prepare_for_forward();
-    // After the first iteration the buckets follow the order in which gradients became ready
-    // (rank 0's order, broadcast): a collective, so every rank calls it every step.
-    reducer_->rebuild_buckets();
+    explain_unused([&] {
+      reducer_->prepare_for_forward();
+      // After the first iteration the buckets follow the order in which gradients became ready
+      // (rank 0's order, broadcast): a collective, so every rank calls it every step.
+      reducer_->rebuild_buckets();
+    });
   }
   void prepare_for_backward(const std::vector<at::Tensor>& outputs) override {
-    reducer_->prepare_for_backward(outputs);
+    explain_unused([&] { reducer_->prepare_for_backward(outputs); });
   }
 
  private:
+  // The Reducer's own message speaks of Python's DistributedDataParallel; say it in our terms.
+  template <class F>
+  void explain_unused(F&& body) {
+    try {
+      body();
+    } catch (const c10::Error& e) {
+      const std::string message = e.what_without_backtrace();
+      if (message.find("Expected to have finished reduction") == std::string::npos) throw;
+      const std::string unused = unused_parameter_names(message, names_);
+      throw Error(ErrorKind::config,
+                  fmt::format("strategy 'ddp': {} got no gradient in the previous step on rank {}, so their "
+                              "all-reduce never finished; use every parameter in the loss, freeze them "
+                              "(requires_grad = false), or set find_unused_parameters = true under [strategy]",
+                              unused.empty() ? "some parameters" : "parameters " + unused, rank_));
+    }
+  }
+
   std::shared_ptr<c10d::Reducer> reducer_;
   c10::intrusive_ptr<c10d::ProcessGroup> group_;
+  std::vector<std::string> names_;
+  int64_t rank_;
 };
 
 class C10dCommunicator final : public Communicator {
@@ -220,7 +257,7 @@ class C10dCommunicator final : public Communicator {
                                                 /*skip_all_reduce_unused_params=*/false,
                                                 /*use_python_reducer=*/false, std::move(limit_list));
     });
-    return std::make_unique<ReducerGradientSync>(std::move(reducer), group_);
+    return std::make_unique<ReducerGradientSync>(std::move(reducer), group_, options.parameter_names, rank_);
   }
 
  private:

@@ -207,7 +207,7 @@ class Launcher {
         }
         failure = failure_;
       }
-      if (!failure.empty() && !handled_) {
+      if (!failure.empty() && !handled_ && !exiting_) {
         handled_ = true;
         std::fprintf(stderr, "[fulgur launcher] %s; stopping the other ranks\n", failure.c_str());
         std::fflush(stderr);

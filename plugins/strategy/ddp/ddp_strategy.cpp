@@ -85,10 +85,14 @@ class DdpStrategy final : public fulgur::Strategy {
     for (auto& b : module.buffers()) state.push_back(b);
     communicator_->broadcast_coalesced(state, 0);
     std::vector<at::Tensor> trainable;
-    for (auto& p : module.parameters())
-      if (p.requires_grad()) trainable.push_back(p);
+    fulgur::GradientSyncOptions options = sync_options_;
+    for (const auto& item : module.named_parameters()) {
+      if (!item.value().requires_grad()) continue;
+      trainable.push_back(item.value());
+      options.parameter_names.push_back(item.key());
+    }
     buffers_ = module.buffers();
-    if (!trainable.empty()) gradient_sync_ = communicator_->make_gradient_sync(std::move(trainable), sync_options_);
+    if (!trainable.empty()) gradient_sync_ = communicator_->make_gradient_sync(std::move(trainable), options);
   }
 
   void setup_optimizers(std::span<torch::optim::Optimizer* const>) override {}

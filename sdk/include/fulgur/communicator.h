@@ -45,6 +45,8 @@ struct GradientSyncOptions {
   bool find_unused_parameters = false;
   // Gradients alias the communication buckets (saves one copy and the memory of the gradients).
   bool gradient_as_bucket_view = false;
+  // Names of the parameters, in order, for error messages (a parameter that got no gradient).
+  std::vector<std::string> parameter_names;
 };
 
 // Data-parallel gradient averaging that overlaps backward: c10d's Reducer (the engine behind
