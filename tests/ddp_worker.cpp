@@ -5,6 +5,7 @@
 //   fulgur_ddp_worker <config.toml> <out_dir> [--resume <ckpt>] [--save <ckpt>]
 //   FULGUR_TEST_DIE_RANK=r FULGUR_TEST_DIE_STEP=s: rank r kills itself (SIGKILL) at step s.
 //   FULGUR_TEST_UNUSED_LAYER=1: the model has a layer that forward never uses.
+//   FULGUR_TEST_SCRAMBLE_INIT=1: ranks other than 0 perturb their initial weights.
 #include <fulgur/callback.h>
 #include <fulgur/config.h>
 #include <fulgur/data.h>
@@ -127,6 +128,11 @@ int main(int argc, char** argv) {
     if (const char* r = std::getenv("FULGUR_TEST_DIE_RANK"))
       trainer.add_callback(std::make_shared<DieAtStep>(std::atoll(r), std::atoll(std::getenv("FULGUR_TEST_DIE_STEP"))));
     module->rank = std::getenv("RANK") ? std::atoll(std::getenv("RANK")) : 0;
+    if (std::getenv("FULGUR_TEST_SCRAMBLE_INIT") && module->rank != 0) {
+      // Ranks other than 0 start elsewhere: ddp must overwrite them with rank 0's weights.
+      torch::NoGradGuard no_grad;
+      for (auto& p : module->parameters()) p.add_(torch::randn_like(p));
+    }
     trainer.fit(*module, data, resume);
     if (!save.empty()) trainer.save_checkpoint(save);
 

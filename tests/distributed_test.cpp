@@ -165,7 +165,9 @@ std::map<std::string, double> metrics(const Run& run, int rank) {
 TEST_CASE("ddp: 2 ranks with batch B reach the weights of 1 process with batch 2B") {
   auto single = run_worker(worker_config("single_device", "1", 16, 6));
   REQUIRE_SUCCESS(single);
-  auto ddp = run_worker(worker_config("ddp", "2", 8, 6));
+  auto env = clean_env();
+  env["FULGUR_TEST_SCRAMBLE_INIT"] = "1";  // rank 1 starts from other weights: rank 0's must win
+  auto ddp = run_worker(worker_config("ddp", "2", 8, 6), {}, env);
   REQUIRE_SUCCESS(ddp);
   CHECK(contains(ddp->result.output, "Fulgur launcher: started 2 processes"));
   CHECK(max_difference(weights(*ddp, 0), weights(*ddp, 1)) == 0.0);  // replicas stay identical
