@@ -1,15 +1,20 @@
 // The built-in precisions beyond 32-true, loaded through the registry as the Trainer loads them:
 // bf16-mixed (autocast scope), 16-mixed (loss scaler: skip on inf, backoff, growth, state,
-// clipping on unscaled gradients), 64-true / bf16-true / 16-true (dtype conversion), and short
-// end-to-end fits through the Trainer.
+// clipping on unscaled gradients), 64-true / bf16-true / 16-true (dtype conversion and the
+// setup-time kernel check), short end-to-end fits through the Trainer, and manual optimization
+// stepping through the precision plugin (OptimizerHandle).
 #include "test_support.h"
 
+#include "../plugins/precision/common/dtype_check.h"
+
+#include <fulgur/callback.h>
 #include <fulgur/config.h>
 #include <fulgur/data.h>
 #include <fulgur/module.h>
 #include <fulgur/precision.h>
 #include <fulgur/registry/registry.h>
 #include <fulgur/trainer.h>
+#include <fulgur/trainer_context.h>
 
 #include <ATen/autocast_mode.h>
 #include <ATen/core/Dict.h>
@@ -17,6 +22,10 @@
 #include <c10/core/DefaultDtype.h>
 #include <fmt/format.h>
 #include <torch/torch.h>
+
+#include <cmath>
+#include <limits>
+#include <set>
 
 namespace fulgur {
 namespace {
@@ -418,6 +427,315 @@ gradient_clip_val = 1.0
     CHECK((module.fc1->weight.scalar_type() == c.params));
     CHECK_FALSE(torch::equal(module.fc1->weight.to(at::kFloat), before));
   }
+}
+
+// ----------------------------------------------------------------------------------------------
+// manual optimization: OptimizerHandle::step goes through the precision plugin
+
+namespace {
+
+// The same network and loss stepped either by the Trainer (automatic) or by training_step through
+// optimizer() (manual). `inf_batches` get an inf written into a (scaled) gradient after backward.
+struct StepModule : fulgur::Module {
+  StepModule(bool manual, double clip, std::set<int64_t> inf_batches = {})
+      : clip(clip), inf_batches(std::move(inf_batches)) {
+    automatic_optimization = !manual;
+    fc1 = register_module("fc1", torch::nn::Linear(8, 16));
+    fc2 = register_module("fc2", torch::nn::Linear(16, 3));
+  }
+  StepOutput training_step(const Batch& b, int64_t batch_idx) override {
+    current_batch = batch_idx;
+    const at::Tensor out = fc2->forward(torch::relu(fc1->forward(b.input)));
+    at::Tensor loss = torch::nn::functional::cross_entropy(out.to(at::kFloat), b.target);
+    if (automatic_optimization) return {loss};
+    OptimizerHandle opt = optimizer();
+    opt.zero_grad();
+    manual_backward(loss);
+    clip_gradients(opt, clip);
+    stepped.push_back(opt.step());
+    return {loss};
+  }
+  void on_after_backward() override {
+    if (!inf_batches.count(current_batch)) return;
+    torch::NoGradGuard no_grad;
+    fc2->bias.grad()[0] = std::numeric_limits<float>::infinity();
+  }
+  std::vector<OptimizerConfig> configure_optimizers() override {
+    return {OptimizerConfig(std::make_shared<torch::optim::Adam>(parameters(), torch::optim::AdamOptions(0.01)))};
+  }
+  double clip;
+  std::set<int64_t> inf_batches;
+  int64_t current_batch = -1;
+  std::vector<bool> stepped;
+  torch::nn::Linear fc1{nullptr}, fc2{nullptr};
+};
+
+// What each optimizer step looked like from the outside: the gradients on_before_optimizer_step
+// saw, then the parameters and the loss scale after the batch.
+struct StepRecorder : fulgur::Callback {
+  HookSet hooks() const override { return Hook::before_optimizer_step | Hook::train_batch_end; }
+  void on_before_optimizer_step(TrainerContext&, torch::optim::Optimizer& optimizer) override {
+    std::vector<at::Tensor> grads;
+    for (const at::Tensor& p : optimizer.param_groups().front().params()) grads.push_back(p.grad().clone());
+    grads_seen.push_back(std::move(grads));
+  }
+  void on_train_batch_end(TrainerContext& trainer, const StepOutput&, const Batch&, int64_t) override {
+    params.push_back(snapshot(trainer.model()));
+    c10::IValue state;
+    trainer.precision().state_dict(state);
+    const c10::impl::GenericDict dict = state.toGenericDict();
+    scales.push_back(dict.contains("scale") ? dict.at("scale").toDouble() : 0.0);
+  }
+  std::vector<std::vector<at::Tensor>> grads_seen;
+  std::vector<std::vector<at::Tensor>> params;
+  std::vector<double> scales;
+};
+
+struct StepRun {
+  std::shared_ptr<StepRecorder> recorder = std::make_shared<StepRecorder>();
+  std::vector<bool> stepped;
+  int64_t global_step = 0;
+  std::vector<at::Tensor> final_params;
+};
+
+// Two epochs of TinyData (4 batches each) with the same seed, data order and initial weights.
+StepRun run_steps(const std::string& precision_table, bool manual, double clip, std::set<int64_t> inf_batches = {}) {
+  TempDir dir;
+  const std::string text = fmt::format(R"(
+[trainer]
+default_root_dir = "{}"
+seed = 11
+max_epochs = 2
+enable_progress_bar = false
+enable_model_summary = false
+enable_checkpointing = false
+logger = false
+gradient_clip_val = {}
+{}
+)",
+                                       dir.path().string(), manual ? 0.0 : clip, precision_table);
+  fulgur::Trainer trainer(parse_config(text, dir / "test.toml"));
+  torch::manual_seed(5);
+  StepModule module(manual, clip, std::move(inf_batches));
+  torch::manual_seed(6);
+  TinyData data;
+  StepRun run;
+  trainer.add_callback(run.recorder);
+  trainer.fit(module, data);
+  run.stepped = module.stepped;
+  run.global_step = trainer.global_step();
+  run.final_params = snapshot(module);
+  return run;
+}
+
+}  // namespace
+
+TEST_CASE("manual optimization under 16-mixed: an inf gradient skips the step and halves the scale, as automatic") {
+  // growth_interval 2 makes the scale also grow within the run; the inf batches (global indices
+  // 1 and 5, the second in the second epoch) each halve it and leave the weights untouched.
+  const std::string table = R"(precision = "16-mixed"
+[precision]
+init_scale = 1024.0
+growth_interval = 2)";
+  const std::set<int64_t> inf_at = {1};  // batch_idx within each epoch -> global batches 1 and 5
+  const StepRun manual = run_steps(table, /*manual=*/true, /*clip=*/0.0, inf_at);
+  const StepRun automatic = run_steps(table, /*manual=*/false, /*clip=*/0.0, inf_at);
+
+  const std::vector<bool> expected_steps = {true, false, true, true, true, false, true, true};
+  CHECK(manual.stepped == expected_steps);
+  // The scale after each batch: 1024 (1 good), 512 (inf), 512 (1 good), 1024 (2 good: grow), ...
+  const std::vector<double> expected_scales = {1024, 512, 512, 1024, 1024, 512, 512, 1024};
+  CHECK(manual.recorder->scales == expected_scales);
+  CHECK(automatic.recorder->scales == expected_scales);
+  CHECK(manual.global_step == 8);
+  CHECK(automatic.global_step == 8);
+
+  // A skipped step leaves every parameter as the previous batch left it; a taken one changes them.
+  REQUIRE(manual.recorder->params.size() == 8);
+  for (size_t i = 1; i < 8; ++i) {
+    CAPTURE(i);
+    CHECK(same(manual.recorder->params[i], manual.recorder->params[i - 1]) == !expected_steps[i]);
+  }
+  // on_before_optimizer_step ran for every step() call, on unscaled gradients (the injected inf
+  // stays inf; the others match automatic optimization, which unscales at the same point). The
+  // arithmetic is the same as automatic optimization's, so everything matches bit for bit.
+  REQUIRE(manual.recorder->grads_seen.size() == 8);
+  REQUIRE(automatic.recorder->grads_seen.size() == 8);
+  for (size_t i = 0; i < 8; ++i) {
+    CAPTURE(i);
+    const at::Tensor& bias_grad = manual.recorder->grads_seen[i].back();
+    CHECK(std::isinf(bias_grad[0].item<float>()) == !expected_steps[i]);
+    for (size_t k = 0; k < manual.recorder->grads_seen[i].size(); ++k)
+      CHECK(torch::equal(manual.recorder->grads_seen[i][k], automatic.recorder->grads_seen[i][k]));
+  }
+  for (size_t i = 0; i < 8; ++i) {
+    CAPTURE(i);
+    for (size_t k = 0; k < manual.recorder->params[i].size(); ++k)
+      CHECK(torch::equal(manual.recorder->params[i][k], automatic.recorder->params[i][k]));
+  }
+
+  // With clipping: Module::clip_gradients unscales before clipping, as the Trainer's clipping
+  // does, so the weights and scales still match automatic optimization's.
+  const StepRun manual_clipped = run_steps(table, /*manual=*/true, /*clip=*/0.05, inf_at);
+  const StepRun automatic_clipped = run_steps(table, /*manual=*/false, /*clip=*/0.05, inf_at);
+  CHECK(manual_clipped.stepped == expected_steps);
+  CHECK(manual_clipped.recorder->scales == expected_scales);
+  CHECK(automatic_clipped.recorder->scales == expected_scales);
+  CHECK(same(manual_clipped.final_params, automatic_clipped.final_params));
+  CHECK_FALSE(same(manual_clipped.final_params, manual.final_params));
+}
+
+TEST_CASE("manual optimization under 32-true gives the same weights as automatic optimization (with clipping)") {
+  for (double clip : {0.0, 0.05}) {
+    CAPTURE(clip);
+    const StepRun manual = run_steps(R"(precision = "32-true")", /*manual=*/true, clip);
+    const StepRun automatic = run_steps(R"(precision = "32-true")", /*manual=*/false, clip);
+    CHECK(manual.stepped == std::vector<bool>(8, true));
+    CHECK(manual.global_step == automatic.global_step);
+    CHECK(manual.recorder->grads_seen.size() == 8);
+    CHECK(same(manual.final_params, automatic.final_params));
+    // Not trivially equal: training moved the weights, and clipping changes where they end up.
+    CHECK_FALSE(same(manual.final_params, manual.recorder->params.front()));
+  }
+  const StepRun unclipped = run_steps(R"(precision = "32-true")", true, 0.0);
+  const StepRun clipped = run_steps(R"(precision = "32-true")", true, 0.05);
+  CHECK_FALSE(same(unclipped.final_params, clipped.final_params));
+}
+
+TEST_CASE("manual optimization: several optimizers, and misuse fails clearly") {
+  // Two optimizers over two layers, each stepped through its own handle.
+  struct TwoOptimizers : StepModule {
+    TwoOptimizers() : StepModule(/*manual=*/true, 0.0) {}
+    StepOutput training_step(const Batch& b, int64_t) override {
+      const std::vector<OptimizerHandle> opts = optimizers();
+      REQUIRE(opts.size() == 2);
+      for (const OptimizerHandle& opt : opts) {
+        OptimizerHandle handle = opt;
+        handle.zero_grad();
+      }
+      const at::Tensor loss =
+          torch::nn::functional::cross_entropy(fc2->forward(torch::relu(fc1->forward(b.input))), b.target);
+      manual_backward(loss);
+      for (OptimizerHandle opt : opts) stepped.push_back(opt.step());
+      return {loss};
+    }
+    std::vector<OptimizerConfig> configure_optimizers() override {
+      return {OptimizerConfig(std::make_shared<torch::optim::SGD>(fc1->parameters(), torch::optim::SGDOptions(0.1))),
+              OptimizerConfig(std::make_shared<torch::optim::SGD>(fc2->parameters(), torch::optim::SGDOptions(0.1)))};
+    }
+  };
+  TempDir dir;
+  const std::string base = fmt::format(R"(
+[trainer]
+default_root_dir = "{}"
+max_steps = 3
+enable_progress_bar = false
+enable_model_summary = false
+enable_checkpointing = false
+logger = false
+precision = "16-mixed"
+)",
+                                       dir.path().string());
+  {
+    fulgur::Trainer trainer(parse_config(base, dir / "a.toml"));
+    TwoOptimizers module;
+    TinyData data;
+    const at::Tensor fc1_before = module.fc1->weight.detach().clone();
+    const at::Tensor fc2_before = module.fc2->weight.detach().clone();
+    trainer.fit(module, data);
+    CHECK(module.stepped == std::vector<bool>(6, true));
+    CHECK(trainer.global_step() == 3);
+    CHECK_FALSE(torch::equal(module.fc1->weight, fc1_before));
+    CHECK_FALSE(torch::equal(module.fc2->weight, fc2_before));
+  }
+
+  // Trainer-level clipping and accumulation cannot apply under manual optimization (Lightning
+  // refuses them too).
+  {
+    fulgur::Trainer trainer(parse_config(base + "gradient_clip_val = 1.0\n", dir / "b.toml"));
+    StepModule module(/*manual=*/true, 0.0);
+    TinyData data;
+    const Error e = error_from([&] { trainer.fit(module, data); });
+    CHECK(e.kind() == ErrorKind::config);
+    FULGUR_CHECK_CONTAINS(e.what(), "gradient_clip_val");
+    FULGUR_CHECK_CONTAINS(e.what(), "clip_gradients");
+  }
+  {
+    fulgur::Trainer trainer(parse_config(base + "accumulate_grad_batches = 2\n", dir / "b2.toml"));
+    StepModule module(/*manual=*/true, 0.0);
+    TinyData data;
+    const Error e = error_from([&] { trainer.fit(module, data); });
+    CHECK(e.kind() == ErrorKind::config);
+    FULGUR_CHECK_CONTAINS(e.what(), "accumulate_grad_batches = 2");
+  }
+
+  // step() under automatic optimization would step twice per batch.
+  {
+    struct StepsAnyway : StepModule {
+      StepsAnyway() : StepModule(/*manual=*/false, 0.0) {}
+      StepOutput training_step(const Batch& b, int64_t i) override {
+        optimizer().step();
+        return StepModule::training_step(b, i);
+      }
+    };
+    fulgur::Trainer trainer(parse_config(base, dir / "c.toml"));
+    StepsAnyway module;
+    TinyData data;
+    const Error e = error_from([&] { trainer.fit(module, data); });
+    FULGUR_CHECK_CONTAINS(e.what(), "automatic_optimization = false");
+  }
+
+  // Outside a Trainer there is nothing to step through; an index past the end names the count.
+  StepModule idle(/*manual=*/true, 0.0);
+  CHECK(idle.optimizers().empty());
+  FULGUR_CHECK_CONTAINS(error_from([&] { idle.optimizer(); }).what(), "running Trainer");
+  torch::optim::SGD sgd(idle.parameters(), torch::optim::SGDOptions(0.1));
+  OptimizerHandle detached(idle, sgd);
+  FULGUR_CHECK_CONTAINS(error_from([&] { detached.step(); }).what(), "running Trainer");
+  FULGUR_CHECK_CONTAINS(error_from([&] { idle.clip_gradients(detached, 1.0); }).what(), "running Trainer");
+  {
+    struct AsksForSecond : StepModule {
+      AsksForSecond() : StepModule(/*manual=*/true, 0.0) {}
+      StepOutput training_step(const Batch&, int64_t) override {
+        optimizer(1);
+        return {};
+      }
+    };
+    fulgur::Trainer trainer(parse_config(base, dir / "d.toml"));
+    AsksForSecond module;
+    TinyData data;
+    FULGUR_CHECK_CONTAINS(error_from([&] { trainer.fit(module, data); }).what(), "returned 1 optimizer(s)");
+  }
+}
+
+// ----------------------------------------------------------------------------------------------
+// true dtypes: the setup-time kernel check
+
+TEST_CASE("16-true fails at setup on a device without float16 matmul, naming the precision and what to use") {
+  // The plugins run precision_support::require_matmul_support on the module's device. This CPU
+  // has float16 matmul, so drive the same function with a device type this LibTorch build has no
+  // kernels for at all (XLA): the probe fails for real and the message must say what to do.
+  CHECK(precision_support::matmul_failure(c10::Device(c10::DeviceType::CPU), at::kHalf).empty());
+  CHECK_NOTHROW(precision_support::require_matmul_support("16-true", c10::Device(c10::DeviceType::CPU), at::kHalf,
+                                                          "\"bf16-true\""));
+  const c10::Device missing(c10::DeviceType::XLA, 0);
+  CHECK_FALSE(precision_support::matmul_failure(missing, at::kHalf).empty());
+  const Error e = error_from([&] {
+    precision_support::require_matmul_support("16-true", missing, at::kHalf,
+                                              "\"bf16-true\" or \"bf16-mixed\" (or \"32-true\")");
+  });
+  CHECK(e.kind() == ErrorKind::config);
+  const std::string message = e.what();
+  FULGUR_CHECK_CONTAINS(message, "precision '16-true' is not supported on device xla:0");
+  FULGUR_CHECK_CONTAINS(message, "Half matmul fails");
+  FULGUR_CHECK_CONTAINS(message, "use precision = \"bf16-true\" or \"bf16-mixed\" (or \"32-true\") instead");
+  CHECK(message.find('\n') == std::string::npos);  // one line: LibTorch's dispatch-key dump is cut
+
+  // Through the plugin on this CPU: the check passes and the module is converted.
+  auto p = precision("16-true");
+  torch::nn::Linear linear(2, 2);
+  CHECK_NOTHROW(p->convert_module(*linear));
+  CHECK((linear->weight.scalar_type() == at::kHalf));
 }
 
 }  // namespace fulgur

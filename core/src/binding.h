@@ -3,6 +3,8 @@
 
 #include <fulgur/module.h>
 
+#include <functional>
+
 #include "metrics.h"
 
 namespace fulgur {
@@ -19,6 +21,8 @@ struct Module::Binding {
   Strategy* strategy = nullptr;
   Precision* precision = nullptr;
   std::function<void(const at::Tensor&)> manual_backward;
+  // OptimizerHandle::step: unscale, on_before_optimizer_step, strategy step (manual optimization).
+  std::function<bool(torch::optim::Optimizer&)> optimizer_step;
 };
 
 }  // namespace fulgur

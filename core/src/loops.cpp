@@ -158,7 +158,22 @@ void Trainer::Impl::fit(Module& module, DataModule& data, const std::string& ckp
                   fmt::format("automatic optimization needs exactly one optimizer, configure_optimizers() returned {}; "
                               "set automatic_optimization = false to drive several optimizers from training_step",
                               optimizer_ptrs_.size()));
+    // Lightning refuses Trainer-level clipping and accumulation under manual optimization: the
+    // Trainer does not know when the gradients are final; training_step does.
+    if (!module.automatic_optimization && clip_val_ > 0)
+      throw Error(ErrorKind::config,
+                  fmt::format("[trainer] gradient_clip_val = {} is not supported with manual optimization "
+                              "(automatic_optimization = false); call clip_gradients(optimizer, value) in "
+                              "training_step before optimizer.step()",
+                              clip_val_));
+    if (!module.automatic_optimization && accumulate_ != 1)
+      throw Error(ErrorKind::config,
+                  fmt::format("[trainer] accumulate_grad_batches = {} is not supported with manual optimization "
+                              "(automatic_optimization = false); step the optimizer every N batches in "
+                              "training_step instead",
+                              accumulate_));
     binding_.optimizers = optimizer_ptrs_;
+    binding_.optimizer_step = [this](torch::optim::Optimizer& optimizer) { return step_optimizer(optimizer); };
     binding_.manual_backward = [this](const at::Tensor& loss) {
       call(Hook::before_backward, [&](Callback& c) { c.on_before_backward(*this, loss); });
       module_->on_before_backward(loss);
@@ -303,6 +318,18 @@ void Trainer::Impl::run_train_epoch() {
   in_epoch_end_phase_ = false;
 }
 
+// One optimizer step, for automatic optimization and for OptimizerHandle::step alike (Lightning's
+// LightningOptimizer.step -> strategy.optimizer_step -> precision.optimizer_step).
+bool Trainer::Impl::step_optimizer(torch::optim::Optimizer& optimizer) {
+  // True gradients for callbacks and clipping (16-mixed unscales here).
+  precision_->unscale_gradients(optimizer);
+  call(Hook::before_optimizer_step, [&](Callback& c) { c.on_before_optimizer_step(*this, optimizer); });
+  module_->on_before_optimizer_step(optimizer);
+  if (clip_val_ > 0) precision_->clip_gradients(optimizer, clip_val_, clip_algorithm_);
+  ProfileScope scope(profiler_.get(), "optimizer_step");
+  return strategy_->optimizer_step(optimizer, *precision_);
+}
+
 void Trainer::Impl::run_train_batch(Batch& batch, int64_t batch_idx) {
   ProfileScope batch_scope(profiler_.get(), "run_training_batch");
   batch = transfer(std::move(batch));
@@ -345,15 +372,7 @@ void Trainer::Impl::run_train_batch(Batch& batch, int64_t batch_idx) {
       call(Hook::after_backward, [&](Callback& c) { c.on_after_backward(*this); });
       module_->on_after_backward();
       if (boundary) {
-        // True gradients for callbacks and clipping (16-mixed unscales here).
-        precision_->unscale_gradients(optimizer);
-        call(Hook::before_optimizer_step, [&](Callback& c) { c.on_before_optimizer_step(*this, optimizer); });
-        module_->on_before_optimizer_step(optimizer);
-        if (clip_val_ > 0) precision_->clip_gradients(optimizer, clip_val_, clip_algorithm_);
-        {
-          ProfileScope scope(profiler_.get(), "optimizer_step");
-          strategy_->optimizer_step(optimizer, *precision_);
-        }
+        step_optimizer(optimizer);
         ++global_step_;
         step_schedulers(SchedulerInterval::step);
       }

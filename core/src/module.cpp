@@ -1,8 +1,11 @@
 #include <fulgur/error.h>
 #include <fulgur/module.h>
+#include <fulgur/precision.h>
 
 #include <fmt/format.h>
 #include <torch/optim/optimizer.h>
+
+#include <cmath>
 
 #include "binding.h"
 
@@ -52,8 +55,47 @@ void Module::manual_backward(const at::Tensor& loss) {
   binding_->manual_backward(loss);
 }
 
-std::vector<torch::optim::Optimizer*> Module::optimizers() const {
-  return binding_ ? binding_->optimizers : std::vector<torch::optim::Optimizer*>{};
+std::vector<OptimizerHandle> Module::optimizers() const {
+  std::vector<OptimizerHandle> handles;
+  if (binding_)
+    for (torch::optim::Optimizer* optimizer : binding_->optimizers) handles.emplace_back(*this, *optimizer);
+  return handles;
 }
+
+OptimizerHandle Module::optimizer(size_t index) const {
+  const size_t count = binding_ ? binding_->optimizers.size() : 0;
+  if (index >= count)
+    throw Error(ErrorKind::invalid_argument,
+                binding_ ? fmt::format("optimizer({}): configure_optimizers() returned {} optimizer(s)", index, count)
+                         : fmt::format("optimizer({}) needs a running Trainer (the Trainer calls "
+                                       "configure_optimizers())",
+                                       index));
+  return {*this, *binding_->optimizers[index]};
+}
+
+void Module::clip_gradients(const OptimizerHandle& optimizer, double clip_value, GradClipAlgorithm algorithm) {
+  if (!binding_ || !binding_->precision)
+    throw Error(ErrorKind::invalid_argument, "clip_gradients() needs a running Trainer");
+  if (!(clip_value >= 0) || !std::isfinite(clip_value))
+    throw Error(ErrorKind::invalid_argument,
+                fmt::format("clip_gradients(): clip_value = {} must be a finite number >= 0", clip_value));
+  // Through the precision plugin: 16-mixed unscales first, so the threshold applies to true
+  // gradients and the unscale inside step() becomes a no-op.
+  binding_->precision->clip_gradients(optimizer.optimizer(), clip_value, algorithm);
+}
+
+bool OptimizerHandle::step() {
+  const Module::Binding* binding = module_->binding();
+  if (!binding || !binding->optimizer_step)
+    throw Error(ErrorKind::invalid_argument, "OptimizerHandle::step() needs a running Trainer (fit)");
+  if (module_->automatic_optimization)
+    throw Error(ErrorKind::invalid_argument,
+                fmt::format("{}: optimizer step() was called with automatic optimization on, where the Trainer "
+                            "steps after training_step; set automatic_optimization = false to step yourself",
+                            module_->name()));
+  return binding->optimizer_step(*optimizer_);
+}
+
+void OptimizerHandle::zero_grad(bool set_to_none) { optimizer_->zero_grad(set_to_none); }
 
 }  // namespace fulgur

@@ -97,6 +97,7 @@ class Trainer::Impl final : public TrainerContext {
   void run_fit();
   void run_train_epoch();
   void run_train_batch(Batch& batch, int64_t batch_idx);
+  bool step_optimizer(torch::optim::Optimizer& optimizer);
   void run_validation(bool sanity);
   MetricMap run_eval_loop(Stage stage, BatchLoader& loader, int64_t limit, bool sanity);
   Batch transfer(Batch batch);

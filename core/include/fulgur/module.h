@@ -102,6 +102,37 @@ struct OptimizerConfig {
   std::string monitor;  // metric for reduce-on-plateau schedulers
 };
 
+class Module;
+
+// One of the Module's optimizers as training_step drives it under manual optimization (Lightning's
+// LightningOptimizer). step() goes through the Trainer exactly as automatic optimization does:
+// the precision plugin unscales the gradients, on_before_optimizer_step runs (callbacks, then the
+// Module), then the strategy steps through the precision plugin, which skips the step when the
+// gradients hold inf/NaN and updates the loss scale (16-mixed). Stepping optimizer() directly
+// would bypass all of that, which is why the handle does not forward `->`.
+//
+//   auto opt = optimizer();
+//   opt.zero_grad();
+//   manual_backward(loss);
+//   clip_gradients(opt, 1.0);  // optional; acts on unscaled gradients
+//   opt.step();
+class OptimizerHandle {
+ public:
+  OptimizerHandle(const Module& module, torch::optim::Optimizer& optimizer)
+      : module_(&module), optimizer_(&optimizer) {}
+
+  // Returns whether the optimizer stepped (false: skipped for inf/NaN gradients).
+  bool step();
+  // Plain torch zero_grad (Lightning calls no hook here under manual optimization).
+  void zero_grad(bool set_to_none = true);
+  // The torch optimizer, for its param_groups() and state; do not step() it directly.
+  torch::optim::Optimizer& optimizer() const { return *optimizer_; }
+
+ private:
+  const Module* module_;
+  torch::optim::Optimizer* optimizer_;
+};
+
 class Module : public torch::nn::Module {
  public:
   Module();
@@ -145,10 +176,19 @@ class Module : public torch::nn::Module {
   void log(const std::string& name, double value, const LogOptions& options = {});
   void log_dict(const std::map<std::string, at::Tensor>& values, const LogOptions& options = {});
 
-  // Manual optimization: training_step calls manual_backward and steps optimizers itself.
+  // Manual optimization: training_step calls manual_backward and steps the optimizers itself
+  // through the handles optimizers() returns (see OptimizerHandle). Trainer-level
+  // gradient_clip_val is refused then, as in Lightning; call clip_gradients instead.
   bool automatic_optimization = true;
   void manual_backward(const at::Tensor& loss);
-  std::vector<torch::optim::Optimizer*> optimizers() const;
+  // The optimizers configure_optimizers() returned, in order (empty outside a Trainer run).
+  std::vector<OptimizerHandle> optimizers() const;
+  // optimizers()[index] without building the vector; throws if there is no such optimizer.
+  OptimizerHandle optimizer(size_t index = 0) const;
+  // Lightning's self.clip_gradients: clips the optimizer's gradients now, through the precision
+  // plugin (16-mixed unscales them first). clip_value <= 0 does nothing.
+  void clip_gradients(const OptimizerHandle& optimizer, double clip_value,
+                      GradClipAlgorithm algorithm = GradClipAlgorithm::norm);
 
   // Hyperparameters from the TOML [model] table (set before construction-time use by the Trainer
   // when built through fulgur::run, or by the user).
