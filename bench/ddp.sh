@@ -2,30 +2,34 @@
 # Data-parallel throughput on this machine: 2 ddp processes (1 intra-op thread each) vs 1 process
 # with 1 thread (one "device") and vs 1 process with 2 threads (the whole machine), plus the
 # all-reduce share of a step and how much of it overlaps backward. Runs are interleaved; medians.
-#   bench/ddp.sh [--rounds 3] [--batch 128] [--steps 40]
+#   bench/ddp.sh [--model mlp|conv] [--rounds 3] [--batch 128] [--steps 40] [--bucket-mb 25]
+# mlp: 784-1024-1024-10, 7.6 MB of gradients per step (communication-heavy on loopback);
+# conv: three 3x3 convolutions, 0.2 MB of gradients (compute-bound).
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 source "$here/../scripts/env.sh"
 cd "$here/.."
-rounds=3 batch=128 steps=40
+rounds=3 batch=128 steps=40 model=mlp bucket=25
 while (($#)); do
   case "$1" in
     --rounds) rounds="$2"; shift 2 ;;
     --batch) batch="$2"; shift 2 ;;
     --steps) steps="$2"; shift 2 ;;
+    --model) model="$2"; shift 2 ;;
+    --bucket-mb) bucket="$2"; shift 2 ;;
     *) echo "unknown argument $1" >&2; exit 2 ;;
   esac
 done
 "$here/../scripts/build.sh" --target bench_ddp -- -j"${FULGUR_JOBS:-2}" >/dev/null
-bench="$FULGUR_BUILD_DIR/bin/bench_ddp"
+bench() { "$FULGUR_BUILD_DIR/bin/bench_ddp" --model "$model" --bucket-mb "$bucket" "$@"; }
 export FULGUR_LOG_LEVEL=warn
 unset OMP_NUM_THREADS RANK WORLD_SIZE MASTER_ADDR MASTER_PORT
 results=$(mktemp)
 for ((r = 0; r < rounds; r++)); do
-  "$bench" --procs 1 --threads 1 --batch "$batch" --steps "$steps" | grep RESULT | sed 's/^/one_core /' >>"$results"
-  "$bench" --procs 1 --threads 2 --batch "$batch" --steps "$steps" | grep RESULT | sed 's/^/one_proc_two_threads /' >>"$results"
-  "$bench" --procs 2 --threads 1 --batch "$batch" --steps "$steps" | grep RESULT | sed 's/^/ddp /' >>"$results"
-  "$bench" --procs 2 --threads 1 --batch "$batch" --steps "$steps" --accumulate 100000 | grep RESULT |
+  bench --procs 1 --threads 1 --batch "$batch" --steps "$steps" | grep RESULT | sed 's/^/one_core /' >>"$results"
+  bench --procs 1 --threads 2 --batch "$batch" --steps "$steps" | grep RESULT | sed 's/^/one_proc_two_threads /' >>"$results"
+  bench --procs 2 --threads 1 --batch "$batch" --steps "$steps" | grep RESULT | sed 's/^/ddp /' >>"$results"
+  bench --procs 2 --threads 1 --batch "$batch" --steps "$steps" --accumulate 100000 | grep RESULT |
     sed 's/^/ddp_nosync /' >>"$results"
 done
 "${FULGUR_VENV}/bin/python" - "$results" "$batch" <<'PY'
