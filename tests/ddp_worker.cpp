@@ -43,6 +43,8 @@ struct Mlp : fulgur::Module {
         fulgur::LogOptions().sync_dist(true));
     // Differs per rank: after sync_dist every rank must hold the mean.
     log("val/rank", torch::full({}, static_cast<double>(rank), at::kFloat), fulgur::LogOptions().sync_dist(true));
+    // Not synced: each rank sees its own value (for decisions that must still agree).
+    log("val/own_rank", torch::full({}, static_cast<double>(rank), at::kFloat));
     return {};
   }
   std::vector<fulgur::OptimizerConfig> configure_optimizers() override {

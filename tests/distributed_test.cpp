@@ -206,6 +206,22 @@ TEST_CASE("ddp: parameters without gradients need find_unused_parameters") {
   CHECK(metrics(*run, 0).at("global_step") == 4);
 }
 
+TEST_CASE("ddp: an early-stopping decision made on one rank stops every rank together") {
+  // Rank 1 sees val/own_rank = 1 (past the threshold: stop), rank 0 sees 0 (go on). Unless the
+  // decision is agreed, rank 0 would train on alone and wait forever in its next all-reduce.
+  const std::string early_stopping = R"(
+[[callbacks]]
+name = "early_stopping"
+monitor = "val/own_rank"
+mode = "max"
+stopping_threshold = 0.5
+)";
+  auto run = run_worker(worker_config("ddp", "2", 8, 100) + early_stopping);
+  REQUIRE_SUCCESS(run);
+  CHECK(metrics(*run, 0).at("global_step") == 6);  // one epoch: 96 samples / 2 ranks / batch 8
+  CHECK(metrics(*run, 1).at("global_step") == 6);
+}
+
 TEST_CASE("ddp: the same binary runs under torchrun") {
   auto launcher = run_worker(worker_config("ddp", "2", 8, 4, 1, /*shuffle=*/true));
   REQUIRE_SUCCESS(launcher);
