@@ -612,7 +612,7 @@ std::vector<std::string> report_row(const std::string& report, const std::string
 TEST_CASE("simple: counts, totals and shares per action, nested and repeated") {
   TempDir dir;
   auto profiler = create<Profiler>(PluginKind::profiler, "simple", {{"filename", std::string("perf")}});
-  profiler->setup(Stage::fit, dir.path().string());
+  profiler->setup(Stage::fit, dir.path().string(), 0);
   for (int i = 0; i < 3; ++i) {
     ProfileScope outer(profiler.get(), "run_training_batch");
     std::this_thread::sleep_for(std::chrono::milliseconds(2));
@@ -652,7 +652,7 @@ TEST_CASE("simple: counts, totals and shares per action, nested and repeated") {
   CHECK(other_entries(dir.path(), {"fit-perf.txt"}).empty());
 
   // A new stage starts from zero.
-  profiler->setup(Stage::validate, dir.path().string());
+  profiler->setup(Stage::validate, dir.path().string(), 0);
   profiler->start("validation_step");
   profiler->stop("validation_step");
   const std::string validate = profiler->summary();
@@ -662,7 +662,7 @@ TEST_CASE("simple: counts, totals and shares per action, nested and repeated") {
 
 TEST_CASE("simple: misuse of start/stop") {
   auto profiler = create<Profiler>(PluginKind::profiler, "simple", {{"extended", false}});
-  profiler->setup(Stage::fit, "");
+  profiler->setup(Stage::fit, "", 0);
   profiler->stop("never_started");  // a warning, never an exception (stop runs in destructors)
   profiler->start("twice");
   const Error e = error_from([&] { profiler->start("twice"); });

@@ -81,6 +81,10 @@ bool Trainer::Impl::time_exceeded() const {
   if (max_time_seconds_ <= 0) return false;
   const double elapsed = elapsed_before_resume_ +
                          std::chrono::duration<double>(std::chrono::steady_clock::now() - fit_start_time_).count();
+  // Each rank has its own clock: ranks must leave the loop at the same batch, or they would wait
+  // in different collectives. Any rank over the limit stops them all.
+  if (strategy_->cluster().world_size > 1)
+    return strategy_->reduce_boolean_decision(elapsed >= max_time_seconds_, /*all=*/false);
   return elapsed >= max_time_seconds_;
 }
 
@@ -181,14 +185,13 @@ void Trainer::Impl::fit(Module& module, DataModule& data, const std::string& ckp
       call(Hook::after_backward, [&](Callback& c) { c.on_after_backward(*this); });
       module_->on_after_backward();
     };
-    // The dtype first (Lightning's order): a data-parallel strategy builds its gradient buckets
-    // on the parameters as they will train.
-    precision_->convert_module(module);
+    // Device first: the precision plugins pick autocast and kernels from the module's device.
     strategy_->setup_module(module);
+    precision_->convert_module(module);
     strategy_->setup_optimizers(optimizer_ptrs_);
 
     setup_loggers_once();
-    if (profiler_) profiler_->setup(Stage::fit, log_dir());
+    if (profiler_) profiler_->setup(Stage::fit, log_dir(), strategy_->cluster().global_rank);
 
     std::optional<c10::IValue> checkpoint;
     std::string resolved;
@@ -464,12 +467,11 @@ std::vector<MetricMap> Trainer::Impl::evaluate(Stage stage, Module& module, Data
     strategy_->barrier("prepare_data");
     call(Hook::setup, [&](Callback& c) { c.setup(*this, stage); });
     data.setup(stage);
-    // The dtype first (Lightning's order): a data-parallel strategy builds its gradient buckets
-    // on the parameters as they will train.
-    precision_->convert_module(module);
+    // Device first: the precision plugins pick autocast and kernels from the module's device.
     strategy_->setup_module(module);
+    precision_->convert_module(module);
     setup_loggers_once();
-    if (profiler_) profiler_->setup(stage, log_dir());
+    if (profiler_) profiler_->setup(stage, log_dir(), strategy_->cluster().global_rank);
     if (!ckpt_path.empty()) {
       const std::string resolved = resolve_checkpoint_path(ckpt_path);
       c10::IValue checkpoint = read_checkpoint(resolved);
@@ -508,10 +510,9 @@ std::vector<at::Tensor> Trainer::Impl::predict(Module& module, DataModule& data,
     if (strategy_->cluster().local_rank == 0) data.prepare_data();
     call(Hook::setup, [&](Callback& c) { c.setup(*this, Stage::predict); });
     data.setup(Stage::predict);
-    // The dtype first (Lightning's order): a data-parallel strategy builds its gradient buckets
-    // on the parameters as they will train.
-    precision_->convert_module(module);
+    // Device first: the precision plugins pick autocast and kernels from the module's device.
     strategy_->setup_module(module);
+    precision_->convert_module(module);
     if (!ckpt_path.empty()) {
       const std::string resolved = resolve_checkpoint_path(ckpt_path);
       restore_model(read_checkpoint(resolved), resolved);

@@ -8,6 +8,8 @@
 // gloo object is built or called here), so the header version only has to declare the names.
 #include "distributed/process_group.h"
 
+#include "distributed/local_launcher.h"
+
 #include <fulgur/error.h>
 
 #include <torch/torch.h>
@@ -140,9 +142,11 @@ class C10dCommunicator final : public Communicator {
       : store_(std::move(store)), group_(std::move(group)), backend_(std::move(backend)), rank_(rank), world_(world) {}
 
   ~C10dCommunicator() override {
-    // Rank 0 serves the store: leave together so no rank loses its rendezvous mid-teardown.
+    // Rank 0 serves the store: leave together so no rank loses its rendezvous mid-teardown. Not
+    // after a failure on this rank: the others are in some other collective, and a barrier here
+    // would hang until the timeout or pair with an unrelated one.
     try {
-      if (!failed_) group_->barrier()->wait();
+      if (!failed_ && !local_run_failed() && std::uncaught_exceptions() == 0) group_->barrier()->wait();
     } catch (...) {
     }
     group_.reset();
@@ -369,6 +373,11 @@ std::shared_ptr<Communicator> connect_process_group(const ClusterInfo& cluster, 
       auto nccl = make_nccl_backend(prefixed, rank, size, options.timeout);
       group->setDefaultBackend(c10d::ProcessGroup::BackendType::NCCL);
       group->setBackend(c10::DeviceType::CUDA, c10d::ProcessGroup::BackendType::NCCL, nccl);
+      // Host tensors (decisions, strings, metrics kept on the CPU) travel over Gloo, as with
+      // torch.distributed's "cpu:gloo,cuda:nccl".
+      auto cpu_store = c10::make_intrusive<c10d::PrefixStore>("fulgur/default_pg_cpu", store);
+      group->setBackend(c10::DeviceType::CPU, c10d::ProcessGroup::BackendType::GLOO,
+                        make_gloo_backend(cpu_store, cluster, options.timeout));
     }
     group->setGroupName("0");
   } catch (const Error&) {

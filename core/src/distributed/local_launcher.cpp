@@ -218,6 +218,7 @@ class Launcher {
         std::fprintf(stderr, "[fulgur launcher] rank 0 did not stop within %lld s after %s; exiting\n",
                      static_cast<long long>(kFailureGrace.count()), failure.c_str());
         std::fflush(stderr);
+        std::fflush(nullptr);  // _Exit skips stdio: keep what rank 0 printed
         std::_Exit(1);
       }
       if (all_done && (failure.empty() || exiting_)) return;
@@ -266,6 +267,7 @@ class Launcher {
     if (!failure.empty() && !run_failed_) {
       std::fprintf(stderr, "[fulgur launcher] %s\n", failure.c_str());
       std::fflush(stderr);
+      std::fflush(nullptr);  // _Exit skips stdio: keep what rank 0 printed
       std::_Exit(1);
     }
   }
@@ -287,7 +289,13 @@ class Launcher {
 
 }  // namespace
 
+std::atomic<bool> run_failed_in_this_process{false};
+
 void launch_local_processes(int64_t process_count) { Launcher::instance().start(process_count); }
-void note_local_run_failed() { Launcher::instance().note_failed(); }
+void note_local_run_failed() {
+  run_failed_in_this_process = true;
+  Launcher::instance().note_failed();
+}
+bool local_run_failed() { return run_failed_in_this_process; }
 
 }  // namespace fulgur::detail

@@ -113,8 +113,9 @@ class PyTorchProfiler final : public fulgur::Profiler {
     }
   }
 
-  void setup(Stage stage, const std::string& log_dir) override {
+  void setup(Stage stage, const std::string& log_dir, int64_t global_rank) override {
     stop_profiler(/*keep=*/false);  // a previous stage that ended without teardown
+    rank_suffix_ = global_rank > 0 ? fmt::format("-rank{}", global_rank) : "";
     ready_ = false;
     stage_ = stage;
     step_action_ = step_action(stage);
@@ -175,7 +176,8 @@ class PyTorchProfiler final : public fulgur::Profiler {
     stage_ = stage;
     const std::string report = summary();
     spdlog::info("{}", report);
-    const std::string path = (fs::path(dir_) / fmt::format("{}-{}.txt", fulgur::to_string(stage), filename_)).string();
+    const std::string path =
+        (fs::path(dir_) / fmt::format("{}-{}{}.txt", fulgur::to_string(stage), filename_, rank_suffix_)).string();
     fulgur::atomic_write_text(path, report);
   }
 
@@ -214,9 +216,9 @@ class PyTorchProfiler final : public fulgur::Profiler {
     phase_ = Phase::off;
     if (!keep || !was_recording || !result) return;
     table_.add(result->events());
-    const std::string path =
-        (fs::path(dir_) / fmt::format("{}-{}.{}.pt.trace.json", fulgur::to_string(*stage_), filename_, cycle_))
-            .string();
+    const std::string path = (fs::path(dir_) / fmt::format("{}-{}{}.{}.pt.trace.json", fulgur::to_string(*stage_),
+                                                           filename_, rank_suffix_, cycle_))
+                                 .string();
     try {
       result->save(path);
     } catch (const std::exception& e) {
@@ -243,6 +245,7 @@ class PyTorchProfiler final : public fulgur::Profiler {
   // Options.
   std::string dirpath_;
   std::string filename_;
+  std::string rank_suffix_;
   int64_t wait_, warmup_, active_, repeat_, row_limit_;
   impl::ProfilerConfig config_;
   std::set<impl::ActivityType> activities_;

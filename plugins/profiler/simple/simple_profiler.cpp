@@ -38,8 +38,9 @@ class SimpleProfiler final : public fulgur::Profiler {
     actions_.reserve(32);
   }
 
-  void setup(fulgur::Stage stage, const std::string& log_dir) override {
+  void setup(fulgur::Stage stage, const std::string& log_dir, int64_t global_rank) override {
     stage_ = stage;
+    rank_suffix_ = global_rank > 0 ? fmt::format("-rank{}", global_rank) : "";
     log_dir_ = log_dir;
     // Each stage reports its own calls against its own wall time. Open actions stay open.
     for (Action& action : actions_) {
@@ -116,7 +117,8 @@ class SimpleProfiler final : public fulgur::Profiler {
     if (error)
       throw fulgur::Error(fulgur::ErrorKind::io, fmt::format("profiler 'simple': cannot create '{}' for its report: {}",
                                                              directory.string(), error.message()));
-    const std::string path = (directory / fmt::format("{}-{}.txt", fulgur::to_string(stage), filename_)).string();
+    const std::string path =
+        (directory / fmt::format("{}-{}{}.txt", fulgur::to_string(stage), filename_, rank_suffix_)).string();
     fulgur::atomic_write_text(path, report);
   }
 
@@ -182,6 +184,7 @@ class SimpleProfiler final : public fulgur::Profiler {
 
   std::string dirpath_;
   std::string filename_;
+  std::string rank_suffix_;
   bool extended_;
 
   std::vector<Action> actions_;

@@ -84,21 +84,16 @@ class DdpStrategy final : public fulgur::Strategy {
     for (auto& p : module.parameters()) state.push_back(p);
     for (auto& b : module.buffers()) state.push_back(b);
     communicator_->broadcast_coalesced(state, 0);
-    std::vector<at::Tensor> trainable;
-    fulgur::GradientSyncOptions options = sync_options_;
-    for (const auto& item : module.named_parameters()) {
-      if (!item.value().requires_grad()) continue;
-      trainable.push_back(item.value());
-      options.parameter_names.push_back(item.key());
-    }
     buffers_ = module.buffers();
-    if (!trainable.empty()) gradient_sync_ = communicator_->make_gradient_sync(std::move(trainable), options);
   }
 
   void setup_optimizers(std::span<torch::optim::Optimizer* const>) override {}
 
   void before_training_step(bool sync_gradients) override {
     if (!communicator_) return;
+    // Gradient buckets only for training, built on the parameters as they train: the precision
+    // plugin converts the module after setup_module, and validate/test/predict never need them.
+    if (!gradient_sync_ && module_) make_gradient_sync();
     if (gradient_sync_ && sync_gradients) gradient_sync_->prepare_for_forward();
     // BatchNorm statistics and the like follow rank 0, as PyTorch's DDP does before each forward.
     if (broadcast_buffers_ && !buffers_.empty()) communicator_->broadcast_coalesced(buffers_, 0);
@@ -117,6 +112,17 @@ class DdpStrategy final : public fulgur::Strategy {
     } catch (...) {
       communicator_->rethrow("backward (gradient all-reduce)", std::current_exception());
     }
+  }
+
+  void make_gradient_sync() {
+    std::vector<at::Tensor> trainable;
+    fulgur::GradientSyncOptions options = sync_options_;
+    for (const auto& item : module_->named_parameters()) {
+      if (!item.value().requires_grad()) continue;
+      trainable.push_back(item.value());
+      options.parameter_names.push_back(item.key());
+    }
+    if (!trainable.empty()) gradient_sync_ = communicator_->make_gradient_sync(std::move(trainable), options);
   }
 
   bool optimizer_step(torch::optim::Optimizer& optimizer, fulgur::Precision& precision) override {

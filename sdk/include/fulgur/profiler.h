@@ -13,7 +13,9 @@ class FULGUR_SDK_API Profiler {
  public:
   virtual ~Profiler();
 
-  virtual void setup(Stage stage, const std::string& log_dir) = 0;
+  // `global_rank` > 0 in a multi-process run: files get a rank suffix so that ranks sharing rank
+  // 0's log_dir do not overwrite each other.
+  virtual void setup(Stage stage, const std::string& log_dir, int64_t global_rank) = 0;
   // `action` points to a string with static storage duration (the Trainer's action names).
   virtual void start(std::string_view action) = 0;
   virtual void stop(std::string_view action) = 0;
