@@ -38,11 +38,10 @@ struct ProcessResult {
   double seconds = 0;
 };
 
-// Runs a command in its own process group with extra environment variables; kills the whole
-// group if it outlives `timeout`, so that a hang fails the test instead of blocking CI.
-ProcessResult run_process(const std::vector<std::string>& args, const std::map<std::string, std::string>& env,
-                          const fs::path& log, std::chrono::seconds timeout = std::chrono::seconds(120)) {
-  const auto start = std::chrono::steady_clock::now();
+// Starts a command in its own process group (so that it and every rank it launches can be
+// signalled together), with extra environment variables, output to `log`, run from log's folder
+// (relative paths of the run, like checkpoint dirs, land next to its log).
+pid_t spawn(const std::vector<std::string>& args, const std::map<std::string, std::string>& env, const fs::path& log) {
   const pid_t pid = fork();
   REQUIRE(pid >= 0);
   if (pid == 0) {
@@ -50,7 +49,6 @@ ProcessResult run_process(const std::vector<std::string>& args, const std::map<s
     const int fd = open(log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
     dup2(fd, 1);
     dup2(fd, 2);
-    // Relative paths of the run (checkpoint dirs, default_root_dir) land next to its log.
     if (chdir(log.parent_path().c_str()) != 0) _exit(126);
     for (const auto& [k, v] : env) setenv(k.c_str(), v.c_str(), 1);
     std::vector<char*> argv;
@@ -59,6 +57,16 @@ ProcessResult run_process(const std::vector<std::string>& args, const std::map<s
     execv(argv[0], argv.data());
     _exit(127);
   }
+  setpgid(pid, pid);
+  return pid;
+}
+
+// Runs a command to its end; kills the whole group if it outlives `timeout`, so that a hang
+// fails the test instead of blocking CI.
+ProcessResult run_process(const std::vector<std::string>& args, const std::map<std::string, std::string>& env,
+                          const fs::path& log, std::chrono::seconds timeout = std::chrono::seconds(120)) {
+  const auto start = std::chrono::steady_clock::now();
+  const pid_t pid = spawn(args, env, log);
   ProcessResult result;
   int status = 0;
   for (;;) {
@@ -281,18 +289,7 @@ TEST_CASE("ddp: SIGTERM to the launching process ends every rank") {
   auto env = clean_env();
   // Orphaned ranks become our children, so that they can be reaped and counted below.
   prctl(PR_SET_CHILD_SUBREAPER, 1);
-  const pid_t pid = fork();
-  REQUIRE(pid >= 0);
-  if (pid == 0) {
-    setpgid(0, 0);
-    const int fd = open(log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-    dup2(fd, 1);
-    dup2(fd, 2);
-    for (const auto& [k, v] : env) setenv(k.c_str(), v.c_str(), 1);
-    execl(FULGUR_TEST_DDP_WORKER, FULGUR_TEST_DDP_WORKER, config.c_str(), dir.path().c_str(), nullptr);
-    _exit(127);
-  }
-  setpgid(pid, pid);
+  const pid_t pid = spawn({FULGUR_TEST_DDP_WORKER, config.string(), dir.path().string()}, env, log);
   // Wait until both ranks train (the collective check at fit start has passed).
   const auto start = std::chrono::steady_clock::now();
   while (!contains(fulgur::test::read_bytes(log), "started 2 processes") &&

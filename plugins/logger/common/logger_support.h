@@ -6,6 +6,8 @@
 #include <fulgur/checkpoint_io.h>
 #include <fulgur/error.h>
 
+#include "../../common/writable_directory.h"
+
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -55,23 +57,9 @@ inline int64_t next_free_version(const fs::path& root) {
   return next;
 }
 
-// Creates `dir` and proves it writable by creating a file in it: a log directory that cannot be
-// written must fail when the run starts, not at the first flush minutes later.
+// A log directory that cannot be written fails when the run starts, not at the first flush.
 inline void ensure_writable_directory(std::string_view owner, const std::string& dir) {
-  std::error_code error;
-  fs::create_directories(dir, error);
-  if (error)
-    throw Error(ErrorKind::io, fmt::format("{}: cannot create the log directory '{}': {}; set save_dir to a "
-                                           "directory you can write, or fix its permissions",
-                                           owner, dir, error.message()));
-  const std::string probe = fmt::format("{}/.write-test-{}", dir, ::getpid());
-  const int fd = ::open(probe.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
-  if (fd < 0)
-    throw Error(ErrorKind::io, fmt::format("{}: the log directory '{}' is not writable: {}; set save_dir to a "
-                                           "directory you can write, or fix its permissions",
-                                           owner, dir, std::strerror(errno)));
-  ::close(fd);
-  ::unlink(probe.c_str());
+  plugin_support::ensure_writable_directory(owner, dir, "the log directory", "save_dir");
 }
 
 // Hyperparameter values arrive as TOML value text; nearly all of it is valid YAML as is. The

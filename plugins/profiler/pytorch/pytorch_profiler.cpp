@@ -33,6 +33,7 @@
 #include <fcntl.h>
 #include <unistd.h>
 
+#include "../../common/writable_directory.h"
 #include "op_table.h"
 
 namespace {
@@ -120,7 +121,7 @@ class PyTorchProfiler final : public fulgur::Profiler {
     stage_ = stage;
     step_action_ = step_action(stage);
     dir_ = !dirpath_.empty() ? dirpath_ : !log_dir.empty() ? log_dir : ".";
-    ensure_writable(dir_);
+    fulgur::plugin_support::ensure_writable_directory(kOwner, dir_, "the trace directory", "dirpath");
     steps_ = 0;
     cycle_ = 0;
     cycles_written_ = 0;
@@ -229,19 +230,6 @@ class PyTorchProfiler final : public fulgur::Profiler {
   }
 
   // Fails at setup, not after the first recorded cycle, when the traces could not be written.
-  static void ensure_writable(const std::string& dir) {
-    std::error_code error;
-    fs::create_directories(dir, error);
-    const std::string probe = fmt::format("{}/.write-test-{}", dir, ::getpid());
-    const int fd = error ? -1 : ::open(probe.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
-    if (fd < 0)
-      throw Error(ErrorKind::io, fmt::format("{}: cannot write traces to '{}': {}; set dirpath to a writable "
-                                             "directory",
-                                             kOwner, dir, error ? error.message() : std::strerror(errno)));
-    ::close(fd);
-    ::unlink(probe.c_str());
-  }
-
   // Options.
   std::string dirpath_;
   std::string filename_;
