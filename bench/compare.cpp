@@ -3,6 +3,7 @@
 //
 //   bench_compare --side raw|fulgur|fulgur-bare --model mlp|cnn|gpt --batch B --steps N
 //                 [--warmup W] [--pool P] [--device cpu|cuda] [--threads T] [--root DIR] [--spawn-ns NS]
+//                 [--dtype float32|float64]
 //
 //   raw          a hand-written LibTorch loop (narrow, forward, cross_entropy, zero_grad, backward, step)
 //   fulgur       the Trainer with its default plugins (csv logger, model summary, checkpoint at epoch
@@ -12,7 +13,9 @@
 // Data, initial weights and dropout masks are derived exactly as bench/python/models.py derives
 // them (seeded torch generators of the same libtorch, parameters initialised by sorted name), so
 // the first loss is bit-identical across C++ and Python and the final loss differs only by
-// rounding (C++ and Python Adam order their float operations differently).
+// rounding (C++ and Python Adam order their float operations differently). --dtype float64 runs
+// the same program in double precision (Trainer: precision "64-true"): there that rounding stays
+// far below anything a real difference in the work would cause, which compare.py checks.
 #include "fashion_mnist.h"
 
 #include <fulgur/callback.h>
@@ -64,6 +67,7 @@ struct Options {
   int64_t threads = 0;
   std::string root;
   int64_t spawn_ns = 0;
+  std::string dtype = "float32";
 };
 
 double process_cpu_s() {
@@ -287,14 +291,15 @@ struct Meter {
 
 void run_raw(const Options& o, Model& m, const Pool& pool, Meter& meter) {
   const torch::Device device(o.device);
-  m.module->to(device);
+  const bool f64 = o.dtype == "float64";
+  m.module->to(device, f64 ? torch::kDouble : torch::kFloat);
   m.module->train();
   torch::optim::Adam optimizer(m.module->parameters(), torch::optim::AdamOptions(kLr));
   at::Tensor loss;
   for (int64_t i = 0; i < o.steps; ++i) {
     meter.step_start(i, loss);
     auto [x, y] = pool.at(i);
-    loss = m.loss(x.to(device), y.to(device));
+    loss = m.loss(f64 && x.is_floating_point() ? x.to(device, torch::kDouble) : x.to(device), y.to(device));
     optimizer.zero_grad();
     loss.backward();
     optimizer.step();
@@ -361,7 +366,7 @@ std::string trainer_toml(const Options& o, bool barebones) {
 [trainer]
 accelerator = "{}"
 strategy = "single_device"
-precision = "32-true"
+precision = "{}"
 max_epochs = 1
 seed = {}
 default_root_dir = "{}"
@@ -370,8 +375,9 @@ enable_progress_bar = {}
 barebones = {}
 {}
 )",
-                     o.device == "cpu" ? "cpu" : "cuda", kDropoutSeed, o.root, isatty(STDOUT_FILENO) ? "true" : "false",
-                     barebones ? "true" : "false", barebones ? "" : "[[loggers]]\nname = \"csv\"\n");
+                     o.device == "cpu" ? "cpu" : "cuda", o.dtype == "float64" ? "64-true" : "32-true", kDropoutSeed,
+                     o.root, isatty(STDOUT_FILENO) ? "true" : "false", barebones ? "true" : "false",
+                     barebones ? "" : "[[loggers]]\nname = \"csv\"\n");
 }
 
 void run_fulgur(const Options& o, Model& m, const Pool& pool, Meter& meter, bool barebones) {
@@ -434,11 +440,15 @@ int main(int argc, char** argv) {
         o.root = value();
       else if (a == "--spawn-ns")
         o.spawn_ns = std::stoll(value());
+      else if (a == "--dtype")
+        o.dtype = value();
       else
         throw fulgur::Error(fulgur::ErrorKind::invalid_argument, fmt::format("unexpected argument '{}'", a));
     }
     if (o.model != "mlp" && o.model != "cnn" && o.model != "gpt")
       throw fulgur::Error(fulgur::ErrorKind::invalid_argument, "--model must be mlp, cnn or gpt");
+    if (o.dtype != "float32" && o.dtype != "float64")
+      throw fulgur::Error(fulgur::ErrorKind::invalid_argument, "--dtype must be float32 or float64");
     if (o.side != "raw" && o.root.empty())
       throw fulgur::Error(fulgur::ErrorKind::invalid_argument, "--root DIR is needed for the Trainer's output");
     return run(o);

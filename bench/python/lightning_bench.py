@@ -77,6 +77,7 @@ def main():
     common = dict(
         accelerator="cuda" if args.device.startswith("cuda") else "cpu",
         devices=1,
+        precision="64-true" if args.dtype == "float64" else "32-true",
         max_epochs=1,
         default_root_dir=args.root or None,
         callbacks=[MeterCallback(meter)],

@@ -218,6 +218,8 @@ def parse_args(description, sides):
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--root", default="")
     p.add_argument("--spawn-ns", type=int, default=0)
+    p.add_argument("--dtype", choices=["float32", "float64"], default="float32",
+                   help="float64: the same-work verification run (compare.py)")
     args = p.parse_args()
     if not 1 <= args.warmup < args.steps:
         sys.exit("need 1 <= --warmup < --steps")
@@ -231,6 +233,10 @@ def setup(args):
     pool = Pool(args.model, args.batch, min(args.pool, args.steps))
     model = make_model(args.model)
     pool_sum, init_sum = pool.checksum(), weight_checksum(model)
+    if args.dtype == "float64":
+        # Generated and initialised in float32 as always, then widened: the same values as float32.
+        pool.x = pool.x.double() if pool.x.is_floating_point() else pool.x
+        model = model.double()
     return pool, model.to(args.device), pool_sum, init_sum
 
 
