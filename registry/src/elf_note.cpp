@@ -272,7 +272,7 @@ NoteReadResult read_notes(ByteSource& src) {
   if (!within(eh.e_phoff, sizeof(Elf64_Phdr) * eh.e_phnum, src.size()) ||
       !src.read(eh.e_phoff, phdrs.data(), sizeof(Elf64_Phdr) * eh.e_phnum))
     return corrupt(
-        fmt::format("program header table ({} entries at offset {}) runs past the end of the file ({} "
+        fmt::format("program header table runs past the end of the file ({} entries at offset {}, file of {} "
                     "bytes): truncated or damaged",
                     eh.e_phnum, eh.e_phoff, src.size()));
 
