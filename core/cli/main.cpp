@@ -4,11 +4,15 @@
 //   fulgur plugins list [--config FILE] [--all]
 //   fulgur plugins describe NAME [--kind KIND] [--config FILE]
 //   fulgur plugins load NAME [--kind KIND] [--config FILE]   (loads, creates, destroys it)
+//   fulgur plugins check [NAME | --all] [--kind KIND] [--config FILE] [--timeout S] [--force]
+//                                  (the same in child processes: crashes and hangs are reported)
 //   fulgur config check FILE       (parses the TOML and checks every plugin table)
 #include <fulgur/config.h>
 #include <fulgur/error.h>
 #include <fulgur/host.h>
 #include <fulgur/registry/registry.h>
+
+#include "plugin_check.h"
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -29,6 +33,7 @@ constexpr const char* kUsage =
     "  fulgur plugins list [--config FILE] [--all]\n"
     "  fulgur plugins describe NAME [--kind KIND] [--config FILE]\n"
     "  fulgur plugins load NAME [--kind KIND] [--config FILE]\n"
+    "  fulgur plugins check [NAME | --all] [--kind KIND] [--config FILE] [--timeout SECONDS] [--force]\n"
     "  fulgur config check FILE\n";
 
 struct Args {
@@ -36,6 +41,8 @@ struct Args {
   std::optional<std::string> config;
   std::optional<std::string> kind;
   bool all = false;
+  bool force = false;
+  std::optional<double> timeout;
 };
 
 Args parse_args(int argc, char** argv) {
@@ -52,7 +59,17 @@ Args parse_args(int argc, char** argv) {
       args.kind = value("--kind");
     else if (a == "--all")
       args.all = true;
-    else if (a == "-h" || a == "--help") {
+    else if (a == "--force")
+      args.force = true;
+    else if (a == "--timeout") {
+      const std::string text = value("--timeout");
+      char* end = nullptr;
+      const double seconds = std::strtod(text.c_str(), &end);
+      if (end == text.c_str() || *end != '\0' || !(seconds > 0))
+        throw Error(ErrorKind::invalid_argument,
+                    fmt::format("--timeout needs a positive number of seconds, got '{}'", text));
+      args.timeout = seconds;
+    } else if (a == "-h" || a == "--help") {
       std::cout << kUsage;
       std::exit(0);
     } else if (a.starts_with("--"))
@@ -63,9 +80,10 @@ Args parse_args(int argc, char** argv) {
   return args;
 }
 
-std::unique_ptr<PluginRegistry> make_registry(const std::optional<Config>& config) {
+std::unique_ptr<PluginRegistry> make_registry(const std::optional<Config>& config, bool use_verdicts = true) {
   SearchPathOptions sp;
   RegistryOptions ro;
+  ro.use_verdict_cache = use_verdicts;
   if (config) {
     sp.config_paths = config->plugin_paths;
     ro.allow_writable = config->allow_writable_plugins;
@@ -179,6 +197,23 @@ int load_plugin(const Args& args) {
   return 0;
 }
 
+// Loads and creates plugins in child processes (see plugin_check.cpp); the verdicts it records
+// make later runs refuse a plugin that crashed, aborted or hung.
+int check_plugins(const Args& args) {
+  const size_t n = args.positional.size();
+  if (n > 3 || (n == 3) == args.all || (n == 2 && !args.all))
+    throw Error(ErrorKind::invalid_argument, fmt::format("plugins check needs one NAME or --all\n{}", kUsage));
+  std::optional<Config> config;
+  if (args.config) config = load_config(*args.config);
+  auto registry = make_registry(config, /*use_verdicts=*/false);  // a recheck must see recorded ones too
+  cli::CheckRequest request;
+  if (n == 3) request.name = args.positional[2];
+  request.kind = kind_arg(args);
+  request.force = args.force;
+  if (args.timeout) request.timeout_s = *args.timeout;
+  return cli::check_plugins(*registry, request);
+}
+
 int check_config(const Args& args) {
   if (args.positional.size() != 3) throw Error(ErrorKind::invalid_argument, kUsage);
   Config config = load_config(args.positional[2]);
@@ -196,6 +231,7 @@ int check_config(const Args& args) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  if (argc >= 2 && std::strcmp(argv[1], cli::kCheckChildCommand) == 0) return cli::check_child_main(argc, argv);
   if (const char* level = std::getenv("FULGUR_LOG_LEVEL")) spdlog::set_level(spdlog::level::from_str(level));
   try {
     Args args = parse_args(argc, argv);
@@ -203,6 +239,7 @@ int main(int argc, char** argv) {
     if (p.size() >= 2 && p[0] == "plugins" && p[1] == "list") return list_plugins(args);
     if (p.size() >= 2 && p[0] == "plugins" && p[1] == "describe") return describe_plugin(args);
     if (p.size() >= 2 && p[0] == "plugins" && p[1] == "load") return load_plugin(args);
+    if (p.size() >= 2 && p[0] == "plugins" && p[1] == "check") return check_plugins(args);
     if (p.size() >= 2 && p[0] == "config" && p[1] == "check") return check_config(args);
     std::cerr << kUsage;
     return 2;

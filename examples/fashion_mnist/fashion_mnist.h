@@ -15,6 +15,11 @@ namespace fulgur::examples {
 
 // Where the Debian package dataset-fashion-mnist installs the gzipped IDX files.
 inline constexpr const char* kFashionMnistDefaultDir = "/usr/share/datasets/fashion-mnist";
+// What to do when the files are missing.
+inline constexpr const char* kFashionMnistPackageHint =
+    "install the Debian package dataset-fashion-mnist (apt-get install dataset-fashion-mnist), or set [data] dir "
+    "to a directory holding train-images-idx3-ubyte.gz, train-labels-idx1-ubyte.gz, t10k-images-idx3-ubyte.gz and "
+    "t10k-labels-idx1-ubyte.gz";
 inline constexpr int64_t kFashionMnistClasses = 10;
 // Mean and standard deviation of the training pixels (scaled to [0, 1]).
 inline constexpr double kFashionMnistMean = 0.2860;

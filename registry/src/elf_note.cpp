@@ -107,17 +107,142 @@ std::string parse_payload(const char* desc, size_t size, PluginMetadata& out) {
 
 }  // namespace
 
-NoteReadResult read_plugin_notes(const std::filesystem::path& file) {
-  NoteReadResult result;
-  std::ifstream in(file, std::ios::binary);
-  if (!in) {
-    result.status = NoteReadResult::Status::corrupt;
-    result.detail = "cannot be opened for reading";
-    return result;
+namespace {
+
+// Where the bytes come from: the file itself (discovery reads a few KiB of a large library) or a
+// buffer (the fuzz target). Reads are bounds-checked against size(); a failed read means the
+// requested range is not in the file.
+class ByteSource {
+ public:
+  virtual ~ByteSource() = default;
+  virtual uint64_t size() const = 0;
+  virtual bool read(uint64_t offset, void* out, size_t n) = 0;
+};
+
+class FileSource final : public ByteSource {
+ public:
+  explicit FileSource(const std::filesystem::path& file) : in_(file, std::ios::binary) {
+    if (in_) {
+      in_.seekg(0, std::ios::end);
+      const std::streamoff end = in_.tellg();
+      size_ = end > 0 ? static_cast<uint64_t>(end) : 0;
+      in_.seekg(0);
+    }
   }
+  bool ok() const { return static_cast<bool>(in_); }
+  uint64_t size() const override { return size_; }
+  bool read(uint64_t offset, void* out, size_t n) override {
+    if (offset > size_ || n > size_ - offset) return false;
+    in_.clear();
+    in_.seekg(static_cast<std::streamoff>(offset));
+    in_.read(static_cast<char*>(out), static_cast<std::streamsize>(n));
+    return in_.gcount() == static_cast<std::streamsize>(n);
+  }
+
+ private:
+  std::ifstream in_;
+  uint64_t size_ = 0;
+};
+
+class MemorySource final : public ByteSource {
+ public:
+  MemorySource(const void* data, size_t size) : data_(static_cast<const char*>(data)), size_(size) {}
+  uint64_t size() const override { return size_; }
+  bool read(uint64_t offset, void* out, size_t n) override {
+    if (offset > size_ || n > size_ - offset) return false;
+    if (n) std::memcpy(out, data_ + offset, n);
+    return true;
+  }
+
+ private:
+  const char* data_;
+  uint64_t size_;
+};
+
+// FNV-1a over the note payload: identifies "the same metadata" in the plugin verdict cache.
+uint64_t fnv1a(const char* data, size_t size) {
+  uint64_t h = 0xcbf29ce484222325ULL;
+  for (size_t i = 0; i < size; ++i) {
+    h ^= static_cast<unsigned char>(data[i]);
+    h *= 0x100000001b3ULL;
+  }
+  return h;
+}
+
+// Whether [offset, offset + size) lies inside a file of `file_size` bytes, without overflow.
+bool within(uint64_t offset, uint64_t size, uint64_t file_size) {
+  return offset <= file_size && size <= file_size - offset;
+}
+
+NoteReadResult corrupt(std::string detail) {
+  NoteReadResult result;
+  result.status = NoteReadResult::Status::corrupt;
+  result.detail = std::move(detail);
+  return result;
+}
+
+const char* segment_type_name(uint32_t type) {
+  switch (type) {
+    case PT_LOAD:
+      return "PT_LOAD";
+    case PT_DYNAMIC:
+      return "PT_DYNAMIC";
+    case PT_NOTE:
+      return "PT_NOTE";
+    case PT_GNU_EH_FRAME:
+      return "PT_GNU_EH_FRAME";
+    default:
+      return "segment";
+  }
+}
+
+// The loader maps segments and tools read sections by offset: every one of them must lie inside
+// the file. A truncated copy (an interrupted download or install) keeps its first pages, notes
+// included, and would otherwise pass as a plugin.
+std::string extent_problem(ByteSource& src, const Elf64_Ehdr& eh, const std::vector<Elf64_Phdr>& phdrs) {
+  const uint64_t file_size = src.size();
+  for (size_t i = 0; i < phdrs.size(); ++i) {
+    const Elf64_Phdr& ph = phdrs[i];
+    if (ph.p_filesz != 0 && !within(ph.p_offset, ph.p_filesz, file_size))
+      return fmt::format("program header #{} ({}) covers bytes {}..{} but the file has {} bytes: truncated or damaged",
+                         i, segment_type_name(ph.p_type), ph.p_offset, ph.p_offset + ph.p_filesz, file_size);
+  }
+  if (eh.e_shoff == 0) return {};  // no section headers at all: allowed (sstrip), the loader needs none
+  if (eh.e_shentsize != sizeof(Elf64_Shdr)) return "section header table is malformed (entry size)";
+  uint64_t count = eh.e_shnum;
+  if (!within(eh.e_shoff, sizeof(Elf64_Shdr), file_size))
+    return fmt::format(
+        "section header table at offset {} lies beyond the end of the file ({} bytes): truncated or "
+        "damaged",
+        eh.e_shoff, file_size);
+  if (count == 0) {  // extended numbering: the count lives in section 0
+    Elf64_Shdr first{};
+    if (!src.read(eh.e_shoff, &first, sizeof(first))) return "section header table cannot be read";
+    count = first.sh_size;
+  }
+  if (count > (uint64_t{1} << 20)) return fmt::format("section header table declares {} sections", count);
+  if (!within(eh.e_shoff, count * sizeof(Elf64_Shdr), file_size))
+    return fmt::format(
+        "section header table ({} entries at offset {}) runs past the end of the file ({} bytes): "
+        "truncated or damaged",
+        count, eh.e_shoff, file_size);
+  std::vector<Elf64_Shdr> shdrs(count);
+  if (!src.read(eh.e_shoff, shdrs.data(), shdrs.size() * sizeof(Elf64_Shdr)))
+    return "section header table cannot be read";
+  for (size_t i = 0; i < shdrs.size(); ++i) {
+    const Elf64_Shdr& sh = shdrs[i];
+    if (sh.sh_type == SHT_NOBITS || sh.sh_type == SHT_NULL || sh.sh_size == 0) continue;
+    if (!within(sh.sh_offset, sh.sh_size, file_size))
+      return fmt::format("section #{} covers bytes {}..{} but the file has {} bytes: truncated or damaged", i,
+                         sh.sh_offset, sh.sh_offset + sh.sh_size, file_size);
+  }
+  return {};
+}
+
+NoteReadResult read_notes(ByteSource& src) {
+  NoteReadResult result;
   unsigned char ident[EI_NIDENT] = {};
-  in.read(reinterpret_cast<char*>(ident), EI_NIDENT);
-  if (in.gcount() != EI_NIDENT || std::memcmp(ident, ELFMAG, SELFMAG) != 0) {
+  if (!src.read(0, ident, EI_NIDENT) || std::memcmp(ident, ELFMAG, SELFMAG) != 0) {
     result.status = NoteReadResult::Status::not_elf;
     return result;
   }
@@ -129,13 +254,7 @@ NoteReadResult read_plugin_notes(const std::filesystem::path& file) {
     return result;
   }
   Elf64_Ehdr eh{};
-  in.seekg(0);
-  in.read(reinterpret_cast<char*>(&eh), sizeof(eh));
-  if (in.gcount() != static_cast<std::streamsize>(sizeof(eh))) {
-    result.status = NoteReadResult::Status::corrupt;
-    result.detail = "ELF header is truncated";
-    return result;
-  }
+  if (!src.read(0, &eh, sizeof(eh))) return corrupt("ELF header is truncated");
   if (eh.e_machine != kHostMachine) {
     result.status = NoteReadResult::Status::wrong_arch;
     result.detail = fmt::format("file is built for {} (e_machine {}), host is {}", machine_name(eh.e_machine),
@@ -147,32 +266,21 @@ NoteReadResult read_plugin_notes(const std::filesystem::path& file) {
     result.detail = "not a shared library";
     return result;
   }
-  if (eh.e_phentsize != sizeof(Elf64_Phdr) || eh.e_phnum == 0 || eh.e_phnum > 4096) {
-    result.status = NoteReadResult::Status::corrupt;
-    result.detail = "program header table is missing or malformed";
-    return result;
-  }
+  if (eh.e_phentsize != sizeof(Elf64_Phdr) || eh.e_phnum == 0 || eh.e_phnum > 4096)
+    return corrupt("program header table is missing or malformed");
   std::vector<Elf64_Phdr> phdrs(eh.e_phnum);
-  in.seekg(static_cast<std::streamoff>(eh.e_phoff));
-  in.read(reinterpret_cast<char*>(phdrs.data()), static_cast<std::streamsize>(sizeof(Elf64_Phdr) * eh.e_phnum));
-  if (!in) {
-    result.status = NoteReadResult::Status::corrupt;
-    result.detail = "program header table runs past the end of the file";
-    return result;
-  }
+  if (!within(eh.e_phoff, sizeof(Elf64_Phdr) * eh.e_phnum, src.size()) ||
+      !src.read(eh.e_phoff, phdrs.data(), sizeof(Elf64_Phdr) * eh.e_phnum))
+    return corrupt(
+        fmt::format("program header table runs past the end of the file ({} entries at offset {}, file of {} "
+                    "bytes): truncated or damaged",
+                    eh.e_phnum, eh.e_phoff, src.size()));
 
   for (const Elf64_Phdr& ph : phdrs) {
     if (ph.p_type != PT_NOTE) continue;
     if (ph.p_filesz > kMaxNoteSegment) continue;
     std::vector<char> seg(ph.p_filesz);
-    in.seekg(static_cast<std::streamoff>(ph.p_offset));
-    in.read(seg.data(), static_cast<std::streamsize>(seg.size()));
-    if (!in) {
-      result.status = NoteReadResult::Status::corrupt;
-      result.detail = "note segment runs past the end of the file";
-      result.plugins.clear();
-      return result;
-    }
+    if (!src.read(ph.p_offset, seg.data(), seg.size())) return corrupt("note segment runs past the end of the file");
     const size_t align = ph.p_align == 8 ? 8 : 4;
     auto pad = [align](size_t n) { return (n + align - 1) / align * align; };
     size_t pos = 0;
@@ -187,19 +295,34 @@ NoteReadResult read_plugin_notes(const std::filesystem::path& file) {
       if (ours) {
         PluginMetadata meta;
         std::string error = parse_payload(seg.data() + desc_at, nh.n_descsz, meta);
-        if (!error.empty()) {
-          result.status = NoteReadResult::Status::corrupt;
-          result.detail = "corrupt Fulgur metadata note: " + error;
-          result.plugins.clear();
-          return result;
-        }
+        if (!error.empty()) return corrupt("corrupt Fulgur metadata note: " + error);
+        meta.note_hash = fnv1a(seg.data() + desc_at, nh.n_descsz);
         result.plugins.push_back(std::move(meta));
       }
       pos = desc_at + pad(nh.n_descsz);
     }
   }
-  result.status = result.plugins.empty() ? NoteReadResult::Status::not_plugin : NoteReadResult::Status::plugin;
+  if (result.plugins.empty()) {
+    result.status = NoteReadResult::Status::not_plugin;
+    return result;
+  }
+  // Only a plugin is worth the whole-file consistency check (it is about to be offered for loading).
+  if (std::string problem = extent_problem(src, eh, phdrs); !problem.empty()) return corrupt(std::move(problem));
+  result.status = NoteReadResult::Status::plugin;
   return result;
+}
+
+}  // namespace
+
+NoteReadResult read_plugin_notes(const std::filesystem::path& file) {
+  FileSource src(file);
+  if (!src.ok()) return corrupt("cannot be opened for reading");
+  return read_notes(src);
+}
+
+NoteReadResult read_plugin_notes(const void* data, size_t size) {
+  MemorySource src(data, size);
+  return read_notes(src);
 }
 
 const OptionSchema* PluginMetadata::find_option(std::string_view key) const {

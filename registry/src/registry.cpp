@@ -1,6 +1,7 @@
 // Discovery (metadata only), checks, selection and loading of plugin libraries.
 #include <fulgur/host.h>
 #include <fulgur/registry/registry.h>
+#include <fulgur/registry/verdicts.h>
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -12,6 +13,7 @@
 #include <array>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <set>
 
 namespace fulgur {
@@ -300,6 +302,32 @@ void PluginRegistry::scan() {
         c->reason = fmt::format("shadowed by {} (earlier in the search path)", winners.front()->file.string());
       }
   }
+
+  if (options_.use_verdict_cache) apply_recorded_verdicts();
+}
+
+// A plugin that `fulgur plugins check` saw crash, abort or hang in a child process would take this
+// process down the same way: refuse it with the recorded reason. Shadowed candidates keep their
+// status, so the winner of a (kind, name) never changes because of a verdict.
+void PluginRegistry::apply_recorded_verdicts() {
+  const fs::path cache = verdict_cache_path();
+  std::error_code ec;
+  if (cache.empty() || !fs::exists(cache, ec)) return;
+  const std::vector<VerdictRecord> records = load_verdicts(cache);
+  if (records.empty()) return;
+  for (PluginCandidate& c : candidates_) {
+    if (c.status != CandidateStatus::available && c.status != CandidateStatus::ambiguous) continue;
+    std::optional<VerdictRecord> subject = verdict_subject(c.file, c.metadata);
+    if (!subject) continue;
+    const VerdictRecord* record = find_verdict(records, *subject);
+    if (!record || !verdict_refuses(record->verdict)) continue;
+    c.status = CandidateStatus::rejected;
+    c.error_kind = ErrorKind::plugin_rejected;
+    c.reason = fmt::format(
+        "refused: `fulgur plugins check` recorded that it {}; fix or replace the file, or recheck with `fulgur "
+        "plugins check {} --kind {} --force`",
+        record->reason, c.metadata.name, to_string(c.metadata.kind));
+  }
 }
 
 const PluginCandidate& PluginRegistry::resolve(PluginKind kind, std::string_view name) const {
@@ -421,7 +449,12 @@ void PluginRegistry::load(const PluginCandidate& candidate) const {
 }
 
 PluginObject PluginRegistry::create(PluginKind kind, std::string_view name, const Options& options) const {
-  const PluginCandidate& candidate = resolve(kind, name);
+  return create(resolve(kind, name), options);
+}
+
+PluginObject PluginRegistry::create(const PluginCandidate& candidate, const Options& options) const {
+  const PluginKind kind = candidate.metadata.kind;
+  const std::string& name = candidate.metadata.name;
   const LoadedLibrary& library = load_library(candidate);
   const fulgur_plugin_desc& desc = find_descriptor(library, candidate);
 

@@ -241,6 +241,102 @@ void check_archive_framing(const std::string& path) {
                                  size));
 }
 
+// torch's unpickler grows its memo table to the largest index a BINPUT/LONG_BINPUT names: a
+// 2 KB corrupt checkpoint naming index 2.5e9 made it allocate 40 GB (found by fuzzing). A real
+// pickle stores at most one memo entry per opcode, so an index beyond the pickle's length is
+// corrupt. This walks the opcodes the torch pickler writes; at an opcode it does not know it stops
+// and leaves the judgement to torch. Returns the problem, or empty.
+std::string pickle_memo_problem(const uint8_t* p, size_t n) {
+  size_t at = 0;
+  auto need = [&](size_t k) { return k <= n - at; };
+  auto le = [&](size_t k) {
+    uint64_t v = 0;
+    for (size_t i = 0; i < k; ++i) v |= uint64_t{p[at + i]} << (8 * i);
+    return v;
+  };
+  while (at < n) {
+    const uint8_t op = p[at++];
+    switch (op) {
+      case 'q':    // BINPUT
+      case 'r': {  // LONG_BINPUT
+        const size_t k = op == 'q' ? 1 : 4;
+        if (!need(k)) return {};
+        const uint64_t index = le(k);
+        if (index > n) return fmt::format("its pickle names memo entry {} in {} bytes", index, n);
+        at += k;
+        break;
+      }
+      case 0x80:
+      case 'K':
+      case 'h':  // PROTO, BININT1, BINGET
+        at += 1;
+        break;
+      case 'M':  // BININT2
+        at += 2;
+        break;
+      case 'J':
+      case 'j':  // BININT, LONG_BINGET
+        at += 4;
+        break;
+      case 'G':
+      case 0x95:  // BINFLOAT, FRAME
+        at += 8;
+        break;
+      case 0x8a:
+      case 0x8c:
+      case 'C':
+      case 'U': {  // LONG1, SHORT_BINUNICODE, SHORT_BINBYTES, SHORT_BINSTRING
+        if (!need(1)) return {};
+        at += 1 + p[at];
+        break;
+      }
+      case 'X':
+      case 'B':
+      case 'T': {  // BINUNICODE, BINBYTES, BINSTRING
+        if (!need(4)) return {};
+        const uint64_t len = le(4);
+        if (len > n) return {};
+        at += 4 + len;
+        break;
+      }
+      case 'c': {  // GLOBAL: two newline-terminated strings
+        for (int line = 0; line < 2; ++line) {
+          while (at < n && p[at] != '\n') ++at;
+          ++at;
+        }
+        break;
+      }
+      case '}':
+      case ']':
+      case ')':
+      case '(':
+      case 'a':
+      case 'e':
+      case 's':
+      case 'u':
+      case 't':
+      case 0x85:
+      case 0x86:
+      case 0x87:
+      case 0x88:
+      case 0x89:
+      case 'N':
+      case 'R':
+      case 'b':
+      case 'Q':
+      case 0x81:
+      case 0x93:
+      case 0x94:
+        break;
+      case '.':  // STOP
+        return {};
+      default:
+        return {};
+    }
+  }
+  return {};
+}
+
 }  // namespace
 
 void write_checkpoint_file(const c10::IValue& checkpoint, const std::string& path) {
@@ -291,11 +387,18 @@ c10::IValue read_checkpoint_file(const std::string& path, c10::Device map_locati
   check_archive_framing(path);
   try {
     caffe2::serialize::PyTorchStreamReader reader(path);
+    if (reader.hasRecord("data.pkl")) {
+      auto [pickle, size] = reader.getRecord("data.pkl");
+      if (std::string problem = pickle_memo_problem(static_cast<const uint8_t*>(pickle.get()), size); !problem.empty())
+        unreadable(path, fmt::format("the archive is corrupt: {}", problem));
+    }
     // What torch::pickle_load does, reading records from the file instead of a buffer holding
     // all of it, and placing tensors on `map_location`.
     return torch::jit::readArchiveAndTensors("data", /*pickle_prefix=*/"", /*tensor_prefix=*/"",
                                              /*type_resolver=*/std::nullopt, /*obj_loader=*/std::nullopt, map_location,
                                              reader);
+  } catch (const Error&) {
+    throw;
   } catch (const c10::Error& e) {
     unreadable(path, fmt::format("the archive is corrupt or is not a checkpoint: {}", torch_reason(e)));
   } catch (const std::exception& e) {

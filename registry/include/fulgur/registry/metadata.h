@@ -43,6 +43,7 @@ struct PluginMetadata {
   uint32_t abi_minor = 0;
   fulgur_abi_tag abi_tag{};
   std::vector<OptionSchema> options;
+  uint64_t note_hash = 0;  // FNV-1a of the note payload: identifies this metadata in verdict caches
 
   const OptionSchema* find_option(std::string_view key) const;
 };
@@ -62,7 +63,11 @@ struct NoteReadResult {
 };
 
 // Reads every Fulgur note from the PT_NOTE segments of `file`. Never runs code from the file.
+// Also refuses (corrupt) a file whose program headers, segments, section header table or sections
+// reach beyond its end, such as a truncated copy whose note survived.
 NoteReadResult read_plugin_notes(const std::filesystem::path& file);
+// The same, over bytes already in memory (the fuzz target).
+NoteReadResult read_plugin_notes(const void* data, size_t size);
 
 // Parses a schema default (TOML value text) into a value of `type`; nullopt if it does not fit.
 std::optional<OptionValue> parse_option_default(OptionType type, std::string_view toml_text);

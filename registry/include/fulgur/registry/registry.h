@@ -55,6 +55,9 @@ struct FileProblem {
 struct RegistryOptions {
   // Accept plugin files and directories that other users can write to (code injection risk).
   bool allow_writable = false;
+  // Refuse plugins that `fulgur plugins check` recorded as crashing, aborting or hanging
+  // (verdict_cache_path()); the check's own child processes turn this off.
+  bool use_verdict_cache = true;
 };
 
 // Names of the plugins that ship with Fulgur: a plugin from another directory may not take them.
@@ -85,11 +88,16 @@ class PluginRegistry {
   // Loads the library (RTLD_NOW | RTLD_LOCAL), cross-checks its descriptor against the note and
   // calls its factory with `options`. Throws fulgur::Error (plugin_load / plugin_create / ...).
   PluginObject create(PluginKind kind, std::string_view name, const Options& options) const;
+  // The same for one given candidate (for instance one that is shadowed or ambiguous), skipping
+  // resolution: `fulgur plugins check` creates every plugin file this way.
+  PluginObject create(const PluginCandidate& candidate, const Options& options) const;
 
   // Loads `candidate` and checks its descriptor, without creating anything.
   void load(const PluginCandidate& candidate) const;
 
  private:
+  void apply_recorded_verdicts();
+
   std::vector<SearchDirectory> search_path_;
   RegistryOptions options_;
   std::vector<PluginCandidate> candidates_;
