@@ -29,6 +29,8 @@ import torch.nn.functional as F
 from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint, ModelSummary, TQDMProgressBar
 from lightning.pytorch.loggers import CSVLogger
 
+from models import Cnn  # the example's CNN, op for op (bench/python/models.py)
+
 MEAN, STD = 0.2860, 0.3530  # kFashionMnistMean / kFashionMnistStd in examples/fashion_mnist
 
 
@@ -52,23 +54,6 @@ def load(directory, train):
     images = read_idx(path("images"), 3).to(torch.float32).div_(255.0).sub_(MEAN).div_(STD).unsqueeze(1)
     labels = read_idx(path("labels"), 1).to(torch.int64)
     return images, labels
-
-
-class Cnn(nn.Module):
-    def __init__(self, dropout):
-        super().__init__()
-        self.conv1 = nn.Conv2d(1, 32, 3, padding=1)
-        self.conv2 = nn.Conv2d(32, 64, 3, padding=1)
-        self.dropout = nn.Dropout(dropout)
-        self.fc1 = nn.Linear(64 * 7 * 7, 128)
-        self.fc2 = nn.Linear(128, 10)
-
-    def forward(self, x):
-        x = F.max_pool2d(torch.relu(self.conv1(x)), 2)
-        x = F.max_pool2d(torch.relu(self.conv2(x)), 2)
-        x = self.dropout(x.flatten(1))
-        x = self.dropout(torch.relu(self.fc1(x)))
-        return self.fc2(x)
 
 
 class Mlp(nn.Module):
