@@ -21,6 +21,8 @@ struct Module::Binding {
   Strategy* strategy = nullptr;
   Precision* precision = nullptr;
   std::function<void(const at::Tensor&)> manual_backward;
+  // Module::clip_gradients: through the strategy (a sharded one clips by the global norm).
+  std::function<void(torch::optim::Optimizer&, double, GradClipAlgorithm)> clip_gradients;
   // OptimizerHandle::step: unscale, on_before_optimizer_step, strategy step (manual optimization).
   std::function<bool(torch::optim::Optimizer&)> optimizer_step;
 };

@@ -158,6 +158,49 @@ Options typed_options(const std::vector<RawOption>& raw, const std::vector<Optio
   return options;
 }
 
+// Options set in code (TrainerOptions): the same checks as a TOML table, without locations.
+Options typed_given_options(const Options& given, const std::vector<OptionSchema>& schema, const std::string& owner) {
+  Options options(owner);
+  for (const auto& [key, value] : given.values()) {
+    const OptionSchema* spec = nullptr;
+    for (const auto& s : schema)
+      if (s.key == key) spec = &s;
+    if (!spec) throw Error(ErrorKind::config, unknown_key_message(key, owner, keys_of(schema)));
+    const bool ok = std::visit(
+        [&](const auto& v) {
+          using V = std::decay_t<decltype(v)>;
+          switch (spec->type) {
+            case OptionType::boolean:
+              return std::is_same_v<V, bool>;
+            case OptionType::integer:
+              return std::is_same_v<V, int64_t>;
+            case OptionType::floating:
+              return std::is_same_v<V, double> || std::is_same_v<V, int64_t>;
+            case OptionType::string:
+              return std::is_same_v<V, std::string>;
+            case OptionType::string_list:
+              return std::is_same_v<V, std::vector<std::string>>;
+            case OptionType::float_list:
+              return std::is_same_v<V, std::vector<double>>;
+          }
+          return false;
+        },
+        value);
+    if (!ok)
+      throw Error(ErrorKind::config, fmt::format("{}: '{}' must be {}, got {}", owner, key, to_string(spec->type),
+                                                 format_option_value(value)));
+    options.set(key, value);
+  }
+  for (const auto& s : schema) {
+    if (options.contains(s.key)) continue;
+    if (!s.default_value)
+      throw Error(ErrorKind::config,
+                  fmt::format("{}: required key '{}' ({}) is missing: {}", owner, s.key, to_string(s.type), s.help));
+    options.set(s.key, *s.default_value);
+  }
+  return options;
+}
+
 std::vector<RawOption> raw_options(const std::shared_ptr<toml::table>& root, const toml::table& table,
                                    const std::string& file, std::initializer_list<std::string_view> skip = {}) {
   std::vector<RawOption> out;
@@ -275,6 +318,7 @@ Config parse_config(std::string_view toml_text, const fs::path& origin) {
     if (const toml::node* node = root->get("trainer")) {
       raw = raw_options(root, *table_or_fail(*node, "trainer", file), file);
       where = location_of(*node, file);
+      for (const RawOption& r : raw) config.trainer_locations[r.key] = r.where;
     }
     config.trainer = typed_options(raw, trainer_option_schema(), "[trainer]", where);
     fs::path root_dir = config.trainer.get_string("default_root_dir");
@@ -370,7 +414,10 @@ void validate_plugins(Config& config, const PluginRegistry& registry) {
     }
     const std::string owner = fmt::format("{} '{}'", to_string(sel->kind), sel->name);
     SourceLocation table_where = sel->where;
-    sel->options = typed_options(sel->raw, candidate->metadata.options, owner, table_where);
+    if (sel->from_code)
+      sel->options = typed_given_options(sel->given, candidate->metadata.options, owner);
+    else
+      sel->options = typed_options(sel->raw, candidate->metadata.options, owner, table_where);
   }
 }
 

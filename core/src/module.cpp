@@ -74,14 +74,14 @@ OptimizerHandle Module::optimizer(size_t index) const {
 }
 
 void Module::clip_gradients(const OptimizerHandle& optimizer, double clip_value, GradClipAlgorithm algorithm) {
-  if (!binding_ || !binding_->precision)
+  if (!binding_ || !binding_->clip_gradients)
     throw Error(ErrorKind::invalid_argument, "clip_gradients() needs a running Trainer");
   if (!(clip_value >= 0) || !std::isfinite(clip_value))
     throw Error(ErrorKind::invalid_argument,
                 fmt::format("clip_gradients(): clip_value = {} must be a finite number >= 0", clip_value));
   // Through the precision plugin: 16-mixed unscales first, so the threshold applies to true
   // gradients and the unscale inside step() becomes a no-op.
-  binding_->precision->clip_gradients(optimizer.optimizer(), clip_value, algorithm);
+  binding_->clip_gradients(optimizer.optimizer(), clip_value, algorithm);
 }
 
 bool OptimizerHandle::step() {

@@ -1,5 +1,5 @@
-// Trainer construction: config -> validated plugin selections -> plugin objects; the hook index;
-// the TrainerContext that plugins see.
+// Trainer construction, the capabilities plugins get through TrainerContext, and the stage funnel
+// that fit, validate, test and predict share.
 #include <fulgur/cluster_environment.h>
 #include <fulgur/communicator.h>
 #include <fulgur/error.h>
@@ -15,6 +15,7 @@
 #include <torch/utils.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdlib>
 #include <thread>
 
@@ -26,9 +27,20 @@ namespace fulgur {
 
 namespace {
 
+double as_number(const OptionValue& v) {
+  return std::holds_alternative<int64_t>(v) ? static_cast<double>(std::get<int64_t>(v)) : std::get<double>(v);
+}
+
+}  // namespace
+
 double parse_max_time(const std::string& text) {
   if (text.empty()) return 0;
-  // "DD:HH:MM:SS" as in Lightning; fewer fields count from the right (e.g. "01:30:00").
+  const auto bad = [&] {
+    return Error(ErrorKind::config,
+                 fmt::format("[trainer] max_time = \"{}\": expected \"DD:HH:MM:SS\" (fewer fields count from the "
+                             "right, e.g. \"00:01:30:00\" or \"90:00\")",
+                             text));
+  };
   std::vector<double> parts;
   size_t start = 0;
   while (true) {
@@ -37,37 +49,81 @@ double parse_max_time(const std::string& text) {
     try {
       size_t used = 0;
       parts.push_back(std::stod(field, &used));
-      if (used != field.size()) throw std::invalid_argument(field);
+      if (used != field.size() || !std::isfinite(parts.back()) || parts.back() < 0) throw bad();
     } catch (const std::exception&) {
-      throw Error(ErrorKind::config, fmt::format("[trainer] max_time = \"{}\": expected \"DD:HH:MM:SS\"", text));
+      throw bad();
     }
     if (end == std::string::npos) break;
     start = end + 1;
   }
-  if (parts.size() > 4)
-    throw Error(ErrorKind::config, fmt::format("[trainer] max_time = \"{}\": expected \"DD:HH:MM:SS\"", text));
+  if (parts.size() > 4) throw bad();
   const double scale[] = {1, 60, 3600, 86400};
   double seconds = 0;
   for (size_t i = 0; i < parts.size(); ++i) seconds += parts[parts.size() - 1 - i] * scale[i];
   return seconds;
 }
 
-bool is_monitoring_callback(std::string_view name) { return name == "model_checkpoint" || name == "early_stopping"; }
-
-void require(bool ok, const std::string& message) {
-  if (!ok) throw Error(ErrorKind::config, message);
-}
-
-}  // namespace
-
 int64_t apply_batch_limit(const OptionValue& limit, int64_t available) {
-  if (available < 0) return -1;
-  if (const auto* count = std::get_if<int64_t>(&limit)) return std::min(*count, available);
+  if (const auto* count = std::get_if<int64_t>(&limit)) return available < 0 ? *count : std::min(*count, available);
+  if (available < 0) return std::get<double>(limit) > 0 ? -1 : 0;
   const double fraction = std::get<double>(limit);
   return static_cast<int64_t>(static_cast<double>(available) * fraction);
 }
 
+void validate_trainer_values(const Config& config) {
+  const Options& t = config.trainer;
+  auto where = [&](std::string_view key) {
+    auto it = config.trainer_locations.find(key);
+    return it == config.trainer_locations.end() ? std::string("[trainer]") : it->second.str() + ": [trainer]";
+  };
+  auto require = [&](bool ok, std::string_view key, const std::string& message) {
+    if (!ok) throw Error(ErrorKind::config, fmt::format("{} {}", where(key), message));
+  };
+  const std::string& algorithm = t.get_string("gradient_clip_algorithm");
+  require(algorithm == "norm" || algorithm == "value", "gradient_clip_algorithm",
+          fmt::format("gradient_clip_algorithm = \"{}\": use \"norm\" or \"value\"", algorithm));
+  for (const char* key : {"accumulate_grad_batches", "log_every_n_steps", "check_val_every_n_epoch", "num_nodes"})
+    require(t.get_int(key) >= 1, key, fmt::format("{} = {}: must be >= 1", key, t.get_int(key)));
+  for (const char* key : {"fast_dev_run", "min_epochs", "min_steps"})
+    require(t.get_int(key) >= 0, key, fmt::format("{} = {}: must be >= 0", key, t.get_int(key)));
+  for (const char* key : {"max_epochs", "max_steps"})
+    require(t.get_int(key) >= -1, key, fmt::format("{} = {}: must be >= 0, or -1 for no limit", key, t.get_int(key)));
+  require(t.get_int("num_sanity_val_steps") >= -1, "num_sanity_val_steps",
+          fmt::format("num_sanity_val_steps = {}: must be >= 0, or -1 for all", t.get_int("num_sanity_val_steps")));
+  require(t.get_float("gradient_clip_val") >= 0 && std::isfinite(t.get_float("gradient_clip_val")), "gradient_clip_val",
+          fmt::format("gradient_clip_val = {}: must be a finite number >= 0", t.get_float("gradient_clip_val")));
+  for (const char* key : {"limit_train_batches", "limit_val_batches", "limit_test_batches", "limit_predict_batches",
+                          "overfit_batches", "val_check_interval"}) {
+    const OptionValue& v = t.values().at(key);
+    const double x = as_number(v);
+    require(x >= 0, key, fmt::format("{} = {}: must be >= 0", key, x));
+    if (std::holds_alternative<double>(v) && std::string_view(key) != "val_check_interval")
+      require(x <= 1.0, key,
+              fmt::format("{} = {}: a float is a fraction in [0, 1]; use an integer for a count", key, x));
+  }
+  {
+    const OptionValue& v = t.values().at("val_check_interval");
+    require(as_number(v) > 0, "val_check_interval", "val_check_interval must be > 0");
+  }
+  try {
+    parse_max_time(t.get_string("max_time"));
+  } catch (const Error& e) {
+    auto it = config.trainer_locations.find("max_time");
+    throw Error(ErrorKind::config,
+                it == config.trainer_locations.end() ? std::string(e.what()) : it->second.str() + ": " + e.what());
+  }
+  const std::string& devices = t.get_string("devices");
+  require(!devices.empty(), "devices", "devices = \"\": give a count, \"auto\", -1 or indices such as \"0,1\"");
+  const std::string& level = config.log_level;
+  if (!level.empty() && spdlog::level::from_str(level) == spdlog::level::off && level != "off")
+    throw Error(ErrorKind::config,
+                fmt::format("[logging] level = \"{}\": use trace, debug, info, warn, error, critical or off", level));
+}
+
+// ---- construction -------------------------------------------------------------------------------
+
 Trainer::Impl::Impl(Config config) : config_(std::move(config)) {
+  validate_trainer_values(config_);
   const Options& t = config_.trainer;
   if (!config_.log_level.empty()) spdlog::set_level(spdlog::level::from_str(config_.log_level));
   root_dir_ = t.get_string("default_root_dir");
@@ -85,26 +141,7 @@ Trainer::Impl::Impl(Config config) : config_(std::move(config)) {
   clip_val_ = t.get_float("gradient_clip_val");
   inference_mode_ = t.get_bool("inference_mode");
   detect_anomaly_ = t.get_bool("detect_anomaly");
-  const std::string& algorithm = t.get_string("gradient_clip_algorithm");
-  require(algorithm == "norm" || algorithm == "value",
-          fmt::format("[trainer] gradient_clip_algorithm = \"{}\": use \"norm\" or \"value\"", algorithm));
-  clip_algorithm_ = algorithm == "norm" ? GradClipAlgorithm::norm : GradClipAlgorithm::value;
-  require(accumulate_ >= 1, fmt::format("[trainer] accumulate_grad_batches = {}: must be >= 1", accumulate_));
-  require(log_every_n_steps_ >= 1, fmt::format("[trainer] log_every_n_steps = {}: must be >= 1", log_every_n_steps_));
-  require(check_val_every_n_epoch_ >= 1,
-          fmt::format("[trainer] check_val_every_n_epoch = {}: must be >= 1", check_val_every_n_epoch_));
-  require(clip_val_ >= 0, fmt::format("[trainer] gradient_clip_val = {}: must be >= 0", clip_val_));
-  require(fast_dev_run_ >= 0, fmt::format("[trainer] fast_dev_run = {}: must be >= 0", fast_dev_run_));
-  for (const char* key : {"limit_train_batches", "limit_val_batches", "limit_test_batches", "limit_predict_batches",
-                          "overfit_batches", "val_check_interval"}) {
-    const OptionValue& v = t.values().at(key);
-    const double x =
-        std::holds_alternative<int64_t>(v) ? static_cast<double>(std::get<int64_t>(v)) : std::get<double>(v);
-    require(x >= 0, fmt::format("[trainer] {} = {}: must be >= 0", key, x));
-    if (std::holds_alternative<double>(v) && std::string_view(key) != "val_check_interval")
-      require(x <= 1.0,
-              fmt::format("[trainer] {} = {}: a float is a fraction in [0, 1]; use an integer for a count", key, x));
-  }
+  clip_algorithm_ = t.get_string("gradient_clip_algorithm") == "norm" ? GradClipAlgorithm::norm : GradClipAlgorithm::value;
   if (fast_dev_run_ > 0) {
     max_epochs_ = 1;
     max_steps_ = fast_dev_run_;
@@ -115,101 +152,29 @@ Trainer::Impl::Impl(Config config) : config_(std::move(config)) {
   if (const int64_t seed = t.get_int("seed"); seed >= 0) torch::manual_seed(static_cast<uint64_t>(seed));
   if (t.get_bool("deterministic")) at::globalContext().setDeterministicAlgorithms(true, /*warn_only=*/false);
 
-  SearchPathOptions search;
-  search.config_paths = config_.plugin_paths;
-  RegistryOptions registry_options;
-  registry_options.allow_writable = config_.allow_writable_plugins;
-  registry_ = std::make_unique<PluginRegistry>(plugin_search_path(search), registry_options);
-  for (const auto& p : registry_->problems())
-    if (p.is_plugin_error) spdlog::warn("plugin {}: {}", p.file.string(), p.reason);
-  create_plugins();
+  plugins_ = connect_plugins(config_, fast_dev_run_ > 0);
+  profiler_ptr_ = plugins_.profiler.get();
+  for (auto& l : plugins_.loggers) loggers_.push_back(l.get());
+  for (auto& entry : plugins_.callbacks) hooks_.add(std::move(entry.callback), std::move(entry.identity));
+  plugins_.callbacks.clear();
 }
 
-void Trainer::Impl::create_plugins() {
-  const bool barebones = config_.trainer.get_bool("barebones");
-  const bool dev_run = fast_dev_run_ > 0;
-  // Every table is checked against its plugin's schema before any plugin code runs.
-  validate_plugins(config_, *registry_);
-
-  accelerator_ = plugin_cast<Accelerator>(
-      registry_->create(PluginKind::accelerator, config_.accelerator.name, config_.accelerator.options));
-  if (!accelerator_->is_available())
-    throw Error(ErrorKind::config, fmt::format("{}: accelerator '{}' is not available on this machine",
-                                               config_.accelerator.where.str(), config_.accelerator.name));
-  strategy_ =
-      plugin_cast<Strategy>(registry_->create(PluginKind::strategy, config_.strategy.name, config_.strategy.options));
-  precision_ = plugin_cast<Precision>(
-      registry_->create(PluginKind::precision, config_.precision.name, config_.precision.options));
-  if (config_.profiler && !barebones)
-    profiler_ = plugin_cast<Profiler>(
-        registry_->create(PluginKind::profiler, config_.profiler->name, config_.profiler->options));
-  if (!barebones && !dev_run) {
-    for (const auto& sel : config_.loggers)
-      logger_objects_.push_back(plugin_cast<Logger>(registry_->create(PluginKind::logger, sel.name, sel.options)));
-    if (config_.loggers.empty() && config_.trainer.get_bool("logger")) {
-      const Options defaults = default_options(registry_->resolve(PluginKind::logger, "csv").metadata);
-      logger_objects_.push_back(plugin_cast<Logger>(registry_->create(PluginKind::logger, "csv", defaults)));
+Trainer::Impl::~Impl() {
+  // The strategy releases its process group and device once, when the Trainer goes away.
+  if (environment_ready_ && plugins_.strategy) {
+    try {
+      plugins_.strategy->teardown();
+    } catch (const std::exception& e) {
+      spdlog::warn("strategy teardown failed: {}", e.what());
     }
   }
-  for (auto& l : logger_objects_) logger_ptrs_.push_back(l.get());
-  if (!barebones) {
-    for (const auto& sel : config_.callbacks) {
-      if (dev_run && is_monitoring_callback(sel.name)) continue;  // fast_dev_run: no checkpoints, no early stop
-      add_callback(plugin_cast<Callback>(registry_->create(PluginKind::callback, sel.name, sel.options)), sel.name);
-    }
-    add_default_callbacks();
-  }
-}
-
-void Trainer::Impl::add_default_callbacks() {
-  auto configured = [&](std::string_view name) {
-    for (const auto& slot : callbacks_)
-      if (slot.name == name) return true;
-    return false;
-  };
-  auto add_with_defaults = [&](const char* name) {
-    const Options options = default_options(registry_->resolve(PluginKind::callback, name).metadata);
-    add_callback(plugin_cast<Callback>(registry_->create(PluginKind::callback, name, options)), name);
-  };
-  const Options& t = config_.trainer;
-  if (t.get_bool("enable_progress_bar") && !configured("progress_bar")) add_with_defaults("progress_bar");
-  if (t.get_bool("enable_model_summary") && !configured("model_summary") && fast_dev_run_ == 0)
-    add_with_defaults("model_summary");
-  if (t.get_bool("enable_checkpointing") && !configured("model_checkpoint") && fast_dev_run_ == 0)
-    add_with_defaults("model_checkpoint");
 }
 
 void Trainer::Impl::add_callback(std::shared_ptr<Callback> callback, std::string name) {
-  CallbackSlot slot;
-  slot.hooks = callback->hooks();
-  slot.callback = std::move(callback);
-  slot.monitoring = is_monitoring_callback(name);
-  slot.name = std::move(name);
-  // Lightning runs checkpoint callbacks last, so they see what every other callback did.
-  if (slot.name == "model_checkpoint") {
-    callbacks_.push_back(std::move(slot));
-  } else {
-    auto first_checkpoint = std::find_if(callbacks_.begin(), callbacks_.end(),
-                                         [](const CallbackSlot& s) { return s.name == "model_checkpoint"; });
-    callbacks_.insert(first_checkpoint, std::move(slot));
-  }
-  index_hooks();
+  hooks_.add(std::move(callback), PluginIdentity{"callback", std::move(name), {}});
 }
 
-void Trainer::Impl::index_hooks() {
-  for (auto& list : by_hook_) list.clear();
-  for (const auto& slot : callbacks_)
-    for (int bit = 0; bit < 64; ++bit)
-      if (slot.hooks & (uint64_t{1} << bit)) by_hook_[bit].push_back(slot.callback.get());
-}
-
-void Trainer::Impl::call_epoch_end_split(const std::function<void()>& module_fn) {
-  for (const auto& slot : callbacks_)
-    if (!slot.monitoring && has_hook(slot.hooks, Hook::train_epoch_end)) slot.callback->on_train_epoch_end(*this);
-  module_fn();
-  for (const auto& slot : callbacks_)
-    if (slot.monitoring && has_hook(slot.hooks, Hook::train_epoch_end)) slot.callback->on_train_epoch_end(*this);
-}
+// ---- TrainerContext capabilities ---------------------------------------------------------------
 
 int64_t Trainer::Impl::num_batches(Stage stage) const {
   switch (stage) {
@@ -237,6 +202,46 @@ const MetricMap& Trainer::Impl::progress_bar_metrics() const {
   return progress_bar_metrics_;
 }
 
+void Trainer::Impl::log_metrics(const MetricMap& metrics, std::string_view owner) {
+  if (loggers_.empty())
+    throw Error(ErrorKind::config,
+                fmt::format("{}: the Trainer has no logger, so there is nowhere to write its values; add a "
+                            "[[loggers]] table (e.g. name = \"csv\" or \"tensorboard\") or remove the callback",
+                            owner));
+  if (metrics.empty() || global_rank() != 0) return;
+  const bool in_training_batch = stage_ == Stage::fit && !sanity_checking_ && !in_epoch_end_phase_ && train_loader_;
+  if (in_training_batch) {
+    // Joins the Trainer's own row for this step (sent at the end of the batch when due).
+    for (const auto& [k, v] : metrics) pending_row_[k] = v;
+    return;
+  }
+  send_row(metrics, std::max<int64_t>(0, pos_.global_step - 1));
+}
+
+const ClusterInfo& Trainer::Impl::cluster() const {
+  static const ClusterInfo kSingle;
+  return environment_ready_ ? plugins_.strategy->cluster() : kSingle;
+}
+
+c10::Device Trainer::Impl::device() const {
+  return environment_ready_ ? plugins_.strategy->root_device() : c10::Device(c10::DeviceType::CPU);
+}
+
+std::string Trainer::Impl::broadcast(const std::string& value, int64_t src) {
+  return environment_ready_ ? plugins_.strategy->broadcast_string(value, src) : value;
+}
+
+bool Trainer::Impl::agree(bool decision, bool all) {
+  if (!environment_ready_ || plugins_.strategy->cluster().world_size <= 1) return decision;
+  return plugins_.strategy->reduce_boolean_decision(decision, all);
+}
+
+void Trainer::Impl::synchronize_device() {
+  if (environment_ready_) plugins_.accelerator->synchronize(plugins_.strategy->root_device());
+}
+
+MetricMap Trainer::Impl::device_stats() const { return plugins_.accelerator->device_stats(device()); }
+
 void Trainer::Impl::request_stop(std::string_view reason) {
   should_stop_ = true;
   stop_reason_ = std::string(reason);
@@ -253,10 +258,12 @@ torch::nn::Module& Trainer::Impl::model() {
   return *module_;
 }
 
+// ---- environment and loggers -------------------------------------------------------------------
+
 void Trainer::Impl::setup_environment_once() {
   if (environment_ready_) return;
   try {
-    strategy_->setup_environment(make_strategy_environment());
+    plugins_.strategy->setup_environment(make_strategy_environment());
   } catch (...) {
     detail::note_local_run_failed();  // children launched for this run must not wait for us
     throw;
@@ -266,21 +273,38 @@ void Trainer::Impl::setup_environment_once() {
 
 StrategyEnvironment Trainer::Impl::make_strategy_environment() {
   const std::string spec = config_.trainer.get_string("devices");
+  const int64_t num_nodes = config_.trainer.get_int("num_nodes");
   ClusterEnvironment cluster = detect_cluster_environment();
-  const bool multi_process = strategy_->launches_processes();
+  Strategy& strategy = *plugins_.strategy;
+  const bool multi_process = strategy.launches_processes();
   // Under a launcher, "auto" means one device per process of this node.
   const bool automatic = spec == "auto" || spec == "-1";
   StrategyEnvironment env;
-  env.accelerator = accelerator_.get();
-  env.devices = accelerator_->parse_devices(
+  env.accelerator = plugins_.accelerator.get();
+  env.devices = plugins_.accelerator->parse_devices(
       cluster.detected() && automatic && multi_process ? std::to_string(cluster.info.local_world_size) : spec);
   if (env.devices.empty())
     throw Error(ErrorKind::config, fmt::format("[trainer] devices = \"{}\" selects no device", spec));
 
+  if (!cluster.detected() && num_nodes > 1)
+    throw Error(ErrorKind::config,
+                fmt::format("[trainer] num_nodes = {}, but no multi-node launcher started this process (torchrun "
+                            "--nnodes, srun, mpirun); start one process per device on every node with one of them, "
+                            "or set num_nodes = 1",
+                            num_nodes));
   if (!cluster.detected() && multi_process && env.devices.size() > 1) {
     // Lightning's subprocess launcher: the program runs again once per extra device.
     detail::launch_local_processes(static_cast<int64_t>(env.devices.size()));
     cluster = detect_cluster_environment();
+  }
+  if (cluster.detected()) {
+    const int64_t nodes = cluster.info.world_size / std::max<int64_t>(1, cluster.info.local_world_size);
+    if (nodes != num_nodes)
+      throw Error(ErrorKind::config,
+                  fmt::format("[trainer] num_nodes = {}, but {} started {} process(es) in all, {} per node, which is "
+                              "{} node(s); set num_nodes = {}",
+                              num_nodes, to_string(cluster.kind), cluster.info.world_size,
+                              cluster.info.local_world_size, nodes, nodes));
   }
   if (cluster.detected() && multi_process && !automatic &&
       static_cast<int64_t>(env.devices.size()) != cluster.info.local_world_size)
@@ -314,12 +338,12 @@ void Trainer::Impl::setup_loggers_once() {
   if (loggers_ready_) return;
   LoggerSetup setup;
   setup.root_dir = root_dir_;
-  setup.global_rank = strategy_->cluster().global_rank;
-  for (Logger* l : logger_ptrs_) l->setup(setup);
+  setup.global_rank = plugins_.strategy->cluster().global_rank;
+  for_each_logger("setup", [&](Logger& l) { l.setup(setup); });
   loggers_ready_ = true;
   // Every rank names the run by rank 0's directory (the loggers of other ranks write nothing, and
   // their own version numbering may differ).
-  log_dir_ = strategy_->broadcast_string(logger_ptrs_.empty() ? root_dir_ : logger_ptrs_.front()->log_dir(), 0);
+  log_dir_ = plugins_.strategy->broadcast_string(loggers_.empty() ? root_dir_ : loggers_.front()->log_dir(), 0);
   // Hyperparameters of model, data and trainer, flattened with their table as prefix. Model and
   // data come from the objects (attach() fills them from [model] / [data] unless set in code), so
   // hyperparameters a Module sets itself are logged too; the selected accelerator, strategy,
@@ -338,46 +362,134 @@ void Trainer::Impl::setup_loggers_once() {
     params["profiler.name"] = format_option_value(OptionValue(config_.profiler->name));
     add("profiler.", config_.profiler->options);
   }
-  for (Logger* l : logger_ptrs_) l->log_hyperparams(params);
+  for_each_logger("log_hyperparams", [&](Logger& l) { l.log_hyperparams(params); });
 }
+
+// ---- the stage funnel --------------------------------------------------------------------------
 
 void Trainer::Impl::attach(Module& module, DataModule& data, Stage stage) {
   module_ = &module;
   data_ = &data;
   stage_ = stage;
+  hooks_.set_module_name(module.name());
   if (module.hparams.values().empty()) module.hparams = config_.model;
   if (data.hparams.values().empty()) data.hparams = config_.data;
   binding_ = Module::Binding{};
-  binding_.strategy = strategy_.get();
-  binding_.precision = precision_.get();
+  binding_.strategy = plugins_.strategy.get();
+  binding_.precision = plugins_.precision.get();
+  binding_.clip_gradients = [this](torch::optim::Optimizer& optimizer, double value, GradClipAlgorithm algorithm) {
+    plugins_.strategy->clip_gradients(optimizer, *plugins_.precision, value, algorithm);
+  };
   module.bind(&binding_);
   setup_environment_once();
   if (detect_anomaly_) torch::autograd::AnomalyMode::set_enabled(true);
 }
 
+void Trainer::Impl::build_model(Module& module, Stage stage) {
+  Strategy& strategy = *plugins_.strategy;
+  // Lightning's configure_model: layers may be created here, under the strategy (which can build
+  // them sharded). It runs for every stage, so it must be idempotent, as in Lightning.
+  strategy.configure_model(module, [&] { hooks_.module("configure_model", [&] { module.configure_model(); }); });
+  // Device first: the precision plugins pick autocast and kernels from the module's device.
+  strategy.setup_module(module);
+  plugins_.precision->convert_module(module);
+  (void)stage;
+}
+
+void Trainer::Impl::setup_optimizers(Module& module) {
+  optimizer_configs_ = hooks_.module("configure_optimizers", [&] { return module.configure_optimizers(); });
+  std::vector<std::shared_ptr<torch::optim::Optimizer>> optimizers;
+  for (auto& cfg : optimizer_configs_) {
+    if (!cfg.optimizer)
+      throw Error(ErrorKind::invalid_argument, "configure_optimizers() returned an OptimizerConfig without optimizer");
+    if (cfg.frequency < 1) throw Error(ErrorKind::invalid_argument, "OptimizerConfig::frequency must be >= 1");
+    optimizers.push_back(cfg.optimizer);
+  }
+  if (module.automatic_optimization && optimizers.size() != 1)
+    throw Error(ErrorKind::invalid_argument,
+                fmt::format("automatic optimization needs exactly one optimizer, configure_optimizers() returned {}; "
+                            "set automatic_optimization = false to drive several optimizers from training_step",
+                            optimizers.size()));
+  // The strategy may wrap or replace optimizers (a sharded strategy steps only its shards).
+  plugins_.strategy->setup_optimizers(optimizers);
+  if (optimizers.size() != optimizer_configs_.size())
+    throw Error(ErrorKind::runtime,
+                fmt::format("strategy '{}' changed the number of optimizers in setup_optimizers ({} -> {})",
+                            config_.strategy.name, optimizer_configs_.size(), optimizers.size()));
+  optimizer_ptrs_.clear();
+  for (size_t i = 0; i < optimizers.size(); ++i) {
+    optimizer_configs_[i].optimizer = optimizers[i];
+    optimizer_ptrs_.push_back(optimizers[i].get());
+  }
+  binding_.optimizers = optimizer_ptrs_;
+}
+
+void Trainer::Impl::run_stage(Stage stage, Module& module, DataModule& data, const std::function<void()>& body) {
+  attach(module, data, stage);
+  RunStatus status = RunStatus::success;
+  try {
+    Strategy& strategy = *plugins_.strategy;
+    if (strategy.cluster().local_rank == 0) data.prepare_data();
+    strategy.barrier("prepare_data");
+    hooks_.call(Hook::setup, [&](Callback& c) { c.setup(*this, stage); });
+    data.setup(stage);
+    build_model(module, stage);
+    if (stage == Stage::fit) setup_optimizers(module);
+    setup_loggers_once();
+    if (plugins_.profiler) plugins_.profiler->setup(stage, log_dir(), strategy.cluster().global_rank);
+    body();
+  } catch (const std::exception& e) {
+    status = RunStatus::failed;
+    detail::note_local_run_failed();  // ranks this process launched stop instead of being awaited
+    hooks_.call_on_exception([&](Callback& c) { c.on_exception(*this, e); });
+    try {
+      finish_stage(stage, status);
+    } catch (const std::exception& cleanup) {
+      spdlog::error("while handling a failure, finishing the {} stage failed too: {}", to_string(stage),
+                    cleanup.what());
+    }
+    throw;
+  }
+  finish_stage(stage, status);
+}
+
 void Trainer::Impl::finish_stage(Stage stage, RunStatus status) {
-  call(Hook::teardown, [&](Callback& c) { c.teardown(*this, stage); });
-  if (data_) data_->teardown(stage);
-  if (profiler_) {
-    profiler_->teardown(stage);
-  }
-  for (Logger* l : logger_ptrs_) {
-    l->save();
-    if (stage == Stage::fit || status != RunStatus::success) l->finalize(status);
-  }
+  // Every step runs even when one fails; the first failure is rethrown at the end.
+  std::exception_ptr first;
+  auto step = [&](auto&& fn) {
+    try {
+      fn();
+    } catch (...) {
+      if (!first) first = std::current_exception();
+    }
+  };
+  step([&] { hooks_.call(Hook::teardown, [&](Callback& c) { c.teardown(*this, stage); }); });
+  step([&] {
+    if (data_) data_->teardown(stage);
+  });
+  step([&] {
+    if (plugins_.profiler) plugins_.profiler->teardown(stage);
+  });
+  step([&] {
+    for_each_logger("save", [&](Logger& l) { l.save(); });
+    if (stage == Stage::fit || status != RunStatus::success)
+      for_each_logger("finalize", [&](Logger& l) { l.finalize(status); });
+  });
   if (module_) module_->bind(nullptr);
+  if (first && status == RunStatus::success) std::rethrow_exception(first);
 }
 
 // ---- Trainer facade -----------------------------------------------------------------------------
 
 Trainer::Trainer(Config config) : impl_(std::make_unique<Impl>(std::move(config))) {}
+Trainer::Trainer(const TrainerOptions& options) : Trainer(options.to_config()) {}
 Trainer Trainer::from_toml(const std::filesystem::path& file) { return Trainer(load_config(file)); }
 Trainer::~Trainer() = default;
 Trainer::Trainer(Trainer&&) noexcept = default;
 Trainer& Trainer::operator=(Trainer&&) noexcept = default;
 
-Trainer& Trainer::add_callback(std::shared_ptr<Callback> callback) {
-  impl_->add_callback(std::move(callback), "user");
+Trainer& Trainer::add_callback(std::shared_ptr<Callback> callback, std::string name) {
+  impl_->add_callback(std::move(callback), std::move(name));
   return *this;
 }
 void Trainer::fit(Module& module, DataModule& data, const std::string& ckpt_path) {
@@ -403,5 +515,8 @@ bool Trainer::should_stop() const { return impl_->should_stop(); }
 const Config& Trainer::config() const { return impl_->config(); }
 std::string Trainer::log_dir() const { return impl_->log_dir(); }
 int64_t Trainer::global_rank() const { return impl_->global_rank(); }
+TrainerContext& Trainer::context() { return *impl_; }
+Strategy& Trainer::strategy() { return impl_->strategy(); }
+Precision& Trainer::precision() { return impl_->precision(); }
 
 }  // namespace fulgur

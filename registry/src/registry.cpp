@@ -1,5 +1,6 @@
 // Discovery (metadata only), checks, selection and loading of plugin libraries.
 #include <fulgur/host.h>
+#include <fulgur/builtin_plugins.h>
 #include <fulgur/registry/registry.h>
 #include <fulgur/registry/verdicts.h>
 
@@ -35,40 +36,9 @@ std::string_view to_string(CandidateStatus status) {
 }
 
 bool is_reserved_builtin_name(PluginKind kind, std::string_view name) {
-  struct Reserved {
-    PluginKind kind;
-    std::string_view name;
-  };
-  // Built-ins that ship with Fulgur, today or as planned: third parties pick other names.
-  static constexpr std::array kReserved = {
-      Reserved{PluginKind::accelerator, "cpu"},
-      Reserved{PluginKind::accelerator, "cuda"},
-      Reserved{PluginKind::strategy, "single_device"},
-      Reserved{PluginKind::strategy, "ddp"},
-      Reserved{PluginKind::strategy, "fsdp"},
-      Reserved{PluginKind::strategy, "deepspeed"},
-      Reserved{PluginKind::precision, "64-true"},
-      Reserved{PluginKind::precision, "32-true"},
-      Reserved{PluginKind::precision, "16-true"},
-      Reserved{PluginKind::precision, "bf16-true"},
-      Reserved{PluginKind::precision, "16-mixed"},
-      Reserved{PluginKind::precision, "bf16-mixed"},
-      Reserved{PluginKind::logger, "csv"},
-      Reserved{PluginKind::logger, "tensorboard"},
-      Reserved{PluginKind::profiler, "simple"},
-      Reserved{PluginKind::profiler, "advanced"},
-      Reserved{PluginKind::profiler, "pytorch"},
-      Reserved{PluginKind::callback, "model_checkpoint"},
-      Reserved{PluginKind::callback, "early_stopping"},
-      Reserved{PluginKind::callback, "progress_bar"},
-      Reserved{PluginKind::callback, "model_summary"},
-      Reserved{PluginKind::callback, "lr_monitor"},
-      Reserved{PluginKind::callback, "throughput_monitor"},
-      Reserved{PluginKind::callback, "device_stats"},
-      Reserved{PluginKind::callback, "timer"},
-  };
-  return std::any_of(kReserved.begin(), kReserved.end(),
-                     [&](const Reserved& r) { return r.kind == kind && r.name == name; });
+  // The build generates the list from the built-in plugin targets (plugins/CMakeLists.txt).
+  return std::any_of(std::begin(builtin::kReservedNames), std::end(builtin::kReservedNames),
+                     [&](const builtin::Name& r) { return r.kind == kind && r.name == name; });
 }
 
 namespace {

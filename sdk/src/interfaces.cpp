@@ -8,6 +8,8 @@
 #include <fulgur/profiler.h>
 #include <fulgur/strategy.h>
 #include <fulgur/trainer_context.h>
+#include <fulgur/log.h>
+#include <fulgur/options.h>
 
 namespace fulgur {
 
@@ -17,12 +19,57 @@ Precision::~Precision() = default;
 Logger::~Logger() = default;
 Profiler::~Profiler() = default;
 Callback::~Callback() = default;
+CheckpointProvider::~CheckpointProvider() = default;
 Communicator::~Communicator() = default;
 PendingCollective::~PendingCollective() = default;
 GradientSync::~GradientSync() = default;
 TrainerContext::~TrainerContext() = default;
 
-bool TrainerContext::is_global_zero() const { return const_cast<TrainerContext*>(this)->strategy().is_global_zero(); }
+const char* hook_name(Hook hook) {
+  static constexpr const char* kNames[kHookCount] = {
+      "setup",
+      "teardown",
+      "on_fit_start",
+      "on_fit_end",
+      "on_sanity_check_start",
+      "on_sanity_check_end",
+      "on_train_start",
+      "on_train_end",
+      "on_train_epoch_start",
+      "on_train_epoch_end",
+      "on_train_batch_start",
+      "on_train_batch_end",
+      "on_validation_start",
+      "on_validation_end",
+      "on_validation_epoch_start",
+      "on_validation_epoch_end",
+      "on_validation_batch_start",
+      "on_validation_batch_end",
+      "on_test_start",
+      "on_test_end",
+      "on_test_epoch_start",
+      "on_test_epoch_end",
+      "on_test_batch_start",
+      "on_test_batch_end",
+      "on_predict_start",
+      "on_predict_end",
+      "on_predict_epoch_start",
+      "on_predict_epoch_end",
+      "on_predict_batch_start",
+      "on_predict_batch_end",
+      "on_before_backward",
+      "on_after_backward",
+      "on_before_optimizer_step",
+      "on_before_zero_grad",
+      "on_exception",
+      "on_save_checkpoint",
+      "on_load_checkpoint",
+  };
+  const auto bits = static_cast<uint64_t>(hook);
+  if (bits == 0 || (bits & (bits - 1)) != 0) return nullptr;
+  const int index = __builtin_ctzll(bits);
+  return index < kHookCount ? kNames[index] : nullptr;
+}
 
 const char* to_string(Stage stage) {
   switch (stage) {
@@ -53,3 +100,24 @@ const char* to_string(RunStatus status) {
 }
 
 }  // namespace fulgur
+
+namespace fulgur::detail {
+
+void warn_undeclared_hooks(const Callback& callback, HookSet overridden, const fulgur_create_args* args) {
+  const HookSet missing = overridden & ~callback.hooks();
+  if (missing == 0) return;
+  std::string names;
+  for (int bit = 0; bit < kHookCount; ++bit)
+    if (missing & (uint64_t{1} << bit)) {
+      if (!names.empty()) names += ", ";
+      names += hook_name(static_cast<Hook>(uint64_t{1} << bit));
+    }
+  std::string owner = "a callback";
+  if (args && args->options) owner = static_cast<const Options*>(args->options)->owner();
+  if (owner.empty()) owner = "a callback";
+  log::warn(owner + " overrides " + names +
+            " but does not list them in hooks(), so they are never called; add them to hooks() or derive from "
+            "fulgur::CallbackBase<YourClass>");
+}
+
+}  // namespace fulgur::detail

@@ -46,6 +46,8 @@ struct PluginSelection {
   SourceLocation where;        // where the name was given
   std::vector<RawOption> raw;  // the other keys of its table
   Options options;             // filled by validate_plugins(): typed, defaults applied
+  Options given;               // options set in code (TrainerOptions), checked like `raw`
+  bool from_code = false;
 };
 
 struct Config {
@@ -54,6 +56,8 @@ struct Config {
   bool allow_writable_plugins = false;
 
   Options trainer;  // typed, defaults applied (see trainer_option_schema())
+  // Where each [trainer] key was given (value errors point there); empty for keys set in code.
+  std::map<std::string, SourceLocation, std::less<>> trainer_locations;
   PluginSelection accelerator;
   PluginSelection strategy;
   PluginSelection precision;
@@ -78,5 +82,11 @@ Config parse_config(std::string_view toml_text, const std::filesystem::path& ori
 // Resolves every selected plugin in `registry` and checks its table against the plugin's schema:
 // unknown key (with a suggestion), wrong type (expected and found), missing required key.
 void validate_plugins(Config& config, const PluginRegistry& registry);
+
+// Everything `fulgur config check` verifies without training: structure and plugin schemas
+// (validate_plugins), every [trainer] value (ranges, enums, durations), and each selected plugin's
+// own checks of its option values (its constructor runs; nothing else does). Throws fulgur::Error
+// with file:line:col on the first problem.
+void check_config_values(Config& config, const PluginRegistry& registry);
 
 }  // namespace fulgur

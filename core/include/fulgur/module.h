@@ -145,6 +145,11 @@ class Module : public torch::nn::Module {
   virtual StepOutput test_step(const Batch& batch, int64_t batch_idx);
   virtual at::Tensor predict_step(const Batch& batch, int64_t batch_idx);
   virtual std::vector<OptimizerConfig> configure_optimizers() = 0;
+  // Lightning's configure_model: create layers here instead of in the constructor to let the
+  // strategy build them (a sharded strategy materialises only its shards). Runs under the
+  // strategy at the start of every stage, before configure_optimizers: keep it idempotent
+  // (return early when the layers exist).
+  virtual void configure_model() {}
 
   // Data hooks, in Lightning's order: on_before_batch_transfer, transfer_batch_to_device,
   // on_after_batch_transfer.

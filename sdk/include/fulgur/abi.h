@@ -25,8 +25,10 @@ extern "C" {
 #define FULGUR_PLUGIN_ABI_MAJOR 1
 #define FULGUR_PLUGIN_ABI_MINOR 0
 /* Version of the six C++ interfaces as a whole; a new virtual function bumps it. */
-#define FULGUR_CXX_INTERFACE_MAJOR \
-  2 /* 2: Strategy::launches_processes/before_training_step, GradientSync, TrainerContext::log_every_n_steps */
+/* History: 2 added Strategy::launches_processes/before_training_step and GradientSync; 3 is
+ * contract v2 (callback roles and checkpoint providers, a capability-only TrainerContext, the
+ * Strategy owning model/optimizer state and checkpoint parts). */
+#define FULGUR_CXX_INTERFACE_MAJOR 3
 
 #define FULGUR_PLUGIN_QUERY_SYMBOL "fulgur_plugin_query_v1"
 #define FULGUR_NOTE_OWNER "fulgur"

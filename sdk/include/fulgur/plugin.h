@@ -22,6 +22,7 @@
 #include <fulgur/accelerator.h>
 #include <fulgur/callback.h>
 #include <fulgur/error.h>
+#include <fulgur/log.h>
 #include <fulgur/logger.h>
 #include <fulgur/options.h>
 #include <fulgur/precision.h>
@@ -172,6 +173,7 @@ void* create(const fulgur_create_args* args) noexcept {
     } else {
       object = new T();
     }
+    if constexpr (std::is_base_of_v<Callback, T>) warn_undeclared_hooks(*object, overridden_hooks<T>(), args);
     return static_cast<void*>(object);
   } catch (const std::exception& e) {
     report_create_error(args, e.what());

@@ -1,4 +1,10 @@
 // Strategy: how training is spread over processes and devices (single_device, ddp, fsdp, ...).
+//
+// The strategy owns the model's and the optimizers' state: it builds the model (configure_model),
+// places or shards it, may wrap or replace the optimizers, decides clipping and the optimizer step
+// (so a sharded strategy can use a global norm and a rank-agreed skip), produces and restores the
+// state dicts, and writes and reads checkpoints in parts (so it can gather them, or write and read
+// one shard per rank). The defaults are what a replicated strategy does (fulgur/state_dict.h).
 #pragma once
 
 #include <fulgur/export.h>
@@ -30,6 +36,18 @@ struct StrategyEnvironment {
   std::function<std::shared_ptr<Communicator>(const CommunicatorOptions&)> connect;
 };
 
+// A checkpoint as the Trainer hands it to the strategy, and gets it back: the model and optimizer
+// state as this rank's strategy produced them (full tensors, or this rank's shards), and the rest.
+// The pointers refer to the Trainer's storage (IValue stays forward-declared in SDK headers).
+struct CheckpointParts {
+  // Model state: what module_state_dict() returned (a dict of name -> tensor by default).
+  c10::IValue* model_state = nullptr;
+  // One entry per optimizer: what optimizer_state_dict() returned; empty for weights-only.
+  std::vector<c10::IValue>* optimizer_states = nullptr;
+  // Every other top-level key (epoch, global_step, loops, callbacks, lr_schedulers, ...): a dict.
+  c10::IValue* metadata = nullptr;
+};
+
 class FULGUR_SDK_API Strategy {
  public:
   virtual ~Strategy();
@@ -44,16 +62,28 @@ class FULGUR_SDK_API Strategy {
   virtual const ClusterInfo& cluster() const = 0;
   bool is_global_zero() const { return cluster().global_rank == 0; }
 
-  // Moves/wraps/shards the model and hooks gradient synchronization; then sees the optimizers.
+  // Runs the Module's configure_model (`build`), where layers may be created: a sharded strategy
+  // can build on the meta device and materialise only its shards. Runs before setup_module.
+  virtual void configure_model(torch::nn::Module& module, const std::function<void()>& build);
+  // Moves/wraps/shards the model and hooks gradient synchronization. Runs before the Module's
+  // configure_optimizers, so optimizers are created over the parameters this returns to.
   virtual void setup_module(torch::nn::Module& module) = 0;
-  virtual void setup_optimizers(std::span<torch::optim::Optimizer* const> optimizers) = 0;
+  // Sees the optimizers configure_optimizers returned, and may wrap or replace entries (a
+  // replacement must keep param_groups() in the same order: LR schedulers and checkpoints
+  // address groups by index).
+  virtual void setup_optimizers(std::vector<std::shared_ptr<torch::optim::Optimizer>>& optimizers);
 
   // Before each training forward; `sync_gradients` as for backward() below.
   virtual void before_training_step(bool /*sync_gradients*/) {}
   // backward of `loss` through the precision plugin's scaling; `sync_gradients` is false on
   // gradient-accumulation micro-steps so that data-parallel strategies skip communication.
   virtual void backward(const at::Tensor& loss, Precision& precision, bool sync_gradients) = 0;
-  // Steps through the precision plugin; returns whether the step was taken.
+  // Clips the (unscaled) gradients of `optimizer`; a sharded strategy clips by the global norm
+  // across shards. Default: the precision plugin clips the local gradients.
+  virtual void clip_gradients(torch::optim::Optimizer& optimizer, Precision& precision, double clip_value,
+                              GradClipAlgorithm algorithm);
+  // Steps through the precision plugin (which skips on inf/NaN gradients); returns whether the
+  // step was taken. A sharded strategy agrees the skip across ranks.
   virtual bool optimizer_step(torch::optim::Optimizer& optimizer, Precision& precision) = 0;
 
   virtual at::Tensor reduce(const at::Tensor& tensor, ReduceOp op) = 0;
@@ -68,11 +98,32 @@ class FULGUR_SDK_API Strategy {
   virtual int64_t data_parallel_rank() const = 0;
   virtual int64_t data_parallel_size() const = 0;
 
-  // Writes/reads a checkpoint dict (rank zero writes for replicated strategies).
-  virtual void save_checkpoint(const c10::IValue& checkpoint, const std::string& path) = 0;
-  virtual void load_checkpoint(const std::string& path, c10::IValue& checkpoint) = 0;
+  // ---- state and checkpoints -------------------------------------------------------------------
+  // The model's state as checkpoints store it. Default: every parameter and buffer by its dotted
+  // Python name (a GenericDict str -> Tensor), detached, not copied.
+  virtual c10::IValue module_state_dict(torch::nn::Module& module);
+  // Restores what module_state_dict produced (or a Python/Lightning state_dict). With `strict`,
+  // missing, unexpected and mis-shaped keys throw fulgur::Error(checkpoint) naming `origin`.
+  virtual void load_module_state_dict(torch::nn::Module& module, const c10::IValue& state, bool strict,
+                                      const std::string& origin);
+  // One optimizer's state, in torch.optim's state_dict layout where the optimizer is known.
+  virtual c10::IValue optimizer_state_dict(torch::optim::Optimizer& optimizer);
+  virtual void load_optimizer_state_dict(torch::optim::Optimizer& optimizer, const c10::IValue& state,
+                                         const std::string& origin);
+  // Writes a checkpoint at `path`. A collective: every rank calls it with its own parts. Default:
+  // rank zero joins the parts into one Lightning-layout dict and writes one file atomically
+  // (fulgur/checkpoint_io.h); the others wait at a barrier.
+  virtual void save_checkpoint(const CheckpointParts& parts, const std::string& path);
+  // Reads what save_checkpoint wrote (or a PyTorch/Lightning file) into `out`: the model state,
+  // the optimizer states (left empty for a weights-only checkpoint) and the other keys. A
+  // missing, corrupt or foreign checkpoint throws fulgur::Error(checkpoint) naming the path.
+  virtual void load_checkpoint(const std::string& path, const CheckpointParts& out);
+  // Whether `path` holds a checkpoint this strategy can read (a file, or a sharded directory).
+  virtual bool is_checkpoint(const std::string& path) const;
 
-  virtual void teardown() = 0;
+  // Releases what setup_environment took (the process group, the device); called once when the
+  // Trainer is destroyed.
+  virtual void teardown() {}
 };
 
 }  // namespace fulgur

@@ -1,26 +1,25 @@
-// What plugins see of the running Trainer: counters, metrics, the model and optimizers, the other
-// plugins, and the few actions a callback may take (stop, save a checkpoint).
+// What plugins see of the running Trainer: counters, metrics, the model and its optimizers, and
+// capabilities (where this process sits, agreement and broadcast across ranks, device services,
+// logging, stopping, saving). Plugins get capabilities, not the other plugins: a callback cannot
+// reach the strategy's backward or a logger's finalize.
 #pragma once
 
 #include <fulgur/export.h>
 #include <fulgur/types.h>
 
-#include <span>
+#include <c10/core/Device.h>
+
 #include <string>
 #include <string_view>
 #include <vector>
 
 namespace fulgur {
 
-class Accelerator;
-class Logger;
-class Precision;
-class Strategy;
-
 class FULGUR_SDK_API TrainerContext {
  public:
   virtual ~TrainerContext();
 
+  // ---- counters and state ----------------------------------------------------------------------
   virtual Stage stage() const = 0;
   virtual bool sanity_checking() const = 0;
   virtual int64_t current_epoch() const = 0;
@@ -31,32 +30,53 @@ class FULGUR_SDK_API TrainerContext {
   virtual int64_t num_batches(Stage stage) const = 0;
   virtual bool is_last_batch() const = 0;
 
+  // ---- metrics -----------------------------------------------------------------------------------
   // Latest epoch- or step-level values of everything logged (what monitors read).
   virtual const MetricMap& callback_metrics() const = 0;
   virtual const MetricMap& progress_bar_metrics() const = 0;
+  // Whether the Trainer sends the current training step's metrics to the loggers
+  // (log_every_n_steps, the last batch, a requested stop). Lets a monitor skip computing values
+  // nobody will write.
+  virtual bool step_logging_due() const = 0;
+  // Sends `metrics` to every logger from rank zero only, at the step the Trainer's own row for
+  // the current batch carries (the epoch's last step outside a batch). Logger failures are the
+  // Trainer's to report. Throws fulgur::Error(config) naming `owner` when there is no logger.
+  virtual void log_metrics(const MetricMap& metrics, std::string_view owner) = 0;
+  // True when at least one logger is configured.
+  virtual bool has_logger() const = 0;
 
+  // ---- where this process sits; agreement across ranks ------------------------------------------
+  virtual const ClusterInfo& cluster() const = 0;
+  bool is_global_zero() const { return cluster().global_rank == 0; }
+  // The device this process trains on.
+  virtual c10::Device device() const = 0;
+  // `value` from rank `src`, on every rank (a collective: every rank must call it).
+  virtual std::string broadcast(const std::string& value, int64_t src = 0) = 0;
+  // A decision every rank takes together: true when all ranks (all = true) or any rank
+  // (all = false) said true. A collective: every rank must call it.
+  virtual bool agree(bool decision, bool all) = 0;
+
+  // ---- device services ---------------------------------------------------------------------------
+  // Waits for queued work on this process's device (timing; a no-op on cpu).
+  virtual void synchronize_device() = 0;
+  // Point-in-time statistics of this process's device (memory, utilisation), by metric name.
+  virtual MetricMap device_stats() const = 0;
+
+  // ---- actions -----------------------------------------------------------------------------------
   virtual bool should_stop() const = 0;
-  // Asks the fit loop to stop at the next check (respecting min_epochs/min_steps).
+  // Asks the fit loop to stop at the next check (respecting min_epochs/min_steps). Call it on
+  // every rank with the same decision (use agree()), as early stopping does.
   virtual void request_stop(std::string_view reason) = 0;
-
   virtual const std::string& default_root_dir() const = 0;
-  // The first logger's run directory, or default_root_dir when there is no logger.
+  // The first logger's run directory (rank zero's), or default_root_dir when there is no logger.
   virtual std::string log_dir() const = 0;
-  // Writes a complete checkpoint (atomically) to `path`.
+  // Writes a complete checkpoint to `path` through the strategy (atomically). A collective.
   virtual void save_checkpoint(const std::string& path, bool weights_only) = 0;
 
+  // ---- the model being trained -----------------------------------------------------------------
+  // The user's module as written (not a strategy's wrapper).
   virtual torch::nn::Module& model() = 0;
   virtual std::vector<torch::optim::Optimizer*> optimizers() = 0;
-  virtual Strategy& strategy() = 0;
-  virtual Accelerator& accelerator() = 0;
-  virtual Precision& precision() = 0;
-  virtual std::span<Logger* const> loggers() = 0;
-  bool is_global_zero() const;
-
-  // [trainer] log_every_n_steps: monitoring callbacks that write to the loggers themselves
-  // (lr_monitor, device_stats, throughput_monitor) log on the same steps as the Trainer does.
-  // Appended last (interface version 2) so the earlier vtable slots keep their places.
-  virtual int64_t log_every_n_steps() const = 0;
 };
 
 }  // namespace fulgur

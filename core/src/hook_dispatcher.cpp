@@ -1,0 +1,93 @@
+#include "hook_dispatcher.h"
+
+#include <c10/util/Exception.h>
+#include <fmt/format.h>
+#include <spdlog/spdlog.h>
+
+#include <algorithm>
+#include <functional>
+
+namespace fulgur {
+
+namespace {
+
+// An error already attributed to a plugin and hook: outer dispatch levels let it through.
+class AttributedError : public Error {
+ public:
+  using Error::Error;
+};
+
+std::string describe(const PluginIdentity& who) {
+  std::string text = fmt::format("{} '{}'", who.kind, who.name);
+  if (!who.file.empty()) text += fmt::format(" ({})", who.file);
+  return text;
+}
+
+}  // namespace
+
+void rethrow_attributed(const PluginIdentity& who, std::string_view hook, const RunPosition& where) {
+  const std::string place = fmt::format("{} failed in {} at epoch {}, global step {}", describe(who), hook,
+                                        where.epoch, where.global_step);
+  try {
+    throw;
+  } catch (const AttributedError&) {
+    throw;
+  } catch (const Error& e) {
+    throw AttributedError(e.kind(), fmt::format("{}: {}", place, e.what()));
+  } catch (const c10::Error& e) {
+    throw AttributedError(ErrorKind::runtime, fmt::format("{}: {}", place, e.what_without_backtrace()));
+  } catch (const std::exception& e) {
+    throw AttributedError(ErrorKind::runtime, fmt::format("{}: {}", place, e.what()));
+  } catch (...) {
+    throw AttributedError(ErrorKind::runtime,
+                          fmt::format("{}: an exception not derived from std::exception", place));
+  }
+}
+
+void HookDispatcher::add(std::shared_ptr<Callback> callback, PluginIdentity identity) {
+  Slot slot;
+  slot.hooks = callback->hooks();
+  slot.roles = callback->roles();
+  slot.callback = std::move(callback);
+  slot.identity = std::move(identity);
+  for (int bit = 0; bit < kHookCount; ++bit)
+    slot.scope_names[bit] =
+        fmt::format("[Callback]{}.{}", slot.identity.name, hook_name(static_cast<Hook>(uint64_t{1} << bit)));
+  if (has_role(slot.roles, CallbackRole::checkpoint)) {
+    slots_.push_back(std::move(slot));
+  } else {
+    auto first_checkpoint = std::find_if(slots_.begin(), slots_.end(), [](const Slot& s) {
+      return has_role(s.roles, CallbackRole::checkpoint);
+    });
+    slots_.insert(first_checkpoint, std::move(slot));
+  }
+  reindex();
+}
+
+void HookDispatcher::reindex() {
+  for (auto& list : by_hook_) list.clear();
+  for (auto& slot : slots_)
+    for (int bit = 0; bit < 64; ++bit)
+      if (slot.hooks & (uint64_t{1} << bit)) by_hook_[bit].push_back(&slot);
+}
+
+void HookDispatcher::call_on_exception(const std::function<void(Callback&)>& fn) {
+  for (Slot* slot : by_hook_[index(Hook::exception)]) {
+    try {
+      fn(*slot->callback);
+    } catch (const std::exception& e) {
+      spdlog::error("{} failed in on_exception while handling another error: {}", describe(slot->identity), e.what());
+    } catch (...) {
+      spdlog::error("{} failed in on_exception while handling another error", describe(slot->identity));
+    }
+  }
+}
+
+std::string_view HookDispatcher::module_scope(const char* hook) {
+  for (const auto& [h, scope] : module_scopes_)
+    if (h == hook) return scope;
+  module_scopes_.emplace_back(hook, fmt::format("[Module]{}.{}", module_identity_.name, hook));
+  return module_scopes_.back().second;
+}
+
+}  // namespace fulgur

@@ -1,0 +1,120 @@
+// Internal: the one path every callback, module and logger hook call takes. Each call opens a
+// profiler scope ("[Callback]model_checkpoint.on_train_epoch_end", "[Module]Net.on_fit_start") and
+// turns an exception into a fulgur::Error that names the plugin kind, name, file, the hook, and
+// the epoch and global step it was raised at.
+#pragma once
+
+#include <fulgur/callback.h>
+#include <fulgur/error.h>
+#include <fulgur/logger.h>
+#include <fulgur/profiler.h>
+
+#include <array>
+#include <bit>
+#include <deque>
+#include <functional>
+#include <exception>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace fulgur {
+
+// Who runs the code a hook call enters, for profiler scopes and error messages.
+struct PluginIdentity {
+  std::string kind;  // "callback", "logger", "module"
+  std::string name;  // plugin name, or the Module's class name
+  std::string file;  // the plugin's library; empty for code built into the program
+};
+
+// Where the run is when a hook fails.
+struct RunPosition {
+  int64_t epoch = 0;
+  int64_t global_step = 0;
+};
+
+// Rethrows the exception in flight as a fulgur::Error naming `who`, `hook` and `where`; an
+// exception that already names a plugin (raised by a nested dispatch) passes unchanged.
+[[noreturn]] void rethrow_attributed(const PluginIdentity& who, std::string_view hook, const RunPosition& where);
+
+class HookDispatcher {
+ public:
+  struct Slot {
+    std::shared_ptr<Callback> callback;
+    PluginIdentity identity;
+    CallbackRoles roles = 0;
+    HookSet hooks = 0;
+    std::array<std::string, kHookCount> scope_names;  // built once: ProfileScope keeps a view
+  };
+
+  HookDispatcher(const Profiler* const& profiler, const RunPosition& position)
+      : profiler_(profiler), position_(position) {}
+
+  // Checkpoint-role callbacks run after all others (Lightning runs ModelCheckpoint last, so it
+  // saves what every other callback did); otherwise insertion order.
+  void add(std::shared_ptr<Callback> callback, PluginIdentity identity);
+  const std::vector<Slot>& slots() const { return slots_; }
+  std::vector<Slot>& slots() { return slots_; }
+
+  // Calls `fn(callback)` on every callback that implements `hook` (nothing for the others).
+  template <class Fn>
+  void call(Hook hook, Fn&& fn) {
+    for (Slot* slot : by_hook_[index(hook)]) invoke(*slot, hook, fn);
+  }
+  // The same, restricted to callbacks with (monitors = true) or without the monitor role: the
+  // end of a training epoch runs the others, then the Module, then the monitors.
+  template <class Fn>
+  void call_where_monitor(Hook hook, bool monitors, Fn&& fn) {
+    for (Slot* slot : by_hook_[index(hook)])
+      if (has_role(slot->roles, CallbackRole::monitor) == monitors) invoke(*slot, hook, fn);
+  }
+  // During failure handling: every callback's on_exception, each failure logged, none thrown.
+  void call_on_exception(const std::function<void(Callback&)>& fn);
+
+  // A Module hook: `fn()` inside the scope "[Module]<name>.<hook>", attributed on failure.
+  template <class Fn>
+  decltype(auto) module(const char* hook, Fn&& fn) {
+    ProfileScope scope(profiler(), profiler_ ? module_scope(hook) : std::string_view());
+    try {
+      return fn();
+    } catch (...) {
+      rethrow_attributed(module_identity_, hook, position_);
+    }
+  }
+  void set_module_name(std::string name) { module_identity_ = {"module", std::move(name), {}}; }
+
+  // A logger method, attributed on failure to the logger.
+  template <class Fn>
+  void logger(const PluginIdentity& who, const char* method, Fn&& fn) {
+    try {
+      fn();
+    } catch (...) {
+      rethrow_attributed(who, method, position_);
+    }
+  }
+
+ private:
+  static int index(Hook hook) { return std::countr_zero(static_cast<uint64_t>(hook)); }
+  Profiler* profiler() const { return const_cast<Profiler*>(profiler_); }
+  std::string_view module_scope(const char* hook);
+
+  template <class Fn>
+  void invoke(Slot& slot, Hook hook, Fn& fn) {
+    ProfileScope scope(profiler(), profiler_ ? std::string_view(slot.scope_names[index(hook)]) : std::string_view());
+    try {
+      fn(*slot.callback);
+    } catch (...) {
+      rethrow_attributed(slot.identity, hook_name(hook), position_);
+    }
+  }
+  void reindex();
+
+  const Profiler* const& profiler_;
+  const RunPosition& position_;
+  std::vector<Slot> slots_;
+  std::array<std::vector<Slot*>, 64> by_hook_;
+  PluginIdentity module_identity_{"module", "Module", {}};
+  std::deque<std::pair<std::string, std::string>> module_scopes_;  // hook -> scope (stable addresses)
+};
+
+}  // namespace fulgur

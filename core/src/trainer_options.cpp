@@ -1,0 +1,117 @@
+#include <fulgur/error.h>
+#include <fulgur/suggest.h>
+#include <fulgur/trainer_options.h>
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+namespace fulgur {
+
+namespace {
+
+const OptionSchema& schema_entry(const std::string& key) {
+  std::vector<std::string> keys;
+  for (const OptionSchema& s : trainer_option_schema()) {
+    if (s.key == key) return s;
+    keys.push_back(s.key);
+  }
+  std::string message = fmt::format("TrainerOptions: unknown [trainer] key '{}'", key);
+  if (std::string s = closest_match(key, keys); !s.empty()) message += fmt::format("; did you mean '{}'?", s);
+  throw Error(ErrorKind::config, message);
+}
+
+bool type_matches(OptionType type, const OptionValue& value) {
+  switch (type) {
+    case OptionType::boolean:
+      return std::holds_alternative<bool>(value);
+    case OptionType::integer:
+      return std::holds_alternative<int64_t>(value);
+    case OptionType::floating:
+      return std::holds_alternative<double>(value) || std::holds_alternative<int64_t>(value);
+    case OptionType::string:
+      return std::holds_alternative<std::string>(value);
+    case OptionType::string_list:
+      return std::holds_alternative<std::vector<std::string>>(value);
+    case OptionType::float_list:
+      return std::holds_alternative<std::vector<double>>(value);
+  }
+  return false;
+}
+
+PluginSelection selection(PluginKind kind, std::string name, Options options) {
+  PluginSelection sel;
+  sel.kind = kind;
+  sel.name = std::move(name);
+  sel.where = {"TrainerOptions", 0, 0};
+  sel.given = std::move(options);
+  sel.from_code = true;
+  return sel;
+}
+
+}  // namespace
+
+TrainerOptions::TrainerOptions() {
+  config_.trainer = Options("[trainer]");
+  for (const OptionSchema& s : trainer_option_schema()) config_.trainer.set(s.key, *s.default_value);
+  config_.accelerator = selection(PluginKind::accelerator, config_.trainer.get_string("accelerator"), {});
+  config_.strategy = selection(PluginKind::strategy, config_.trainer.get_string("strategy"), {});
+  config_.precision = selection(PluginKind::precision, config_.trainer.get_string("precision"), {});
+}
+
+TrainerOptions& TrainerOptions::set(const std::string& key, OptionValue value) {
+  const OptionSchema& s = schema_entry(key);
+  if (!type_matches(s.type, value))
+    throw Error(ErrorKind::config, fmt::format("TrainerOptions: [trainer] {} must be {}, got {}", key,
+                                               to_string(s.type), format_option_value(value)));
+  config_.trainer.set(key, std::move(value));
+  if (key == "accelerator") config_.accelerator.name = config_.trainer.get_string(key);
+  if (key == "strategy") config_.strategy.name = config_.trainer.get_string(key);
+  if (key == "precision") config_.precision.name = config_.trainer.get_string(key);
+  return *this;
+}
+
+TrainerOptions& TrainerOptions::accelerator(std::string name, Options options) {
+  set("accelerator", name);
+  config_.accelerator = selection(PluginKind::accelerator, std::move(name), std::move(options));
+  return *this;
+}
+TrainerOptions& TrainerOptions::strategy(std::string name, Options options) {
+  set("strategy", name);
+  config_.strategy = selection(PluginKind::strategy, std::move(name), std::move(options));
+  return *this;
+}
+TrainerOptions& TrainerOptions::precision(std::string name, Options options) {
+  set("precision", name);
+  config_.precision = selection(PluginKind::precision, std::move(name), std::move(options));
+  return *this;
+}
+TrainerOptions& TrainerOptions::profiler(std::string name, Options options) {
+  config_.profiler = selection(PluginKind::profiler, std::move(name), std::move(options));
+  return *this;
+}
+TrainerOptions& TrainerOptions::logger(std::string name, Options options) {
+  config_.loggers.push_back(selection(PluginKind::logger, std::move(name), std::move(options)));
+  return *this;
+}
+TrainerOptions& TrainerOptions::callback(std::string name, Options options) {
+  config_.callbacks.push_back(selection(PluginKind::callback, std::move(name), std::move(options)));
+  return *this;
+}
+TrainerOptions& TrainerOptions::plugin_path(std::filesystem::path directory) {
+  config_.plugin_paths.push_back(std::filesystem::absolute(directory));
+  return *this;
+}
+TrainerOptions& TrainerOptions::model_hparams(Options hparams) {
+  config_.model = std::move(hparams);
+  return *this;
+}
+TrainerOptions& TrainerOptions::data_hparams(Options hparams) {
+  config_.data = std::move(hparams);
+  return *this;
+}
+TrainerOptions& TrainerOptions::log_level(std::string level) {
+  config_.log_level = std::move(level);
+  return *this;
+}
+
+}  // namespace fulgur
