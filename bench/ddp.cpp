@@ -85,9 +85,9 @@ struct BatchTimer : fulgur::Callback {
     for (const auto& p : trainer.model().parameters()) numel += p.numel();
     at::Tensor flat = torch::ones({numel});
     for (int i = 0; i < 23; ++i) {
-      trainer.strategy().barrier("bench");
+      trainer.barrier("bench");
       const auto t0 = Clock::now();
-      trainer.strategy().reduce(flat, fulgur::ReduceOp::mean);
+      trainer.reduce(flat, fulgur::ReduceOp::mean);
       if (i >= 3) allreduce_ms.push_back(std::chrono::duration<double, std::milli>(Clock::now() - t0).count());
     }
   }

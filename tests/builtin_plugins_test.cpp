@@ -9,6 +9,7 @@
 #include <fulgur/profiler.h>
 #include <fulgur/registry/registry.h>
 #include <fulgur/strategy.h>
+#include <fulgur/testing/plugin_kit.h>
 
 #include <ATen/core/Dict.h>
 #include <ATen/core/List.h>
@@ -343,9 +344,12 @@ TEST_CASE("single_device: one process, identity collectives, backward and step t
   torch::nn::Linear layer(3, 1);
   strategy->setup_module(*layer);
   CHECK((layer->weight.device() == c10::Device(c10::DeviceType::CPU)));
-  torch::optim::SGD sgd(layer->parameters(), torch::optim::SGDOptions(0.1));
-  torch::optim::Optimizer* optimizers[] = {&sgd};
+  auto sgd_owner = std::make_shared<torch::optim::SGD>(layer->parameters(), torch::optim::SGDOptions(0.1));
+  std::vector<std::shared_ptr<torch::optim::Optimizer>> optimizers{sgd_owner};
   strategy->setup_optimizers(optimizers);
+  REQUIRE(optimizers.size() == 1);
+  CHECK(optimizers[0] == sgd_owner);  // a replicated strategy keeps the optimizers as they are
+  torch::optim::SGD& sgd = *sgd_owner;
 
   const at::Tensor x = torch::tensor({{1.0f, 2.0f, 3.0f}});
   const at::Tensor before = layer->weight.detach().clone();
@@ -375,13 +379,28 @@ TEST_CASE("single_device: checkpoints go through write/read_checkpoint_file, cre
   auto strategy = create<Strategy>(PluginKind::strategy, "single_device");
   strategy->setup_environment({});
   const fs::path path = dir / "checkpoints" / "epoch=0.ckpt";
-  strategy->save_checkpoint(sample_checkpoint(), path.string());
-  c10::IValue loaded;
-  strategy->load_checkpoint(path.string(), loaded);
-  CHECK(at_key(loaded, "global_step").toInt() == 120);
+  // The parts as the Trainer hands them over: model state, optimizer states, the other keys.
+  c10::impl::GenericDict whole = sample_checkpoint();
+  c10::IValue model_state = whole.at("state_dict");
+  std::vector<c10::IValue> optimizer_states;
+  whole.erase("state_dict");
+  whole.erase("optimizer_states");
+  c10::IValue metadata(whole);
+  strategy->save_checkpoint(CheckpointParts{&model_state, &optimizer_states, &metadata}, path.string());
+  CHECK(strategy->is_checkpoint(path.string()));
+  // One Lightning-layout file on disk.
+  const c10::IValue on_disk = read_checkpoint_file(path.string());
+  CHECK(at_key(on_disk, "global_step").toInt() == 120);
+  CHECK(on_disk.toGenericDict().contains("state_dict"));
+  c10::IValue model_back, metadata_back;
+  std::vector<c10::IValue> optimizers_back;
+  strategy->load_checkpoint(path.string(), CheckpointParts{&model_back, &optimizers_back, &metadata_back});
+  CHECK(at_key(metadata_back, "global_step").toInt() == 120);
+  CHECK(model_back.isGenericDict());
   const Error e = error_from([&] {
-    c10::IValue out;
-    strategy->load_checkpoint((dir / "none.ckpt").string(), out);
+    c10::IValue m, d;
+    std::vector<c10::IValue> o;
+    strategy->load_checkpoint((dir / "none.ckpt").string(), CheckpointParts{&m, &o, &d});
   });
   CHECK(e.kind() == ErrorKind::checkpoint);
 }
@@ -675,3 +694,38 @@ TEST_CASE("simple: misuse of start/stop") {
 
 }  // namespace
 }  // namespace fulgur
+
+// The testing kit's conformance checks (fulgur/testing/plugin_kit.h), which third parties run on
+// their plugins, pass for every built-in callback, logger and strategy.
+TEST_CASE("every built-in callback, logger and strategy passes the testing kit's conformance checks") {
+  namespace kit = fulgur::testing;
+  const std::vector<std::pair<std::string, std::vector<std::pair<std::string, fulgur::OptionValue>>>> callbacks = {
+      {"model_checkpoint", {}},
+      {"early_stopping", {{"monitor", std::string("val/loss")}, {"patience", int64_t{100}}}},
+      {"progress_bar", {}},
+      {"model_summary", {}},
+      {"lr_monitor", {}},
+      {"timer", {{"duration", std::string("00:01:00:00")}}},
+      {"throughput_monitor", {}},
+      {"device_stats", {}}};
+  for (const auto& [name, overrides] : callbacks) {
+    INFO("callback " << name);
+    CHECK_NOTHROW(kit::check_callback_conformance(
+        kit::create_plugin<fulgur::Callback>(fulgur::PluginKind::callback, name, overrides)));
+  }
+  for (const char* name : {"csv", "tensorboard"}) {
+    INFO("logger " << name);
+    CHECK_NOTHROW(kit::check_logger_conformance(kit::create_plugin<fulgur::Logger>(fulgur::PluginKind::logger, name)));
+  }
+  for (const char* name : {"single_device", "ddp"}) {
+    INFO("strategy " << name);
+    CHECK_NOTHROW(
+        kit::check_strategy_conformance(kit::create_plugin<fulgur::Strategy>(fulgur::PluginKind::strategy, name)));
+  }
+  // The checks can fail: a callback that stops the run early is caught.
+  struct StopsAtOnce : fulgur::CallbackBase<StopsAtOnce> {
+    void on_train_start(fulgur::TrainerContext& trainer) override { trainer.request_stop("at once"); }
+  };
+  CHECK_THROWS_WITH_AS(kit::check_callback_conformance(std::make_shared<StopsAtOnce>()),
+                       doctest::Contains("conformance:"), std::runtime_error);
+}

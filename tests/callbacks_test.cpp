@@ -6,7 +6,7 @@
 #include <fulgur/callback.h>
 #include <fulgur/error.h>
 #include <fulgur/registry/registry.h>
-#include <fulgur/strategy.h>
+#include <fulgur/testing.h>
 #include <fulgur/trainer_context.h>
 
 #include <ATen/core/ivalue.h>
@@ -72,118 +72,9 @@ fulgur::OptionValue boolean(bool b) { return b; }
 
 // ---- a Trainer the test controls ----------------------------------------------------------------
 
-// Collectives are identities, as in a single process; the decisions asked for are recorded, and
-// a test can override the "other ranks'" answer.
-class FakeStrategy final : public fulgur::Strategy {
- public:
-  void setup_environment(const fulgur::StrategyEnvironment&) override {}
-  c10::Device root_device() const override { return c10::Device(c10::DeviceType::CPU); }
-  const fulgur::ClusterInfo& cluster() const override { return cluster_; }
-  void setup_module(torch::nn::Module&) override {}
-  void setup_optimizers(std::span<torch::optim::Optimizer* const>) override {}
-  void backward(const at::Tensor&, fulgur::Precision&, bool) override {}
-  bool optimizer_step(torch::optim::Optimizer&, fulgur::Precision&) override { return true; }
-  at::Tensor reduce(const at::Tensor& tensor, fulgur::ReduceOp) override { return tensor; }
-  std::vector<at::Tensor> all_gather(const at::Tensor& tensor) override { return {tensor}; }
-  void broadcast(at::Tensor&, int64_t) override {}
-  std::string broadcast_string(const std::string& value, int64_t) override {
-    ++broadcasts;
-    return value;
-  }
-  void barrier(std::string_view) override {}
-  bool reduce_boolean_decision(bool decision, bool all) override {
-    decisions.push_back({decision, all});
-    return forced_decision.value_or(decision);
-  }
-  int64_t data_parallel_rank() const override { return 0; }
-  int64_t data_parallel_size() const override { return 1; }
-  void save_checkpoint(const c10::IValue&, const std::string&) override { FAIL("not used by callbacks"); }
-  void load_checkpoint(const std::string&, c10::IValue&) override { FAIL("not used by callbacks"); }
-  void teardown() override {}
-
-  fulgur::ClusterInfo cluster_;
-  std::vector<std::pair<bool, bool>> decisions;  // (decision, all)
-  std::optional<bool> forced_decision;
-  int broadcasts = 0;
-};
-
-class FakeTrainer final : public fulgur::TrainerContext {
- public:
-  explicit FakeTrainer(fs::path root = {})
-      : module(torch::nn::Sequential(torch::nn::Linear(4, 3), torch::nn::ReLU(), torch::nn::Linear(3, 2)).ptr()),
-        root_(std::move(root)) {}
-
-  Stage stage() const override { return stage_; }
-  bool sanity_checking() const override { return sanity_; }
-  int64_t current_epoch() const override { return epoch; }
-  int64_t global_step() const override { return step; }
-  int64_t max_epochs() const override { return max_epochs_; }
-  int64_t max_steps() const override { return -1; }
-  int64_t num_batches(Stage s) const override {
-    auto it = batches.find(s);
-    return it == batches.end() ? -1 : it->second;
-  }
-  bool is_last_batch() const override { return false; }
-  const MetricMap& callback_metrics() const override { return metrics; }
-  const MetricMap& progress_bar_metrics() const override {
-    ++progress_bar_reads;
-    return bar_metrics;
-  }
-  bool should_stop() const override { return !stop_reasons.empty(); }
-  void request_stop(std::string_view reason) override { stop_reasons.emplace_back(reason); }
-  const std::string& default_root_dir() const override { return root_string_ = root_.string(); }
-  std::string log_dir() const override { return root_.string(); }
-
-  // Writes a small file as the core would (atomically, which does not matter here).
-  void save_checkpoint(const std::string& path, bool weights_only) override {
-    if (fail_saves) throw Error(ErrorKind::io, "disk full (simulated)");
-    fs::create_directories(fs::path(path).parent_path());
-    std::ofstream(path) << "checkpoint at step " << step;
-    saves.emplace_back(path, weights_only);
-  }
-
-  torch::nn::Module& model() override { return *module; }
-  std::vector<torch::optim::Optimizer*> optimizers() override { return {}; }
-  fulgur::Strategy& strategy() override { return strategy_; }
-  fulgur::Accelerator& accelerator() override { throw std::logic_error("callbacks do not use the accelerator"); }
-  fulgur::Precision& precision() override { throw std::logic_error("callbacks do not use the precision"); }
-  std::span<fulgur::Logger* const> loggers() override { return {}; }
-  int64_t log_every_n_steps() const override { return 50; }
-
-  // The fit loop's moments, in Lightning's order.
-  void start_fit(Callback& callback) {
-    stage_ = Stage::fit;
-    callback.setup(*this, Stage::fit);
-    callback.on_fit_start(*this);
-  }
-  // Validation at the end of an epoch, then the epoch end; `steps` optimizer steps were taken.
-  void run_epoch(Callback& callback, MetricMap logged, int64_t steps = 10) {
-    step += steps;
-    metrics = std::move(logged);
-    callback.on_validation_start(*this);
-    callback.on_validation_end(*this);
-    callback.on_train_epoch_end(*this);
-    ++epoch;
-  }
-
-  int64_t epoch = 0;
-  int64_t step = 0;
-  int64_t max_epochs_ = 3;
-  Stage stage_ = Stage::fit;
-  bool sanity_ = false;
-  bool fail_saves = false;
-  std::map<Stage, int64_t> batches{{Stage::fit, 5}, {Stage::validate, 2}};
-  MetricMap metrics;
-  MetricMap bar_metrics;
-  mutable int progress_bar_reads = 0;
-  std::vector<std::string> stop_reasons;
-  std::vector<std::pair<std::string, bool>> saves;  // (path, weights_only)
-  FakeStrategy strategy_;
-  std::shared_ptr<torch::nn::Module> module;
-
- private:
-  fs::path root_;
-  mutable std::string root_string_;
+// The testing kit's FakeTrainer, with a std::filesystem root for these tests' convenience.
+struct FakeTrainer : fulgur::testing::FakeTrainer {
+  explicit FakeTrainer(const fs::path& root = {}) : fulgur::testing::FakeTrainer(root.string()) {}
 };
 
 // ---- helpers ----------------------------------------------------------------------------------------
@@ -345,8 +236,8 @@ TEST_CASE("model_checkpoint keeps the best k by the monitor and deletes the file
   CHECK(number_at(state, "current_score") == doctest::Approx(0.3));
   CHECK(state.at("best_k_models").toGenericDict().size() == 2);
   // Ranks agree on "better than the k-th" with all = true (Lightning's default).
-  REQUIRE(!trainer.strategy_.decisions.empty());
-  CHECK(trainer.strategy_.decisions.front().second == true);
+  REQUIRE(!trainer.decisions.empty());
+  CHECK(trainer.decisions.front().second == true);
 }
 
 TEST_CASE("model_checkpoint mode = max and save_top_k = -1 keep everything, best is the highest") {
@@ -399,7 +290,7 @@ TEST_CASE("model_checkpoint resolves the default directory under log_dir, throug
   auto cb = make_callback("model_checkpoint");
   FakeTrainer trainer(dir.path());
   trainer.start_fit(*cb);
-  CHECK(trainer.strategy_.broadcasts >= 1);
+  CHECK(trainer.broadcasts >= 1);
   trainer.run_epoch(*cb, {});
   REQUIRE(trainer.saves.size() == 1);
   CHECK(trainer.saves[0].first == (dir / "checkpoints" / "epoch=0-step=10.ckpt").string());
@@ -441,13 +332,13 @@ TEST_CASE("model_checkpoint saves nothing in the sanity check or outside fit") {
   FakeTrainer trainer;
   trainer.start_fit(*cb);
   trainer.step = 5;
-  trainer.sanity_ = true;
+  trainer.sanity = true;
   cb->on_validation_end(trainer);
-  trainer.sanity_ = false;
+  trainer.sanity = false;
   CHECK(trainer.saves.empty());
 
   cb->teardown(trainer, Stage::fit);
-  trainer.stage_ = Stage::validate;
+  trainer.stage_value = Stage::validate;
   cb->setup(trainer, Stage::validate);
   cb->on_validation_end(trainer);
   CHECK(trainer.saves.empty());
@@ -610,8 +501,8 @@ TEST_CASE("early_stopping: patience counts checks without an improvement larger 
   CHECK(number_at(state, "best_score") == doctest::Approx(0.85));
   CHECK(number_at(state, "patience") == 2);
   // Any rank that wants to stop stops all (Lightning reduces with all = false).
-  REQUIRE(!trainer.strategy_.decisions.empty());
-  CHECK(trainer.strategy_.decisions.back() == std::pair<bool, bool>{true, false});
+  REQUIRE(!trainer.decisions.empty());
+  CHECK(trainer.decisions.back() == std::pair<bool, bool>{true, false});
 }
 
 TEST_CASE("early_stopping: mode = max, an improvement resets the count") {
@@ -684,9 +575,9 @@ TEST_CASE("early_stopping checks where it should: after validation, not in the s
   FakeTrainer trainer;
   cb->setup(trainer, Stage::fit);
   trainer.metrics = {{"val/loss", 1.0}};
-  trainer.sanity_ = true;
+  trainer.sanity = true;
   cb->on_validation_end(trainer);
-  trainer.sanity_ = false;
+  trainer.sanity = false;
   cb->on_train_epoch_end(trainer);  // validation runs in this fit: the epoch end is not a check
   CHECK(number_at(state_of(*cb), "best_score") == std::numeric_limits<double>::infinity());
   cb->on_validation_end(trainer);
@@ -707,11 +598,11 @@ TEST_CASE("early_stopping checks where it should: after validation, not in the s
 TEST_CASE("early_stopping stops this rank when another rank decided to") {
   auto cb = make_callback("early_stopping", {{"monitor", str("val/loss")}});
   FakeTrainer trainer;
-  trainer.strategy_.forced_decision = true;
+  trainer.forced_decision = true;
   trainer.start_fit(*cb);
   trainer.run_epoch(*cb, {{"val/loss", 0.5}});
   CHECK(trainer.should_stop());
-  CHECK(trainer.strategy_.decisions.back() == std::pair<bool, bool>{false, false});
+  CHECK(trainer.decisions.back() == std::pair<bool, bool>{false, false});
 }
 
 TEST_CASE("early_stopping state round-trips and the restored run keeps counting") {
@@ -773,16 +664,16 @@ TEST_CASE("progress_bar prints one line per evaluation stage and nothing in the 
   trainer.batches[Stage::test] = 3;
   trainer.batches[Stage::predict] = -1;  // a loader of unknown length
   std::string out = capture_stdout([&] {
-    trainer.sanity_ = true;
+    trainer.sanity = true;
     cb->on_validation_start(trainer);
     cb->on_validation_batch_end(trainer, {}, {}, 0);
     cb->on_validation_end(trainer);
-    trainer.sanity_ = false;
-    trainer.stage_ = Stage::test;
+    trainer.sanity = false;
+    trainer.stage_value = Stage::test;
     cb->on_test_start(trainer);
     for (int64_t i = 0; i < 3; ++i) cb->on_test_batch_end(trainer, {}, {}, i);
     cb->on_test_end(trainer);
-    trainer.stage_ = Stage::predict;
+    trainer.stage_value = Stage::predict;
     cb->on_predict_start(trainer);
     for (int64_t i = 0; i < 4; ++i) cb->on_predict_batch_end(trainer, at::Tensor(), {}, i);
     cb->on_predict_end(trainer);
@@ -796,8 +687,8 @@ TEST_CASE("progress_bar prints one line per evaluation stage and nothing in the 
 TEST_CASE("progress_bar prints only on rank zero") {
   auto cb = make_callback("progress_bar", {{"style", str("plain")}, {"log_interval", integer(1)}});
   FakeTrainer trainer;
-  trainer.strategy_.cluster_.global_rank = 1;
-  trainer.strategy_.cluster_.world_size = 2;
+  trainer.cluster_info.global_rank = 1;
+  trainer.cluster_info.world_size = 2;
   std::string out = capture_stdout([&] {
     cb->on_train_epoch_start(trainer);
     for (int64_t i = 0; i < 5; ++i) cb->on_train_batch_end(trainer, {}, {}, i);
@@ -810,7 +701,7 @@ TEST_CASE("progress_bar prints only on rank zero") {
 TEST_CASE("progress_bar live style redraws one line in place and ends it with a newline") {
   auto cb = make_callback("progress_bar", {{"style", str("bar")}});
   FakeTrainer trainer;
-  trainer.max_epochs_ = 10;
+  trainer.max_epochs_value = 10;
   trainer.epoch = 3;
   trainer.bar_metrics = {{"loss", 0.25}};
   std::string out = capture_stdout([&] {
@@ -890,7 +781,7 @@ TEST_CASE("model_summary max_depth lists nested modules, big counts abbreviated,
     CHECK(make_callback("model_summary", {{"max_depth", integer(0)}})->hooks() == 0);
   }
   SUBCASE("nothing on other ranks") {
-    trainer.strategy_.cluster_.global_rank = 1;
+    trainer.cluster_info.global_rank = 1;
     CHECK(capture_log([&] { cb->on_fit_start(trainer); }).empty());
   }
 }

@@ -77,7 +77,7 @@ struct FixedData : fulgur::DataModule {
 struct CollectiveCheck : fulgur::Callback {
   fulgur::HookSet hooks() const override { return static_cast<fulgur::HookSet>(fulgur::Hook::fit_start); }
   void on_fit_start(fulgur::TrainerContext& trainer) override {
-    fulgur::Strategy& s = trainer.strategy();
+    fulgur::TrainerContext& s = trainer;
     const int64_t rank = s.cluster().global_rank, world = s.cluster().world_size;
     auto expect = [&](bool ok, const std::string& what) {
       if (!ok) throw std::runtime_error(fmt::format("rank {}: collective check failed: {}", rank, what));
@@ -90,12 +90,11 @@ struct CollectiveCheck : fulgur::Callback {
     const auto gathered = s.all_gather(torch::full({1}, static_cast<double>(rank)));
     expect(static_cast<int64_t>(gathered.size()) == world, "all_gather size");
     for (int64_t r = 0; r < world; ++r) expect(gathered[r].item<double>() == r, "all_gather value");
-    at::Tensor from_last = torch::full({3}, static_cast<double>(rank));
-    s.broadcast(from_last, world - 1);
-    expect(from_last[2].item<double>() == world - 1, "broadcast");
-    expect(s.broadcast_string(rank == 0 ? "dir/from rank 0" : "other", 0) == "dir/from rank 0", "broadcast_string");
-    expect(s.reduce_boolean_decision(rank == 0, /*all=*/false), "decision any");
-    expect(s.reduce_boolean_decision(rank == 0, /*all=*/true) == (world == 1), "decision all");
+    expect(s.broadcast(rank == world - 1 ? "from the last rank" : "other", world - 1) == "from the last rank",
+           "broadcast from the last rank");
+    expect(s.broadcast(rank == 0 ? "dir/from rank 0" : "other", 0) == "dir/from rank 0", "broadcast");
+    expect(s.agree(rank == 0, /*all=*/false), "decision any");
+    expect(s.agree(rank == 0, /*all=*/true) == (world == 1), "decision all");
     s.barrier("check");
   }
 };
@@ -104,7 +103,7 @@ struct DieAtStep : fulgur::Callback {
   DieAtStep(int64_t rank, int64_t step) : rank(rank), step(step) {}
   fulgur::HookSet hooks() const override { return static_cast<fulgur::HookSet>(fulgur::Hook::train_batch_start); }
   void on_train_batch_start(fulgur::TrainerContext& t, const fulgur::Batch&, int64_t) override {
-    if (t.strategy().cluster().global_rank == rank && t.global_step() == step) raise(SIGKILL);
+    if (t.cluster().global_rank == rank && t.global_step() == step) raise(SIGKILL);
   }
   int64_t rank, step;
 };

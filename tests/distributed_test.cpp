@@ -342,7 +342,7 @@ TEST_CASE("ddp: a rendezvous port already in use is a clear error") {
 TEST_CASE("ddp: single_device under a multi-process launcher is refused") {
   auto run = run_worker(worker_config("single_device", "auto", 8, 2), {}, clean_env(), /*torchrun=*/true);
   CHECK(run->result.status != 0);
-  CHECK(contains(run->result.output, "use strategy = \"ddp\""));
+  CHECK(contains(run->result.output, "use a strategy that launches one process per device"));
 }
 
 // ---- in-process pieces ---------------------------------------------------------------------------

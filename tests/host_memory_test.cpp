@@ -23,41 +23,10 @@ using fulgur::test::contains;
 using fulgur::test::TempDir;
 namespace fs = std::filesystem;
 
-struct Run {
-  int exit_code = -1;
-  long minor_faults = 0;
-  std::string output;
-};
+using Run = fulgur::test::ProcessRun;
 
-// Runs `args` to its end with the variables in `env` set (an empty value unsets the variable) and
-// returns its exit code, its own minor page faults (wait4: this child only) and its output.
 Run run(const std::vector<std::string>& args, const std::map<std::string, std::string>& env, const fs::path& dir) {
-  const fs::path log = dir / "output.txt";
-  const pid_t pid = fork();
-  REQUIRE(pid >= 0);
-  if (pid == 0) {
-    const int fd = open(log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-    dup2(fd, 1);
-    dup2(fd, 2);
-    if (chdir(dir.c_str()) != 0) _exit(126);
-    for (const auto& [k, v] : env) v.empty() ? unsetenv(k.c_str()) : setenv(k.c_str(), v.c_str(), 1);
-    std::vector<char*> argv;
-    for (const auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));
-    argv.push_back(nullptr);
-    execv(argv[0], argv.data());
-    _exit(127);
-  }
-  int status = 0;
-  rusage ru{};
-  REQUIRE(wait4(pid, &status, 0, &ru) == pid);
-  Run r;
-  r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -WTERMSIG(status);
-  r.minor_faults = ru.ru_minflt;
-  std::ifstream in(log);
-  std::stringstream text;
-  text << in.rdbuf();
-  r.output = text.str();
-  return r;
+  return fulgur::test::run_process(args, env, dir);
 }
 
 // The caller's own malloc settings must not leak into the runs.

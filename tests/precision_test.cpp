@@ -482,13 +482,14 @@ struct StepRecorder : fulgur::Callback {
   void on_train_batch_end(TrainerContext& trainer, const StepOutput&, const Batch&, int64_t) override {
     params.push_back(snapshot(trainer.model()));
     c10::IValue state;
-    trainer.precision().state_dict(state);
+    precision->state_dict(state);  // the Trainer's plugin (fulgur::Trainer::precision())
     const c10::impl::GenericDict dict = state.toGenericDict();
     scales.push_back(dict.contains("scale") ? dict.at("scale").toDouble() : 0.0);
   }
   std::vector<std::vector<at::Tensor>> grads_seen;
   std::vector<std::vector<at::Tensor>> params;
   std::vector<double> scales;
+  fulgur::Precision* precision = nullptr;
 };
 
 struct StepRun {
@@ -520,6 +521,7 @@ gradient_clip_val = {}
   torch::manual_seed(6);
   TinyData data;
   StepRun run;
+  run.recorder->precision = &trainer.precision();
   trainer.add_callback(run.recorder);
   trainer.fit(module, data);
   run.stepped = module.stepped;

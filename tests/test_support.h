@@ -5,13 +5,19 @@
 
 #include <doctest/doctest.h>
 
+#include <fcntl.h>
 #include <ftw.h>
+#include <sys/resource.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <map>
+#include <sstream>
 #include <stdexcept>
 #include <string>
 #include <string_view>
@@ -114,6 +120,46 @@ Error error_from(F&& f) {
 }
 
 inline bool contains(std::string_view text, std::string_view part) { return text.find(part) != std::string_view::npos; }
+
+// A program run to its end: exit code (minus the signal number when a signal ended it), its own
+// minor page faults, and stdout and stderr together.
+struct ProcessRun {
+  int exit_code = -1;
+  long minor_faults = 0;
+  std::string output;
+};
+
+// Runs `args` (argv[0] a path) in `dir` with the variables in `env` set (an empty value unsets
+// one) and waits for it; the output goes through a file in `dir`, so a killed child loses none.
+inline ProcessRun run_process(const std::vector<std::string>& args, const std::map<std::string, std::string>& env,
+                              const fs::path& dir) {
+  const fs::path log = dir / "output.txt";
+  const pid_t pid = ::fork();
+  REQUIRE(pid >= 0);
+  if (pid == 0) {
+    const int fd = ::open(log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    ::dup2(fd, 1);
+    ::dup2(fd, 2);
+    if (::chdir(dir.c_str()) != 0) ::_exit(126);
+    for (const auto& [k, v] : env) v.empty() ? ::unsetenv(k.c_str()) : ::setenv(k.c_str(), v.c_str(), 1);
+    std::vector<char*> argv;
+    for (const auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));
+    argv.push_back(nullptr);
+    ::execv(argv[0], argv.data());
+    ::_exit(127);
+  }
+  int status = 0;
+  rusage ru{};
+  REQUIRE(::wait4(pid, &status, 0, &ru) == pid);
+  ProcessRun r;
+  r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -WTERMSIG(status);
+  r.minor_faults = ru.ru_minflt;
+  std::ifstream in(log);
+  std::stringstream text;
+  text << in.rdbuf();
+  r.output = text.str();
+  return r;
+}
 
 }  // namespace fulgur::test
 

@@ -65,6 +65,9 @@ cmake --build "$example_build" -j 2 >"$work/build.log" 2>&1 || fail "building th
 plugin=$example_build/libfulgur-divergence_guard.so
 [ -f "$plugin" ] || fail "the example did not produce $plugin"
 echo "ok: built $plugin against the installed SDK"
+# The example's own test: the installed testing kit (FakeTrainer, conformance checks).
+expect_output "the example's test passes with the installed testing kit" "ok: conformance" \
+  env FULGUR_LOG_LEVEL=warn "$example_build/divergence_guard_test"
 
 fulgur=$prefix/bin/fulgur
 # The TOML's [plugins] paths = ["build"] is relative to the TOML: next to the example build.

@@ -9,16 +9,25 @@
 #include <fulgur/trainer.h>
 #include <fulgur/trainer_context.h>
 
+#include <ATen/Context.h>
 #include <ATen/core/ivalue.h>
+#include <c10/core/InferenceMode.h>
 #include <doctest/doctest.h>
+#include <fcntl.h>
 #include <fmt/format.h>
+#include <fmt/ranges.h>
+#include <torch/csrc/autograd/anomaly_mode.h>
 #include <torch/nn/functional/loss.h>
 #include <torch/nn/modules/dropout.h>
 #include <torch/nn/modules/linear.h>
 #include <torch/optim/adam.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <fstream>
+#include <map>
+#include <optional>
+#include <sstream>
 
 #include "test_support.h"
 
@@ -506,12 +515,17 @@ TEST_CASE("bad checkpoints fail clearly and lose nothing") {
     fulgur::Trainer trainer(config_from(empty, keys));
     RecordingModule module(nullptr);
     SyntheticData data;
+    // fit: the first run of a job that always says "last" starts fresh (Lightning's behaviour)...
+    trainer.fit(module, data, "last");
+    CHECK(trainer.global_step() > 0);
+    // ... but evaluating "last" when there is none is an error that says so.
+    fulgur::Trainer evaluator(config_from(empty, keys));
     try {
-      trainer.fit(module, data, "last");
+      evaluator.validate(module, data, "last");
       FAIL("expected an error");
     } catch (const fulgur::Error& e) {
       CHECK(e.kind() == fulgur::ErrorKind::checkpoint);
-      CHECK(std::string(e.what()).find("last") != std::string::npos);
+      CHECK(std::string(e.what()).find("no last checkpoint is known") != std::string::npos);
     }
   }
   CHECK(fulgur::test::read_bytes(good) == good_bytes);  // nothing lost
@@ -549,4 +563,279 @@ TEST_CASE("gradient accumulation steps the optimizer once per window and logs to
   const std::string csv = fulgur::test::read_bytes(metrics);
   CHECK(csv.find("train/loss") != std::string::npos);
   CHECK(csv.find("val/acc") != std::string::npos);
+}
+
+// ---- defects found in review (issue #11), each with the test that caught it ----------------------
+
+namespace {
+
+// A loader that does not know its length (num_batches() == -1, as a stream would answer).
+struct UnknownLength : fulgur::BatchLoader {
+  explicit UnknownLength(std::unique_ptr<fulgur::BatchLoader> inner) : inner(std::move(inner)) {}
+  int64_t num_batches() const override { return -1; }
+  void start_epoch(int64_t epoch, int64_t skip) override { inner->start_epoch(epoch, skip); }
+  std::optional<fulgur::Batch> next() override { return inner->next(); }
+  void set_replica(int64_t rank, int64_t n) override { inner->set_replica(rank, n); }
+  std::unique_ptr<fulgur::BatchLoader> inner;
+};
+
+struct UnknownLengthData : SyntheticData {
+  std::unique_ptr<fulgur::BatchLoader> train_loader() override {
+    return std::make_unique<UnknownLength>(SyntheticData::train_loader());
+  }
+};
+
+// Logs the epoch it is in from on_train_epoch_end, as Lightning users do for epoch summaries.
+struct EpochEndLogger : RecordingModule {
+  EpochEndLogger() : RecordingModule(nullptr) {}
+  void on_train_epoch_end() override { log("epoch_marker", static_cast<double>(epochs_ended++)); }
+  int64_t epochs_ended = 0;
+};
+
+// metrics.csv as rows of column -> text (empty cells left out).
+std::vector<std::map<std::string, std::string>> csv_rows(const fs::path& file) {
+  std::istringstream in(fulgur::test::read_bytes(file));
+  auto split = [](const std::string& line) {
+    std::vector<std::string> cells;
+    std::string cell;
+    std::istringstream s(line);
+    while (std::getline(s, cell, ',')) cells.push_back(cell);
+    if (!line.empty() && line.back() == ',') cells.emplace_back();
+    return cells;
+  };
+  std::string line;
+  std::getline(in, line);
+  const std::vector<std::string> header = split(line);
+  std::vector<std::map<std::string, std::string>> rows;
+  while (std::getline(in, line)) {
+    const auto cells = split(line);
+    std::map<std::string, std::string> row;
+    for (size_t i = 0; i < cells.size() && i < header.size(); ++i)
+      if (!cells[i].empty()) row[header[i]] = cells[i];
+    rows.push_back(std::move(row));
+  }
+  return rows;
+}
+
+}  // namespace
+
+TEST_CASE("a training loader of unknown length trains until it is exhausted, and max_steps alone ends fit") {
+  TempDir dir;
+  {
+    fulgur::Trainer trainer(config_from(dir, "max_epochs = 2\nlogger = false\nenable_checkpointing = false"));
+    RecordingModule module(nullptr);
+    UnknownLengthData data;
+    trainer.fit(module, data);
+    CHECK(trainer.global_step() == 8);  // 64 samples / 16 per batch, twice (was 0: no batch trained)
+  }
+  {
+    // No max_epochs: max_steps must end it (it used to run forever).
+    fulgur::Trainer trainer(config_from(dir, "max_steps = 6\nlogger = false\nenable_checkpointing = false"));
+    RecordingModule module(nullptr);
+    UnknownLengthData data;
+    trainer.fit(module, data);
+    CHECK(trainer.global_step() == 6);
+  }
+}
+
+TEST_CASE("no logger row carries step -1, and values logged in on_train_epoch_end land in their own epoch") {
+  TempDir dir;
+  fulgur::Trainer trainer(config_from(dir,
+                                      "max_epochs = 3\naccumulate_grad_batches = 2\nlog_every_n_steps = 1\n"
+                                      "limit_val_batches = 1\nnum_sanity_val_steps = 0\nenable_checkpointing = false",
+                                      "[[loggers]]\nname = \"csv\"\n"));
+  EpochEndLogger module;
+  SyntheticData data;
+  trainer.fit(module, data);
+  const auto rows = csv_rows(fs::path(trainer.log_dir()) / "metrics.csv");
+  REQUIRE(!rows.empty());
+  std::vector<std::string> marker_epochs;
+  for (const auto& row : rows) {
+    REQUIRE(row.count("step") == 1);
+    CHECK(std::stoll(row.at("step")) >= 0);
+    if (row.count("epoch_marker")) {
+      REQUIRE(row.count("epoch") == 1);
+      CHECK(std::stod(row.at("epoch_marker")) == std::stod(row.at("epoch")));
+      marker_epochs.push_back(row.at("epoch"));
+    }
+  }
+  CHECK(marker_epochs.size() == 3);  // one per epoch, none late, none lost
+}
+
+// ---- every [trainer] key changes behaviour or is rejected ---------------------------------------
+
+namespace {
+
+// Records what a run did, including the global switches some keys flip, as text to compare.
+struct ProbeModule : RecordingModule {
+  explicit ProbeModule(Trace* trace) : RecordingModule(trace) {}
+  fulgur::StepOutput training_step(const fulgur::Batch& b, int64_t i) override {
+    trace->push_back(fmt::format("flags deterministic={} anomaly={}", at::globalContext().deterministicAlgorithms(),
+                                 torch::autograd::AnomalyMode::is_enabled()));
+    return RecordingModule::training_step(b, i);
+  }
+  fulgur::StepOutput validation_step(const fulgur::Batch& b, int64_t i) override {
+    trace->push_back(fmt::format("flags inference_mode={}", c10::InferenceMode::is_enabled()));
+    return RecordingModule::validation_step(b, i);
+  }
+};
+
+// Every file under `dir` (names; contents only of metrics.csv, the logged rows) as text.
+std::string files_below(const fs::path& dir) {
+  std::vector<std::string> lines;
+  for (const auto& e : fs::recursive_directory_iterator(dir)) {
+    if (!e.is_regular_file() || e.path().filename() == "run.toml" || e.path().filename() == "output.txt") continue;
+    std::string line = fs::relative(e.path(), dir).string();
+    if (e.path().filename() == "metrics.csv") line += "\n" + fulgur::test::read_bytes(e.path());
+    lines.push_back(line);
+  }
+  std::sort(lines.begin(), lines.end());
+  return fmt::format("{}", fmt::join(lines, "\n"));
+}
+
+struct Outcome {
+  std::string fingerprint;  // trace, weights, steps, metrics, files: all deterministic
+  std::string output;       // what the run printed (progress bar, model summary)
+  std::string error;        // non-empty when the Trainer refused the configuration
+};
+
+// fit, test and predict from `keys`, in a fresh directory, printing into a file.
+Outcome run_with(const std::string& keys) {
+  TempDir dir;
+  Outcome outcome;
+  Trace trace;
+  const fs::path out_file = dir / "output.txt";
+  std::fflush(stdout);
+  std::fflush(stderr);
+  const int saved_out = ::dup(1), saved_err = ::dup(2);
+  const int fd = ::open(out_file.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  ::dup2(fd, 1);
+  ::dup2(fd, 2);
+  try {
+    // default_root_dir: this directory, unless the keys move it (relative to the TOML file).
+    const std::string root = keys.find("default_root_dir") == std::string::npos
+                                 ? fmt::format("default_root_dir = \"{}\"\n", dir.path().string())
+                                 : std::string();
+    const std::string text = fmt::format("[trainer]\n{}{}\n", root, keys);
+    std::ofstream(dir / "run.toml") << text;
+    fulgur::Trainer trainer(fulgur::parse_config(text, dir / "run.toml"));
+    ProbeModule module(&trace);  // after the Trainer: its initial weights follow [trainer] seed
+    SyntheticData data;
+    trainer.fit(module, data);
+    const auto tested = trainer.test(module, data);
+    const auto predicted = trainer.predict(module, data);
+    std::string weights_text;
+    for (const auto& [name, w] : weights(module))
+      weights_text += fmt::format("{}={:.9g};", name, w.sum().item<double>());
+    outcome.fingerprint = fmt::format("{}\nweights {}\nstep {} epoch {}\ntest {}\npredicted {}\nfiles\n{}", show(trace),
+                                      weights_text, trainer.global_step(), trainer.current_epoch(),
+                                      tested.empty() ? std::string() : fmt::format("{}", tested[0]), predicted.size(),
+                                      files_below(dir.path()));
+  } catch (const std::exception& e) {
+    outcome.error = e.what();
+  }
+  std::fflush(stdout);
+  std::fflush(stderr);
+  ::dup2(saved_out, 1);
+  ::dup2(saved_err, 2);
+  ::close(saved_out);
+  ::close(saved_err);
+  ::close(fd);
+  outcome.output = fulgur::test::read_bytes(out_file);
+  return outcome;
+}
+
+struct KeyProbe {
+  const char* key;
+  std::string value;                    // TOML text, set in the probe run only
+  std::string context;                  // more [trainer] lines, set in both runs (what makes the key matter)
+  const char* rejected_with = nullptr;  // the refusal names this; else the outcome must differ
+  const char* printed = nullptr;        // and, when set, the probe's output contains this
+};
+
+}  // namespace
+
+TEST_CASE("every [trainer] key changes what a run does, or its value is rejected: none is silently ignored") {
+  // The base: 2 epochs of 4 batches, validation each epoch, CSV logger, nothing printed.
+  const std::map<std::string, std::string> base = {{"max_epochs", "2"},
+                                                   {"seed", "3"},
+                                                   {"enable_progress_bar", "false"},
+                                                   {"enable_model_summary", "false"},
+                                                   {"enable_checkpointing", "false"},
+                                                   {"num_sanity_val_steps", "1"}};
+  // [trainer] lines from the base, then `more` ("key = value" lines) on top: TOML refuses a key twice.
+  auto keys_with = [&](const std::string& more) {
+    std::map<std::string, std::string> keys = base;
+    std::istringstream lines(more);
+    for (std::string line; std::getline(lines, line);) {
+      const size_t eq = line.find(" = ");
+      if (eq != std::string::npos) keys[line.substr(0, eq)] = line.substr(eq + 3);
+    }
+    std::string text;
+    for (const auto& [k, v] : keys) text += k + " = " + v + "\n";
+    return text;
+  };
+  const std::vector<KeyProbe> probes = {
+      {"accelerator", "\"no_such_accelerator\"", "", "no_such_accelerator"},
+      {"strategy", "\"no_such_strategy\"", "", "no_such_strategy"},
+      {"precision", "\"64-true\"", ""},
+      {"devices", "\"2\"", "", "devices"},
+      {"num_nodes", "2", "", "num_nodes"},
+      {"max_epochs", "1", ""},
+      {"min_epochs", "2", "max_time = \"00:00:00:00\"\n"},
+      {"max_steps", "3", ""},
+      {"min_steps", "3", "max_time = \"00:00:00:00\"\n"},
+      {"max_time", "\"00:00:00:00\"", ""},
+      {"limit_train_batches", "2", ""},
+      {"limit_val_batches", "1", ""},
+      {"limit_test_batches", "1", ""},
+      {"limit_predict_batches", "1", ""},
+      {"overfit_batches", "1", ""},
+      {"val_check_interval", "2", ""},
+      {"check_val_every_n_epoch", "2", ""},
+      {"num_sanity_val_steps", "0", ""},
+      {"log_every_n_steps", "1", ""},
+      {"accumulate_grad_batches", "2", ""},
+      {"gradient_clip_val", "0.001", ""},
+      {"gradient_clip_algorithm", "\"value\"", "gradient_clip_val = 0.001\n"},
+      {"deterministic", "true", ""},
+      {"seed", "4", ""},
+      {"fast_dev_run", "1", ""},
+      {"default_root_dir", "\"elsewhere\"", ""},
+      {"enable_checkpointing", "true", ""},
+      {"enable_progress_bar", "true", "", nullptr, "Epoch 0"},
+      {"enable_model_summary", "true", "", nullptr, "Total params"},
+      {"inference_mode", "false", ""},
+      {"detect_anomaly", "true", ""},
+      {"logger", "false", ""},
+      {"barebones", "true", ""},
+      {"ckpt_path", "\"no/such/file.ckpt\"", "", "no/such/file.ckpt"},
+  };
+  // The walk: a key added to the schema without a probe here fails this test.
+  for (const fulgur::OptionSchema& schema : fulgur::trainer_option_schema()) {
+    const auto probe =
+        std::find_if(probes.begin(), probes.end(), [&](const KeyProbe& p) { return schema.key == p.key; });
+    CHECK_MESSAGE(probe != probes.end(), "[trainer] " << std::string(schema.key) << " has no probe in this test");
+  }
+  CHECK(probes.size() == fulgur::trainer_option_schema().size());
+
+  const Outcome baseline = run_with(keys_with(""));
+  REQUIRE_MESSAGE(baseline.error.empty(), baseline.error);
+  REQUIRE(run_with(keys_with("")).fingerprint == baseline.fingerprint);  // the comparison means something
+  for (const KeyProbe& probe : probes) {
+    INFO("[trainer] " << std::string(probe.key) << " = " << probe.value);
+    const Outcome reference = probe.context.empty() ? baseline : run_with(keys_with(probe.context));
+    const Outcome changed = run_with(keys_with(probe.context + probe.key + " = " + probe.value + "\n"));
+    if (probe.rejected_with) {
+      CHECK_MESSAGE(!changed.error.empty(), "accepted");
+      FULGUR_CHECK_CONTAINS(changed.error, probe.rejected_with);
+      continue;
+    }
+    REQUIRE_MESSAGE(reference.error.empty(), reference.error);
+    REQUIRE_MESSAGE(changed.error.empty(), changed.error);
+    const bool differs =
+        changed.fingerprint != reference.fingerprint || (probe.printed && changed.output != reference.output);
+    CHECK_MESSAGE(differs, "the run did the same with and without it");
+    if (probe.printed) FULGUR_CHECK_CONTAINS(changed.output, probe.printed);
+  }
 }

@@ -218,7 +218,7 @@ int check_config(const Args& args) {
   if (args.positional.size() != 3) throw Error(ErrorKind::invalid_argument, kUsage);
   Config config = load_config(args.positional[2]);
   auto registry = make_registry(config);
-  validate_plugins(config, *registry);
+  check_config_values(config, *registry);  // structure, schemas and every value, without training
   for (PluginSelection* sel : config.selections()) {
     std::vector<std::string> opts;
     for (const auto& [k, v] : sel->options.values()) opts.push_back(fmt::format("{} = {}", k, format_option_value(v)));

@@ -78,7 +78,6 @@ c10::IValue require_key(const c10::impl::GenericDict& d, const std::string& key,
   return *v;
 }
 
-
 at::Tensor cpu_rng_state() {
   auto gen = at::detail::getDefaultCPUGenerator();
   std::lock_guard<std::mutex> lock(gen.mutex());
@@ -188,18 +187,21 @@ std::string Trainer::Impl::resolve_checkpoint_path(const std::string& ckpt_path,
     }
     if (!path.empty()) return path;
   }
-  const std::string where = looked.empty() ? std::string("no callback provides checkpoints (add model_checkpoint)")
-                                           : fmt::format("asked {}", fmt::join(looked, "; "));
+  const std::string where =
+      looked.empty() ? std::string("no callback provides checkpoints (add a checkpoint callback under [[callbacks]])")
+                     : fmt::format("asked {}", fmt::join(looked, "; "));
   if (ckpt_path == "last" && stage == Stage::fit) {
     // Lightning's behaviour: the first run of a config that always says "last" starts fresh.
     spdlog::warn("ckpt_path = \"last\": no last checkpoint exists yet ({}); training starts from scratch", where);
     return {};
   }
-  throw Error(ErrorKind::checkpoint,
-              fmt::format("ckpt_path = \"{}\": no {} checkpoint is known ({}); {}", ckpt_path, ckpt_path, where,
-                          ckpt_path == "best" ? "it needs a checkpoint callback with a monitor that has saved; pass a "
-                                                "checkpoint path instead"
-                                              : "enable save_last in model_checkpoint or pass a checkpoint path"));
+  throw Error(
+      ErrorKind::checkpoint,
+      fmt::format("ckpt_path = \"{}\": no {} checkpoint is known ({}); {}", ckpt_path, ckpt_path, where,
+                  ckpt_path == "best"
+                      ? "it needs a checkpoint callback with a monitor that has saved; pass a "
+                        "checkpoint path instead"
+                      : "let the checkpoint callback keep a last checkpoint (save_last) or pass a checkpoint path"));
 }
 
 Trainer::Impl::ReadCheckpoint Trainer::Impl::read_checkpoint(const std::string& path, bool with_optimizer_states) {
@@ -243,8 +245,8 @@ void Trainer::Impl::restore_training_state(const ReadCheckpoint& checkpoint) {
   const char* weights_only_hint =
       "it was saved with weights only; resume needs a full checkpoint (save_weights_only = false)";
   if (checkpoint.optimizer_states.empty() && !optimizer_ptrs_.empty())
-    throw Error(ErrorKind::checkpoint, fmt::format("checkpoint {}: key 'optimizer_states' is missing; {}", path,
-                                                   weights_only_hint));
+    throw Error(ErrorKind::checkpoint,
+                fmt::format("checkpoint {}: key 'optimizer_states' is missing; {}", path, weights_only_hint));
   if (checkpoint.optimizer_states.size() != optimizer_ptrs_.size())
     throw Error(ErrorKind::checkpoint, fmt::format("checkpoint {}: {} optimizer states for {} optimizers", path,
                                                    checkpoint.optimizer_states.size(), optimizer_ptrs_.size()));

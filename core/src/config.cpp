@@ -1,5 +1,6 @@
 // TOML configuration: structure checks at load time, plugin option checks against the schemas
 // read from the plugins' metadata (no plugin code runs before the whole config is known good).
+#include <fulgur/builtin_plugins.h>
 #include <fulgur/config.h>
 #include <fulgur/error.h>
 #include <fulgur/registry/registry.h>
@@ -29,19 +30,28 @@ std::vector<PluginSelection*> Config::selections() {
   return out;
 }
 
+namespace {
+// The default of a [trainer] key that names a plugin, as TOML text, from the build's list.
+std::string plugin_default(std::string_view key) {
+  for (const builtin::TrainerDefault& d : builtin::kTrainerDefaults)
+    if (d.key == key) return fmt::format("\"{}\"", d.name);
+  return "\"\"";
+}
+}  // namespace
+
 const std::vector<OptionSchema>& trainer_option_schema() {
   static const std::vector<OptionSchema> schema = [] {
     struct Row {
       const char* key;
       OptionType type;
-      const char* default_text;
+      std::string default_text;
       const char* help;
     };
     using T = OptionType;
     const Row rows[] = {
-        {"accelerator", T::string, "\"cpu\"", "Accelerator plugin by name (cpu, cuda, ...)"},
-        {"strategy", T::string, "\"single_device\"", "Strategy plugin by name (single_device, ddp, ...)"},
-        {"precision", T::string, "\"32-true\"", "Precision plugin by name (32-true, bf16-mixed, ...)"},
+        {"accelerator", T::string, plugin_default("accelerator"), "Accelerator plugin by name (fulgur plugins list)"},
+        {"strategy", T::string, plugin_default("strategy"), "Strategy plugin by name (fulgur plugins list)"},
+        {"precision", T::string, plugin_default("precision"), "Precision plugin by name (fulgur plugins list)"},
         {"devices", T::string, "\"auto\"", "Devices per node: a count, \"auto\", -1 (all) or \"0,1\""},
         {"num_nodes", T::integer, "1", "Number of nodes"},
         {"max_epochs", T::integer, "-1", "Stop after this many epochs (-1: 1000 unless max_steps is set)"},
@@ -66,12 +76,13 @@ const std::vector<OptionSchema>& trainer_option_schema() {
         {"seed", T::integer, "-1", "Seed for torch and data order (-1: not seeded)"},
         {"fast_dev_run", T::integer, "0", "Run N batches of each stage once, without loggers/checkpoints (0: off)"},
         {"default_root_dir", T::string, "\".\"", "Where logs and checkpoints go (relative to the TOML file)"},
-        {"enable_checkpointing", T::boolean, "true", "Add a model_checkpoint callback if none is configured"},
-        {"enable_progress_bar", T::boolean, "true", "Add a progress_bar callback if none is configured"},
-        {"enable_model_summary", T::boolean, "true", "Add a model_summary callback if none is configured"},
+        {"enable_checkpointing", T::boolean, "true",
+         "Add the default checkpoint callback if no checkpoint callback is configured"},
+        {"enable_progress_bar", T::boolean, "true", "Add the default progress bar callback if none is configured"},
+        {"enable_model_summary", T::boolean, "true", "Add the default model summary callback if none is configured"},
         {"inference_mode", T::boolean, "true", "Evaluate under inference mode (else no_grad)"},
         {"detect_anomaly", T::boolean, "false", "Enable autograd anomaly detection"},
-        {"logger", T::boolean, "true", "Use the csv logger when no [[loggers]] are configured"},
+        {"logger", T::boolean, "true", "Use the default logger when no [[loggers]] are configured"},
         {"barebones", T::boolean, "false", "Disable every feature that costs time: loggers, callbacks, profiler"},
         {"ckpt_path", T::string, "\"\"", "Checkpoint to resume fit from: a path, \"last\" or \"best\""},
     };

@@ -26,8 +26,8 @@ std::string describe(const PluginIdentity& who) {
 }  // namespace
 
 void rethrow_attributed(const PluginIdentity& who, std::string_view hook, const RunPosition& where) {
-  const std::string place = fmt::format("{} failed in {} at epoch {}, global step {}", describe(who), hook,
-                                        where.epoch, where.global_step);
+  const std::string place =
+      fmt::format("{} failed in {} at epoch {}, global step {}", describe(who), hook, where.epoch, where.global_step);
   try {
     throw;
   } catch (const AttributedError&) {
@@ -39,8 +39,7 @@ void rethrow_attributed(const PluginIdentity& who, std::string_view hook, const 
   } catch (const std::exception& e) {
     throw AttributedError(ErrorKind::runtime, fmt::format("{}: {}", place, e.what()));
   } catch (...) {
-    throw AttributedError(ErrorKind::runtime,
-                          fmt::format("{}: an exception not derived from std::exception", place));
+    throw AttributedError(ErrorKind::runtime, fmt::format("{}: an exception not derived from std::exception", place));
   }
 }
 
@@ -56,9 +55,8 @@ void HookDispatcher::add(std::shared_ptr<Callback> callback, PluginIdentity iden
   if (has_role(slot.roles, CallbackRole::checkpoint)) {
     slots_.push_back(std::move(slot));
   } else {
-    auto first_checkpoint = std::find_if(slots_.begin(), slots_.end(), [](const Slot& s) {
-      return has_role(s.roles, CallbackRole::checkpoint);
-    });
+    auto first_checkpoint = std::find_if(slots_.begin(), slots_.end(),
+                                         [](const Slot& s) { return has_role(s.roles, CallbackRole::checkpoint); });
     slots_.insert(first_checkpoint, std::move(slot));
   }
   reindex();

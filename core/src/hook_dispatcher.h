@@ -12,8 +12,8 @@
 #include <array>
 #include <bit>
 #include <deque>
-#include <functional>
 #include <exception>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>

@@ -70,7 +70,8 @@ class EvalMode {
 
 Batch Trainer::Impl::transfer(Batch batch) {
   ProfileScope scope(plugins_.profiler.get(), "transfer_batch_to_device");
-  batch = hooks_.module("on_before_batch_transfer", [&] { return module_->on_before_batch_transfer(std::move(batch)); });
+  batch =
+      hooks_.module("on_before_batch_transfer", [&] { return module_->on_before_batch_transfer(std::move(batch)); });
   batch = hooks_.module("transfer_batch_to_device", [&] {
     return module_->transfer_batch_to_device(std::move(batch), plugins_.strategy->root_device());
   });
@@ -80,7 +81,7 @@ Batch Trainer::Impl::transfer(Batch batch) {
 }
 
 bool Trainer::Impl::time_exceeded() const {
-  if (max_time_seconds_ <= 0) return false;
+  if (max_time_seconds_ < 0) return false;  // no max_time
   const double elapsed = elapsed_before_resume_ +
                          std::chrono::duration<double>(std::chrono::steady_clock::now() - fit_start_time_).count();
   // Each rank has its own clock: ranks must leave the loop at the same batch, or they would wait
@@ -93,9 +94,11 @@ bool Trainer::Impl::time_exceeded() const {
 bool Trainer::Impl::fit_done() const {
   if (max_steps_ >= 0 && pos_.global_step >= max_steps_) return true;
   if (max_epochs_ >= 0 && pos_.epoch >= max_epochs_) return true;
-  if (time_exceeded()) return true;
-  // should_stop is honoured once min_epochs and min_steps are met (Lightning).
-  return should_stop_ && pos_.epoch >= min_epochs_ && pos_.global_step >= min_steps_;
+  // A requested stop, and max_time (Lightning's Timer requests one), are honoured once min_epochs
+  // and min_steps are met.
+  if (pos_.epoch < min_epochs_ || pos_.global_step < min_steps_) return false;
+  const bool out_of_time = time_exceeded();  // a collective with several ranks: always asked
+  return should_stop_ || out_of_time;
 }
 
 void Trainer::Impl::send_row(MetricMap row, int64_t step) {
@@ -348,6 +351,7 @@ void Trainer::Impl::run_train_batch(Batch& batch, int64_t batch_idx) {
   batch = transfer(std::move(batch));
   binding_.batch_size = batch.size();
   LogContext log(binding_, &train_metrics_, /*training=*/true, /*allowed=*/true);
+  in_train_batch_ = true;
   hooks_.call(Hook::train_batch_start, [&](Callback& c) { c.on_train_batch_start(*this, batch, batch_idx); });
   hooks_.module("on_train_batch_start", [&] { module_->on_train_batch_start(batch, batch_idx); });
   // Gradient accumulation: only the last micro-step of a window synchronizes (DDP's no_sync).
@@ -397,6 +401,7 @@ void Trainer::Impl::run_train_batch(Batch& batch, int64_t batch_idx) {
   batches_done_in_epoch_ = batch_idx + 1;  // what a checkpoint written from the hooks below records
   hooks_.call(Hook::train_batch_end, [&](Callback& c) { c.on_train_batch_end(*this, output, batch, batch_idx); });
   hooks_.module("on_train_batch_end", [&] { module_->on_train_batch_end(output, batch, batch_idx); });
+  in_train_batch_ = false;
   if (step_row_due_ || should_stop_) send_step_row();
   step_row_due_ = false;
 }
@@ -495,7 +500,8 @@ std::vector<at::Tensor> Trainer::Impl::predict(Module& module, DataModule& data,
   std::vector<at::Tensor> predictions;
   run_stage(Stage::predict, module, data, [&] {
     if (!ckpt_path.empty()) {
-      restore_model(read_checkpoint(resolve_checkpoint_path(ckpt_path, Stage::predict), /*with_optimizer_states=*/false));
+      restore_model(
+          read_checkpoint(resolve_checkpoint_path(ckpt_path, Stage::predict), /*with_optimizer_states=*/false));
     }
     std::unique_ptr<BatchLoader> loader = data.predict_loader();
     if (!loader) throw Error(ErrorKind::invalid_argument, "the DataModule returned no predict_loader()");

@@ -91,7 +91,16 @@ PluginSet connect_plugins(Config& config, bool fast_dev_run) {
     for (const auto& sel : config.callbacks) configured |= sel.name == name;
     if (configured) continue;
     const Options defaults = default_options(registry.resolve(PluginKind::callback, name).metadata);
-    set.callbacks.push_back({create_callback(registry, name, defaults), identity_of(registry, PluginKind::callback, name)});
+    auto callback = create_callback(registry, name, defaults);
+    // A configured checkpoint callback (any plugin with that role) replaces the default one, as a
+    // ModelCheckpoint in Lightning's callbacks list does.
+    if (has_role(callback->roles(), CallbackRole::checkpoint)) {
+      bool has_checkpointing = false;
+      for (const auto& slot : set.callbacks)
+        has_checkpointing |= has_role(slot.callback->roles(), CallbackRole::checkpoint);
+      if (has_checkpointing) continue;
+    }
+    set.callbacks.push_back({std::move(callback), identity_of(registry, PluginKind::callback, name)});
   }
   return set;
 }

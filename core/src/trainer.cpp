@@ -132,7 +132,7 @@ Trainer::Impl::Impl(Config config) : config_(std::move(config)) {
   min_epochs_ = t.get_int("min_epochs");
   min_steps_ = t.get_int("min_steps");
   if (max_epochs_ < 0 && max_steps_ < 0) max_epochs_ = 1000;  // Lightning's default
-  max_time_seconds_ = parse_max_time(t.get_string("max_time"));
+  max_time_seconds_ = t.get_string("max_time").empty() ? -1.0 : parse_max_time(t.get_string("max_time"));
   check_val_every_n_epoch_ = t.get_int("check_val_every_n_epoch");
   num_sanity_val_steps_ = t.get_int("num_sanity_val_steps");
   log_every_n_steps_ = t.get_int("log_every_n_steps");
@@ -141,7 +141,8 @@ Trainer::Impl::Impl(Config config) : config_(std::move(config)) {
   clip_val_ = t.get_float("gradient_clip_val");
   inference_mode_ = t.get_bool("inference_mode");
   detect_anomaly_ = t.get_bool("detect_anomaly");
-  clip_algorithm_ = t.get_string("gradient_clip_algorithm") == "norm" ? GradClipAlgorithm::norm : GradClipAlgorithm::value;
+  clip_algorithm_ =
+      t.get_string("gradient_clip_algorithm") == "norm" ? GradClipAlgorithm::norm : GradClipAlgorithm::value;
   if (fast_dev_run_ > 0) {
     max_epochs_ = 1;
     max_steps_ = fast_dev_run_;
@@ -206,16 +207,18 @@ void Trainer::Impl::log_metrics(const MetricMap& metrics, std::string_view owner
   if (loggers_.empty())
     throw Error(ErrorKind::config,
                 fmt::format("{}: the Trainer has no logger, so there is nowhere to write its values; add a "
-                            "[[loggers]] table (e.g. name = \"csv\" or \"tensorboard\") or remove the callback",
+                            "[[loggers]] table (`fulgur plugins list` shows the loggers) or remove the callback",
                             owner));
   if (metrics.empty() || global_rank() != 0) return;
-  const bool in_training_batch = stage_ == Stage::fit && !sanity_checking_ && !in_epoch_end_phase_ && train_loader_;
-  if (in_training_batch) {
+  if (in_train_batch_) {
     // Joins the Trainer's own row for this step (sent at the end of the batch when due).
     for (const auto& [k, v] : metrics) pending_row_[k] = v;
     return;
   }
-  send_row(metrics, std::max<int64_t>(0, pos_.global_step - 1));
+  // Outside a batch, Lightning's step: the steps taken so far, or at an epoch's end the epoch's
+  // last step (where its epoch-level row goes).
+  const int64_t step = in_epoch_end_phase_ ? pos_.global_step - 1 : pos_.global_step;
+  send_row(metrics, std::max<int64_t>(0, step));
 }
 
 const ClusterInfo& Trainer::Impl::cluster() const {
@@ -229,6 +232,20 @@ c10::Device Trainer::Impl::device() const {
 
 std::string Trainer::Impl::broadcast(const std::string& value, int64_t src) {
   return environment_ready_ ? plugins_.strategy->broadcast_string(value, src) : value;
+}
+
+at::Tensor Trainer::Impl::reduce(const at::Tensor& tensor, ReduceOp op) {
+  if (!environment_ready_ || plugins_.strategy->cluster().world_size <= 1) return tensor.detach().clone();
+  return plugins_.strategy->reduce(tensor, op);
+}
+
+std::vector<at::Tensor> Trainer::Impl::all_gather(const at::Tensor& tensor) {
+  if (!environment_ready_) return {tensor.detach().clone()};
+  return plugins_.strategy->all_gather(tensor);
+}
+
+void Trainer::Impl::barrier(std::string_view name) {
+  if (environment_ready_) plugins_.strategy->barrier(name);
 }
 
 bool Trainer::Impl::agree(bool decision, bool all) {
@@ -315,7 +332,7 @@ StrategyEnvironment Trainer::Impl::make_strategy_environment() {
   if (!multi_process && cluster.info.world_size > 1)
     throw Error(ErrorKind::config,
                 fmt::format("{} started {} processes, but strategy '{}' runs a single one, so each would train "
-                            "alone; use strategy = \"ddp\"",
+                            "alone; use a strategy that launches one process per device (`fulgur plugins list`)",
                             to_string(cluster.kind), cluster.info.world_size, config_.strategy.name));
   env.cluster = cluster.info;
 

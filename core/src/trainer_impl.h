@@ -76,6 +76,9 @@ class Trainer::Impl final : public TrainerContext {
   c10::Device device() const override;
   std::string broadcast(const std::string& value, int64_t src) override;
   bool agree(bool decision, bool all) override;
+  at::Tensor reduce(const at::Tensor& tensor, ReduceOp op) override;
+  std::vector<at::Tensor> all_gather(const at::Tensor& tensor) override;
+  void barrier(std::string_view name) override;
   void synchronize_device() override;
   MetricMap device_stats() const override;
   bool should_stop() const override { return should_stop_; }
@@ -163,7 +166,7 @@ class Trainer::Impl final : public TrainerContext {
   // Settings resolved from [trainer].
   std::string root_dir_;
   int64_t max_epochs_ = -1, max_steps_ = -1, min_epochs_ = 0, min_steps_ = 0;
-  double max_time_seconds_ = 0;
+  double max_time_seconds_ = -1;  // -1: no limit (""); "00:00:00:00" stops at the first check
   int64_t check_val_every_n_epoch_ = 1, num_sanity_val_steps_ = 2, log_every_n_steps_ = 50;
   int64_t accumulate_ = 1, fast_dev_run_ = 0;
   double clip_val_ = 0;
@@ -182,6 +185,7 @@ class Trainer::Impl final : public TrainerContext {
   int64_t batches_done_in_epoch_ = 0;  // for mid-epoch resume
   int64_t resume_skip_batches_ = 0;
   bool is_last_batch_ = false;
+  bool in_train_batch_ = false;      // between a training batch's start and its row
   bool in_epoch_end_phase_ = false;  // the epoch's batches are done; epoch-end work is running
   bool step_row_due_ = false;        // the current training batch's metrics go to the loggers
   int64_t row_step_ = 0;             // the step that row carries

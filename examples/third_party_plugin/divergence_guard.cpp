@@ -4,15 +4,13 @@
 
 namespace {
 
-class DivergenceGuard final : public fulgur::Callback {
+// CallbackBase<T> reads the hooks from the overrides: the Trainer calls only on_train_epoch_end.
+class DivergenceGuard final : public fulgur::CallbackBase<DivergenceGuard> {
  public:
   explicit DivergenceGuard(const fulgur::Options& options)
       : monitor_(options.get_string("monitor")), limit_(options.get_float("limit")) {
     if (!(limit_ > 0)) throw fulgur::Error(fulgur::ErrorKind::config, "divergence_guard: limit must be positive");
   }
-
-  // The Trainer calls only the hooks listed here; the others cost nothing.
-  fulgur::HookSet hooks() const override { return static_cast<fulgur::HookSet>(fulgur::Hook::train_epoch_end); }
 
   void on_train_epoch_end(fulgur::TrainerContext& trainer) override {
     const auto& metrics = trainer.callback_metrics();

@@ -1,6 +1,6 @@
 // Discovery (metadata only), checks, selection and loading of plugin libraries.
-#include <fulgur/host.h>
 #include <fulgur/builtin_plugins.h>
+#include <fulgur/host.h>
 #include <fulgur/registry/registry.h>
 #include <fulgur/registry/verdicts.h>
 

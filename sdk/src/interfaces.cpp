@@ -3,13 +3,13 @@
 #include <fulgur/accelerator.h>
 #include <fulgur/callback.h>
 #include <fulgur/communicator.h>
+#include <fulgur/log.h>
 #include <fulgur/logger.h>
+#include <fulgur/options.h>
 #include <fulgur/precision.h>
 #include <fulgur/profiler.h>
 #include <fulgur/strategy.h>
 #include <fulgur/trainer_context.h>
-#include <fulgur/log.h>
-#include <fulgur/options.h>
 
 namespace fulgur {
 

@@ -206,9 +206,9 @@ void load_module_state_dict(torch::nn::Module& module, const c10::IValue& state,
     if (saved.find(name) == saved.end()) missing.push_back(name);
   for (const auto& entry : saved) {
     if (!entry.key().isString() || !entry.value().isTensor())
-      throw Error(ErrorKind::checkpoint,
-                  fmt::format("checkpoint {}: the model state holds a non-tensor entry; the file is not a state dict",
-                              origin));
+      throw Error(
+          ErrorKind::checkpoint,
+          fmt::format("checkpoint {}: the model state holds a non-tensor entry; the file is not a state dict", origin));
     const std::string name = entry.key().toStringRef();
     auto it = targets.find(name);
     if (it == targets.end()) {

@@ -122,7 +122,7 @@ class ReducerGradientSync final : public GradientSync {
       if (message.find("Expected to have finished reduction") == std::string::npos) throw;
       const std::string unused = unused_parameter_names(message, names_);
       throw Error(ErrorKind::config,
-                  fmt::format("strategy 'ddp': {} got no gradient in the previous step on rank {}, so their "
+                  fmt::format("gradient sync: {} got no gradient in the previous step on rank {}, so their "
                               "all-reduce never finished; use every parameter in the loss, freeze them "
                               "(requires_grad = false), or set find_unused_parameters = true under [strategy]",
                               unused.empty() ? "some parameters" : "parameters " + unused, rank_));

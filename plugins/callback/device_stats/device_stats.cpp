@@ -59,26 +59,26 @@ class DeviceStatsMonitor final : public fulgur::Callback {
   }
 
   void on_train_batch_start(fulgur::TrainerContext& trainer, const fulgur::Batch&, int64_t) override {
-    if (monitor::due_at_batch_start(trainer))
-      log(trainer, "on_train_batch_start", monitor::step_at_batch_start(trainer));
+    if (trainer.step_logging_due()) log(trainer, "on_train_batch_start");
   }
 
   void on_train_batch_end(fulgur::TrainerContext& trainer, const fulgur::StepOutput&, const fulgur::Batch&,
                           int64_t) override {
-    if (monitor::due_at_batch_end(trainer)) log(trainer, "on_train_batch_end", monitor::step_at_batch_end(trainer));
+    if (trainer.step_logging_due()) log(trainer, "on_train_batch_end");
   }
 
  private:
-  void log(fulgur::TrainerContext& trainer, const char* hook, int64_t step) {
-    const c10::Device device = trainer.strategy().root_device();
-    fulgur::MetricMap stats = trainer.accelerator().device_stats(device);
+  // Both readings of a batch go to the Trainer's row for that batch's step.
+  void log(fulgur::TrainerContext& trainer, const char* hook) {
+    const c10::Device device = trainer.device();
+    fulgur::MetricMap stats = trainer.device_stats();
 #if FULGUR_DEVICE_STATS_CUDA
     if (device.is_cuda()) cuda_stats(device, stats);
 #endif
     if (cpu_stats_) sampler_.sample(stats);
     fulgur::MetricMap named;
     for (const auto& [key, value] : stats) named[fmt::format("DeviceStatsMonitor.{}/{}", hook, key)] = value;
-    monitor::log_to_loggers(trainer, named, step);
+    trainer.log_metrics(named, kOwner);
   }
 
   bool cpu_stats_;

@@ -55,6 +55,10 @@ class EarlyStopping final : public fulgur::Callback {
   fulgur::HookSet hooks() const override {
     return fulgur::Hook::setup | fulgur::Hook::teardown | fulgur::Hook::train_epoch_end | fulgur::Hook::validation_end;
   }
+  // A monitor: its epoch-end check sees the values the Module logs in on_train_epoch_end.
+  fulgur::CallbackRoles roles() const override {
+    return static_cast<fulgur::CallbackRoles>(fulgur::CallbackRole::monitor);
+  }
 
   void setup(fulgur::TrainerContext&, fulgur::Stage stage) override { fitting_ = stage == fulgur::Stage::fit; }
   void teardown(fulgur::TrainerContext&, fulgur::Stage) override { fitting_ = false; }
@@ -113,7 +117,7 @@ class EarlyStopping final : public fulgur::Callback {
     bool stop = evaluate(found->second, reason);
     // Stop every process if any one decides to (Lightning reduces with all=False): the ranks
     // must leave the loop together, and an unsynced metric may differ between them.
-    bool stop_everywhere = trainer.strategy().reduce_boolean_decision(stop, /*all=*/false);
+    bool stop_everywhere = trainer.agree(stop, /*all=*/false);
     if (!stop_everywhere) {
       if (verbose_ && !reason.empty()) log(trainer, reason);
       return;
@@ -172,7 +176,7 @@ class EarlyStopping final : public fulgur::Callback {
   }
 
   void log(fulgur::TrainerContext& trainer, const std::string& message) const {
-    const auto& cluster = trainer.strategy().cluster();
+    const auto& cluster = trainer.cluster();
     if (cluster.world_size <= 1) {
       spdlog::info("{}", message);
     } else if (!log_rank_zero_only_ || cluster.global_rank == 0) {

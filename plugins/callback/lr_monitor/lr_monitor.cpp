@@ -93,16 +93,17 @@ class LearningRateMonitor final : public fulgur::Callback {
   }
 
   void on_train_epoch_start(fulgur::TrainerContext& trainer) override {
-    if (interval_ == "epoch") log(trainer, monitor::step_at_batch_start(trainer));
+    if (interval_ == "epoch") log(trainer);
   }
 
   void on_train_batch_start(fulgur::TrainerContext& trainer, const fulgur::Batch&, int64_t) override {
-    if (interval_ == "step" && monitor::due_at_batch_start(trainer))
-      log(trainer, monitor::step_at_batch_start(trainer));
+    if (interval_ == "step" && trainer.step_logging_due()) log(trainer);
   }
 
  private:
-  void log(fulgur::TrainerContext& trainer, int64_t step) {
+  // At an epoch's start the row goes out at the steps taken so far; within a batch it joins the
+  // Trainer's row for that batch (the learning rate the step will use).
+  void log(fulgur::TrainerContext& trainer) {
     stats_.clear();
     const std::vector<optim::Optimizer*> optimizers = trainer.optimizers();
     for (size_t i = 0; i < optimizers.size() && i < names_.size(); ++i) {
@@ -116,7 +117,7 @@ class LearningRateMonitor final : public fulgur::Callback {
           if (auto wd = weight_decay_of(o)) stats_[name + "-weight_decay"] = *wd;
       }
     }
-    monitor::log_to_loggers(trainer, stats_, step);
+    trainer.log_metrics(stats_, kOwner);
   }
 
   std::string interval_;

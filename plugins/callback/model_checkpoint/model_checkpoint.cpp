@@ -1,7 +1,8 @@
 // Built-in callback `model_checkpoint`: Lightning's ModelCheckpoint. Saves at epoch ends (after
 // validation) or every N optimizer steps, keeps the best `save_top_k` files by a monitored metric
 // and deletes the ones that fall out, optionally keeps `last.ckpt`, and records best/last paths in
-// its state so that ckpt_path = "best" / "last" resolve after a resume.
+// its state. It is the Trainer's checkpoint provider: ckpt_path = "best" / "last" ask it, and a new
+// process finds the newest last*.ckpt where it saves.
 #include <fulgur/plugin.h>
 
 #include "../common/callback_support.h"
@@ -229,7 +230,43 @@ struct LoadedState {
 
 enum class Trigger { train_step, train_epoch_end, validation_end };
 
-class ModelCheckpoint final : public fulgur::Callback {
+// The newest regular file named last*.ckpt directly in `directory`, or, with `checkpoints_below`,
+// in any directory named "checkpoints" below it (where <log_dir>/checkpoints lands for every
+// logger version). Empty when there is none. POSIX only, as above.
+std::string newest_last_checkpoint(const std::string& directory, bool checkpoints_below) {
+  struct Search {
+    std::string newest;
+    struct timespec newest_time {};
+    bool checkpoints_below = false;
+    std::string top;
+  };
+  static thread_local Search search;
+  search = Search{};
+  search.checkpoints_below = checkpoints_below;
+  search.top = directory;
+  ::nftw(
+      directory.c_str(),
+      [](const char* file, const struct stat* info, int type, FTW* ftw) {
+        if (type != FTW_F) return 0;
+        const std::string path(file);
+        const std::string name = path.substr(static_cast<size_t>(ftw->base));
+        if (!name.starts_with(kLastFilename) || !name.ends_with(kExtension)) return 0;
+        const std::string parent = fs::path(path).parent_path().string();
+        const bool wanted = search.checkpoints_below ? fs::path(parent).filename() == "checkpoints" : ftw->level == 1;
+        if (!wanted) return 0;
+        const struct timespec t = info->st_mtim;
+        const struct timespec& n = search.newest_time;
+        if (search.newest.empty() || t.tv_sec > n.tv_sec || (t.tv_sec == n.tv_sec && t.tv_nsec > n.tv_nsec)) {
+          search.newest = path;
+          search.newest_time = t;
+        }
+        return 0;
+      },
+      16, FTW_PHYS);
+  return search.newest;
+}
+
+class ModelCheckpoint final : public fulgur::Callback, public fulgur::CheckpointProvider {
  public:
   explicit ModelCheckpoint(const fulgur::Options& options)
       : dirpath_option_(options.get_string("dirpath")),
@@ -259,6 +296,38 @@ class ModelCheckpoint final : public fulgur::Callback {
     return set;
   }
 
+  // Saves after the other callbacks have run (checkpoint), and decides from monitored metrics, so
+  // its epoch-end save sees what the Module logs in on_train_epoch_end (monitor).
+  fulgur::CallbackRoles roles() const override {
+    return fulgur::CallbackRole::checkpoint | fulgur::CallbackRole::monitor;
+  }
+  fulgur::CheckpointProvider* checkpoint_provider() override { return this; }
+
+  // ---- CheckpointProvider: what ckpt_path = "best" / "last" resolve to ----------------------------
+  std::string best_checkpoint_path(fulgur::TrainerContext& trainer) override {
+    const TopK& known = pending_ ? pending_->top_k : top_k_;
+    return agreed_existing(trainer, known.best_model_path);
+  }
+
+  std::string last_checkpoint_path(fulgur::TrainerContext& trainer) override {
+    // Saved in this process (or recorded in the state it was restored from) and still on disk...
+    const TopK& known = pending_ ? pending_->top_k : top_k_;
+    std::string path = trainer.is_global_zero() && !known.last_model_path.empty() && path_exists(known.last_model_path)
+                           ? known.last_model_path
+                           : std::string();
+    // ... or the newest last*.ckpt where this callback saves: a new process resuming a killed run.
+    if (path.empty() && trainer.is_global_zero()) {
+      const auto [directory, below] = search_location(trainer);
+      if (path_exists(directory)) path = newest_last_checkpoint(directory, below);
+    }
+    return trainer.broadcast(path, 0);  // every rank resumes from rank zero's choice
+  }
+
+  std::string describe_location(fulgur::TrainerContext& trainer) override {
+    const auto [directory, below] = search_location(trainer);
+    return below ? fmt::format("{}/**/checkpoints/last*.ckpt", directory) : fmt::format("{}/last*.ckpt", directory);
+  }
+
   void setup(fulgur::TrainerContext&, fulgur::Stage stage) override {
     fitting_ = stage == fulgur::Stage::fit;
     validation_ran_ = false;
@@ -271,7 +340,7 @@ class ModelCheckpoint final : public fulgur::Callback {
     std::string dirpath =
         dirpath_option_.empty() ? (fs::path(trainer.log_dir()) / "checkpoints").string() : dirpath_option_;
     // Rank zero's choice for everyone: log_dir() may hold a version number each process picked.
-    dirpath_ = trainer.strategy().broadcast_string(absolute_path(dirpath), 0);
+    dirpath_ = trainer.broadcast(absolute_path(dirpath), 0);
     if (pending_) apply_loaded_state(*std::exchange(pending_, std::nullopt));
     if (save_top_k_ != 0 && trainer.is_global_zero()) warn_if_directory_not_empty();
   }
@@ -468,7 +537,7 @@ class ModelCheckpoint final : public fulgur::Callback {
     const double* kth = top_k_.score_of(top_k_.kth_best_model_path);
     bool better = kth != nullptr && support::is_better(mode_, current, *kth);
     // Every rank must take the same branch: the save below is collective for sharded strategies.
-    return trainer.strategy().reduce_boolean_decision(better, /*all=*/true);
+    return trainer.agree(better, /*all=*/true);
   }
 
   void update_best_and_save(fulgur::TrainerContext& trainer, double current, const Candidates& candidates) {
@@ -542,7 +611,7 @@ class ModelCheckpoint final : public fulgur::Callback {
   // Rank zero looks; the answer is broadcast so that every rank picks the same name.
   static bool file_exists(fulgur::TrainerContext& trainer, const std::string& path) {
     bool exists = trainer.is_global_zero() && path_exists(path);
-    return trainer.strategy().broadcast_string(exists ? "1" : "0", 0) == "1";
+    return trainer.broadcast(exists ? "1" : "0", 0) == "1";
   }
 
   // The state is updated before the write because it is part of what is written; a failed write
@@ -586,6 +655,19 @@ class ModelCheckpoint final : public fulgur::Callback {
           kOwner, *loaded.dirpath, dirpath_);
     }
     top_k_.best_model_path = best_model_path;
+  }
+
+  // Where last*.ckpt files of earlier runs are: `dirpath` as configured, or, when it follows the
+  // logger's versioned log_dir, every <...>/checkpoints directory under default_root_dir.
+  std::pair<std::string, bool> search_location(fulgur::TrainerContext& trainer) const {
+    if (!dirpath_option_.empty()) return {absolute_path(dirpath_option_), false};
+    return {absolute_path(trainer.default_root_dir()), true};
+  }
+
+  // `path` when rank zero sees it on disk, on every rank; empty otherwise.
+  static std::string agreed_existing(fulgur::TrainerContext& trainer, const std::string& path) {
+    const bool exists = trainer.is_global_zero() && !path.empty() && path_exists(path);
+    return trainer.broadcast(exists ? path : std::string(), 0);
   }
 
   static int64_t epoch_of(const Candidates& c) { return static_cast<int64_t>(c.at("epoch").value); }

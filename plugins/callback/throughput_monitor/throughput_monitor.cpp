@@ -55,7 +55,7 @@ class ThroughputMonitor final : public fulgur::Callback {
 
   void on_train_start(fulgur::TrainerContext& trainer) override {
     monitor::require_logger(trainer, kOwner);
-    world_size_ = trainer.strategy().cluster().world_size;
+    world_size_ = trainer.cluster().world_size;
     batches_ = samples_ = items_ = 0;
     train_seconds_ = 0;
     last_ = Clock::now();
@@ -87,9 +87,9 @@ class ThroughputMonitor final : public fulgur::Callback {
                      kOwner);
       }
     }
-    if (!monitor::due_at_batch_end(trainer)) return;
+    if (!trainer.step_logging_due()) return;
     // Queued device work belongs to the steps being measured: wait for it, once per log.
-    trainer.accelerator().synchronize(trainer.strategy().root_device());
+    trainer.synchronize_device();
     const Clock::time_point now = Clock::now();
     const double dt = seconds(now - last_ - paused_);
     train_seconds_ += dt;
@@ -117,7 +117,7 @@ class ThroughputMonitor final : public fulgur::Callback {
     }
     m[prefix_ + "time"] = train_seconds_;
     m[prefix_ + "samples"] = static_cast<double>(samples_) * static_cast<double>(world_size_);
-    monitor::log_to_loggers(trainer, m, monitor::step_at_batch_end(trainer));
+    trainer.log_metrics(m, kOwner);
     last_ = now;
     paused_ = Clock::duration::zero();
     last_batches_ = batches_;

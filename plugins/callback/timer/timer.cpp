@@ -150,7 +150,7 @@ class Timer final : public fulgur::Callback {
     if (trainer.stage() != Stage::fit || trainer.sanity_checking()) return;
     bool stop = time_elapsed(Stage::fit) >= duration_;
     // Every process must leave the loop on the same step; one collective only when there are several.
-    if (trainer.strategy().cluster().world_size > 1) stop = trainer.strategy().reduce_boolean_decision(stop, false);
+    stop = trainer.agree(stop, /*all=*/false);
     if (!stop || trainer.should_stop()) return;
     trainer.request_stop(verbose_ ? fmt::format("Time limit reached. Elapsed time is {}. Signaling Trainer to stop.",
                                                 timedelta_text(time_elapsed(Stage::fit)))

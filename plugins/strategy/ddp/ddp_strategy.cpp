@@ -3,7 +3,6 @@
 // buckets that are all-reduced while backward is still running; each rank reads its own slice of
 // the data. Everything distributed goes through the SDK's Communicator, so this file is what a
 // third-party strategy (say ZeRO, with reduce_scatter and all_gather) would look like too.
-#include <fulgur/checkpoint_io.h>
 #include <fulgur/communicator.h>
 #include <fulgur/plugin.h>
 
@@ -19,8 +18,6 @@
 
 #include <chrono>
 #include <cmath>
-#include <filesystem>
-#include <system_error>
 
 namespace {
 
@@ -86,8 +83,6 @@ class DdpStrategy final : public fulgur::Strategy {
     communicator_->broadcast_coalesced(state, 0);
     buffers_ = module.buffers();
   }
-
-  void setup_optimizers(std::span<torch::optim::Optimizer* const>) override {}
 
   void before_training_step(bool sync_gradients) override {
     if (!communicator_) return;
@@ -172,24 +167,8 @@ class DdpStrategy final : public fulgur::Strategy {
   int64_t data_parallel_rank() const override { return cluster_.global_rank; }
   int64_t data_parallel_size() const override { return cluster_.world_size; }
 
-  void save_checkpoint(const c10::IValue& checkpoint, const std::string& path) override {
-    // Replicas are identical: rank 0 writes; the others wait so that the file exists for all.
-    if (cluster_.global_rank == 0) {
-      const std::filesystem::path parent = std::filesystem::path(path).parent_path();
-      std::error_code error;
-      if (!parent.empty()) std::filesystem::create_directories(parent, error);
-      if (error)
-        throw fulgur::Error(fulgur::ErrorKind::io, fmt::format("cannot write checkpoint '{}': creating directory "
-                                                               "'{}' failed: {}",
-                                                               path, parent.string(), error.message()));
-      fulgur::write_checkpoint_file(checkpoint, path);
-    }
-    barrier("save_checkpoint");
-  }
-
-  void load_checkpoint(const std::string& path, c10::IValue& checkpoint) override {
-    checkpoint = fulgur::read_checkpoint_file(path);
-  }
+  // Replicas are identical, so the Strategy defaults fit: rank zero writes one file and the others
+  // wait at a barrier; the state dicts are the full ones.
 
   void teardown() override {
     gradient_sync_.reset();

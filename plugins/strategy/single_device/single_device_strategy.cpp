@@ -1,15 +1,11 @@
 // Built-in strategy `single_device`: one process training on one device. Collectives are
 // identities, the whole dataset is this process's shard, checkpoints are single files.
-#include <fulgur/checkpoint_io.h>
 #include <fulgur/plugin.h>
 
 #include <ATen/core/ivalue.h>
 #include <fmt/format.h>
 #include <torch/nn/module.h>
 #include <torch/optim/optimizer.h>
-
-#include <filesystem>
-#include <system_error>
 
 namespace {
 
@@ -32,9 +28,9 @@ class SingleDeviceStrategy final : public fulgur::Strategy {
   const fulgur::ClusterInfo& cluster() const override { return cluster_; }
 
   void setup_module(torch::nn::Module& module) override { module.to(device_); }
-  // Module::to() moves parameters in place (same tensor objects), so the optimizers' references
-  // stay valid; their per-parameter state is created lazily on the parameters' device.
-  void setup_optimizers(std::span<torch::optim::Optimizer* const>) override {}
+  // Module::to() moves parameters in place (same tensor objects) before configure_optimizers
+  // runs, so the default setup_optimizers (keep them as they are) is right; checkpoints are the
+  // default single file written by rank zero.
 
   void backward(const at::Tensor& loss, fulgur::Precision& precision, bool /*sync_gradients*/) override {
     precision.scale_loss(loss).backward();
@@ -53,22 +49,6 @@ class SingleDeviceStrategy final : public fulgur::Strategy {
 
   int64_t data_parallel_rank() const override { return 0; }
   int64_t data_parallel_size() const override { return 1; }
-
-  void save_checkpoint(const c10::IValue& checkpoint, const std::string& path) override {
-    // Like Lightning's TorchCheckpointIO, a checkpoint may go to a directory that does not exist yet.
-    const std::filesystem::path parent = std::filesystem::path(path).parent_path();
-    std::error_code error;
-    if (!parent.empty()) std::filesystem::create_directories(parent, error);
-    if (error)
-      throw fulgur::Error(fulgur::ErrorKind::io, fmt::format("cannot write checkpoint '{}': creating directory '{}' "
-                                                             "failed: {}",
-                                                             path, parent.string(), error.message()));
-    fulgur::write_checkpoint_file(checkpoint, path);
-  }
-
-  void load_checkpoint(const std::string& path, c10::IValue& checkpoint) override {
-    checkpoint = fulgur::read_checkpoint_file(path);
-  }
 
   void teardown() override {
     if (accelerator_) accelerator_->teardown();

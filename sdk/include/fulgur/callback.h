@@ -86,7 +86,9 @@ using CallbackRoles = uint32_t;
 constexpr CallbackRoles operator|(CallbackRole a, CallbackRole b) {
   return static_cast<CallbackRoles>(a) | static_cast<CallbackRoles>(b);
 }
-constexpr bool has_role(CallbackRoles roles, CallbackRole role) { return (roles & static_cast<CallbackRoles>(role)) != 0; }
+constexpr bool has_role(CallbackRoles roles, CallbackRole role) {
+  return (roles & static_cast<CallbackRoles>(role)) != 0;
+}
 
 // A source of checkpoints the Trainer can resume from: it answers ckpt_path = "best" / "last".
 class FULGUR_SDK_API CheckpointProvider {
@@ -165,7 +167,7 @@ class FULGUR_SDK_API Callback {
 
 namespace detail {
 // A hook is overridden when &Derived::on_x no longer has the type of Callback's own member.
-#define FULGUR_HOOK_OVERRIDDEN(D, fn, hook)                                                    \
+#define FULGUR_HOOK_OVERRIDDEN(D, fn, hook) \
   (std::is_same_v<decltype(&D::fn), decltype(&Callback::fn)> ? HookSet{0} : static_cast<HookSet>(hook))
 template <class D>
 constexpr HookSet overridden_hooks() {
@@ -210,8 +212,7 @@ constexpr HookSet overridden_hooks() {
 
 // A callback that overrides hooks its hooks() does not list would never see them: FULGUR_PLUGIN's
 // factory says so once, when it is created (CallbackBase<T> derives the list: never a gap).
-FULGUR_SDK_API void warn_undeclared_hooks(const Callback& callback, HookSet overridden,
-                                          const fulgur_create_args* args);
+FULGUR_SDK_API void warn_undeclared_hooks(const Callback& callback, HookSet overridden, const fulgur_create_args* args);
 }  // namespace detail
 
 // Derive from CallbackBase<YourClass>: hooks() is the set of hooks YourClass overrides, computed

@@ -55,6 +55,12 @@ class FULGUR_SDK_API TrainerContext {
   // A decision every rank takes together: true when all ranks (all = true) or any rank
   // (all = false) said true. A collective: every rank must call it.
   virtual bool agree(bool decision, bool all) = 0;
+  // `tensor` reduced over all ranks (a new tensor; the input is left alone). A collective.
+  virtual at::Tensor reduce(const at::Tensor& tensor, ReduceOp op) = 0;
+  // Every rank's `tensor` (same shape on all ranks), in rank order. A collective.
+  virtual std::vector<at::Tensor> all_gather(const at::Tensor& tensor) = 0;
+  // Waits until every rank has arrived. A collective.
+  virtual void barrier(std::string_view name) = 0;
 
   // ---- device services ---------------------------------------------------------------------------
   // Waits for queued work on this process's device (timing; a no-op on cpu).

@@ -1,0 +1,223 @@
+// The plugin testing kit, Trainer side: a boring model and data, a plugin created from its built
+// library through the real C door (as the Trainer does), and conformance checks per plugin kind
+// that every plugin should pass. Fulgur's built-in plugins are tested with this header; so is
+// examples/third_party_plugin. Header-only; include it only in tests (it pulls in torch::nn).
+//
+//   auto guard = fulgur::testing::create_plugin<fulgur::Callback>(
+//       fulgur::PluginKind::callback, "divergence_guard", {{"limit", 10.0}}, {"build"});
+//   fulgur::testing::check_callback_conformance(guard.get());   // throws std::runtime_error
+//
+// The checks throw std::runtime_error saying what failed, so any test framework can use them.
+#pragma once
+
+#include <fulgur/callback.h>
+#include <fulgur/data.h>
+#include <fulgur/logger.h>
+#include <fulgur/module.h>
+#include <fulgur/registry/registry.h>
+#include <fulgur/strategy.h>
+#include <fulgur/testing.h>
+#include <fulgur/trainer.h>
+#include <fulgur/trainer_options.h>
+
+#include <ATen/ops/randn.h>
+#include <torch/nn/functional/loss.h>
+#include <torch/nn/modules/linear.h>
+#include <torch/optim/sgd.h>
+
+#include <sys/stat.h>
+
+#include <filesystem>
+#include <map>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace fulgur::testing {
+
+// Lightning's BoringModel: one linear layer, 32 inputs -> 2 outputs, SGD; logs train/loss,
+// val/loss and test/loss.
+struct BoringModule : Module {
+  BoringModule() { layer = register_module("layer", torch::nn::Linear(32, 2)); }
+  StepOutput training_step(const Batch& batch, int64_t) override {
+    at::Tensor loss = layer->forward(batch.input).pow(2).mean();
+    log("train/loss", loss);
+    return {loss};
+  }
+  StepOutput validation_step(const Batch& batch, int64_t) override {
+    log("val/loss", layer->forward(batch.input).pow(2).mean());
+    return {};
+  }
+  StepOutput test_step(const Batch& batch, int64_t) override {
+    log("test/loss", layer->forward(batch.input).pow(2).mean());
+    return {};
+  }
+  at::Tensor predict_step(const Batch& batch, int64_t) override { return layer->forward(batch.input); }
+  std::vector<OptimizerConfig> configure_optimizers() override {
+    return {OptimizerConfig(std::make_shared<torch::optim::SGD>(parameters(), torch::optim::SGDOptions(0.1)))};
+  }
+  torch::nn::Linear layer{nullptr};
+};
+
+// 64 random samples of 32 features in batches of `batch_size`, for every stage.
+struct BoringData : DataModule {
+  explicit BoringData(int64_t batch_size = 8) : batch_size(batch_size) {
+    inputs = at::randn({64, 32});
+    targets = at::zeros({64}, at::kLong);
+  }
+  std::unique_ptr<BatchLoader> train_loader() override { return loader(); }
+  std::unique_ptr<BatchLoader> val_loader() override { return loader(); }
+  std::unique_ptr<BatchLoader> test_loader() override { return loader(); }
+  std::unique_ptr<BatchLoader> predict_loader() override { return loader(); }
+  std::unique_ptr<BatchLoader> loader() const {
+    return make_tensor_loader(inputs, targets, TensorLoaderOptions().batch_size(batch_size));
+  }
+  int64_t batch_size;
+  at::Tensor inputs, targets;
+};
+
+// The registry a test creates plugins with: `directories` first (a plugin's build directory),
+// then the usual search path (FULGUR_PLUGIN_PATH, the user and install directories).
+inline PluginRegistry& registry_for(const std::vector<std::string>& directories = {}) {
+  static std::map<std::vector<std::string>, std::unique_ptr<PluginRegistry>> registries;
+  auto& slot = registries[directories];
+  if (!slot) {
+    SearchPathOptions search;
+    for (const auto& d : directories) search.config_paths.emplace_back(d);
+    RegistryOptions options;
+    options.allow_writable = true;  // build directories are often group-writable
+    slot = std::make_unique<PluginRegistry>(plugin_search_path(search), options);
+  }
+  return *slot;
+}
+
+// The plugin's options as a config file would give them: every schema default, then `overrides`.
+inline Options plugin_options(PluginKind kind, std::string_view name,
+                              const std::vector<std::pair<std::string, OptionValue>>& overrides = {},
+                              const std::vector<std::string>& directories = {}) {
+  const PluginCandidate& candidate = registry_for(directories).resolve(kind, name);
+  Options options(std::string(to_string(kind)) + " '" + std::string(name) + "'");
+  for (const auto& option : candidate.metadata.options)
+    if (option.default_value) options.set(option.key, *option.default_value);
+  for (const auto& [key, value] : overrides) {
+    if (candidate.metadata.find_option(key) == nullptr)
+      throw std::runtime_error(std::string(name) + " has no option '" + key + "'");
+    options.set(key, value);
+  }
+  return options;
+}
+
+// The plugin created from its library, exactly as the Trainer creates it.
+template <class T>
+std::shared_ptr<T> create_plugin(PluginKind kind, std::string_view name,
+                                 const std::vector<std::pair<std::string, OptionValue>>& overrides = {},
+                                 const std::vector<std::string>& directories = {}) {
+  return plugin_cast<T>(
+      registry_for(directories).create(kind, name, plugin_options(kind, name, overrides, directories)));
+}
+
+namespace detail {
+inline void expect(bool ok, const std::string& what) {
+  if (!ok) throw std::runtime_error("conformance: " + what);
+}
+inline std::string temp_directory() {
+  std::string pattern = (std::filesystem::temp_directory_path() / "fulgur-conformance-XXXXXX").string();
+  if (::mkdtemp(pattern.data()) == nullptr) throw std::runtime_error("mkdtemp failed");
+  return pattern;
+}
+}  // namespace detail
+
+// A callback: its state survives state_dict -> load_state_dict; it goes through fit, validate,
+// test and predict of a real Trainer (with a CSV logger and no other callbacks) without throwing
+// and without stopping the 2 epochs of 8 batches early.
+inline void check_callback_conformance(const std::shared_ptr<Callback>& callback) {
+  c10::IValue state;
+  callback->state_dict(state);
+  if (!callback->state_key().empty()) callback->load_state_dict(state);
+
+  const std::string root = detail::temp_directory();
+  Trainer trainer(TrainerOptions()
+                      .set("default_root_dir", root)
+                      .set("max_epochs", int64_t{2})
+                      .set("enable_progress_bar", false)
+                      .set("enable_model_summary", false)
+                      .set("enable_checkpointing", false)
+                      .logger("csv"));
+  auto recorder = std::make_shared<RecordingCallback>();
+  trainer.add_callback(callback, "under test");
+  trainer.add_callback(recorder, "recorder");
+  BoringModule module;
+  BoringData data;
+  trainer.fit(module, data);
+  trainer.validate(module, data);
+  trainer.test(module, data);
+  trainer.predict(module, data);
+  detail::expect(recorder->count("on_train_batch_end") == 16, "fit ran 2 epochs of 8 batches");
+  detail::expect(trainer.global_step() == 16, "the callback let fit take its 16 steps");
+}
+
+// A logger: setup creates its run directory under root_dir; metrics, hyperparameters, save and
+// finalize go through; log_dir() names an existing directory.
+inline void check_logger_conformance(const std::shared_ptr<Logger>& logger) {
+  const std::string root = detail::temp_directory();
+  logger->setup(LoggerSetup{root, 0});
+  logger->log_hyperparams({{"model.lr", "0.1"}, {"trainer.max_epochs", "2"}});
+  for (int64_t step = 0; step < 3; ++step) logger->log_metrics({{"train/loss", 1.0 / (step + 1)}}, step);
+  logger->save();
+  logger->finalize(RunStatus::success);
+  struct stat info {};
+  detail::expect(::stat(logger->log_dir().c_str(), &info) == 0 && S_ISDIR(info.st_mode),
+                 "log_dir() '" + logger->log_dir() + "' exists after setup");
+  detail::expect(logger->log_dir().rfind(root, 0) == 0, "log_dir() lies under the root_dir given to setup");
+}
+
+// A strategy in one process: collectives are identities, the module trains, and a checkpoint's
+// parts written by save_checkpoint come back equal through load_checkpoint.
+inline void check_strategy_conformance(const std::shared_ptr<Strategy>& strategy) {
+  StrategyEnvironment environment;
+  environment.devices = {c10::Device(c10::DeviceType::CPU)};
+  strategy->setup_environment(environment);
+  detail::expect(strategy->cluster().world_size == 1, "one process: world size 1");
+  const at::Tensor t = at::randn({3});
+  detail::expect(strategy->reduce(t, ReduceOp::sum).equal(t), "reduce is the identity in one process");
+  detail::expect(strategy->all_gather(t).size() == 1, "all_gather gives one tensor in one process");
+  detail::expect(strategy->broadcast_string("x", 0) == "x", "broadcast_string is the identity");
+  detail::expect(strategy->reduce_boolean_decision(true, true), "a decision of one is its own");
+
+  BoringModule module;
+  strategy->configure_model(module, [] {});
+  strategy->setup_module(module);
+  std::vector<std::shared_ptr<torch::optim::Optimizer>> optimizers{
+      std::make_shared<torch::optim::SGD>(module.parameters(), torch::optim::SGDOptions(0.1))};
+  strategy->setup_optimizers(optimizers);
+  detail::expect(optimizers.size() == 1 && optimizers[0], "setup_optimizers keeps one optimizer per entry");
+
+  const std::string root = detail::temp_directory();
+  const std::string path = root + "/conformance.ckpt";
+  c10::IValue model_state = strategy->module_state_dict(module);
+  std::vector<c10::IValue> optimizer_states{strategy->optimizer_state_dict(*optimizers[0])};
+  c10::impl::GenericDict metadata(c10::StringType::get(), c10::AnyType::get());
+  metadata.insert("global_step", int64_t{7});
+  c10::IValue metadata_value(metadata);
+  strategy->save_checkpoint(CheckpointParts{&model_state, &optimizer_states, &metadata_value}, path);
+  detail::expect(strategy->is_checkpoint(path), "is_checkpoint() recognises what save_checkpoint wrote");
+
+  c10::IValue model_back, metadata_back;
+  std::vector<c10::IValue> optimizers_back;
+  strategy->load_checkpoint(path, CheckpointParts{&model_back, &optimizers_back, &metadata_back});
+  detail::expect(optimizers_back.size() == 1, "one optimizer state comes back");
+  detail::expect(metadata_back.isGenericDict() && metadata_back.toGenericDict().at("global_step").toInt() == 7,
+                 "metadata comes back");
+  const auto before = module.layer->weight.detach().clone();
+  {
+    at::NoGradGuard no_grad;
+    module.layer->weight.add_(1.0);
+  }
+  strategy->load_module_state_dict(module, model_back, /*strict=*/true, path);
+  detail::expect(module.layer->weight.equal(before), "load_module_state_dict restores the saved weights");
+  strategy->teardown();
+}
+
+}  // namespace fulgur::testing
