@@ -717,7 +717,7 @@ TEST_CASE("every built-in callback, logger and strategy passes the testing kit's
     INFO("logger " << name);
     CHECK_NOTHROW(kit::check_logger_conformance(kit::create_plugin<fulgur::Logger>(fulgur::PluginKind::logger, name)));
   }
-  for (const char* name : {"single_device", "ddp"}) {
+  for (const char* name : {"single_device", "ddp", "fsdp"}) {
     INFO("strategy " << name);
     CHECK_NOTHROW(
         kit::check_strategy_conformance(kit::create_plugin<fulgur::Strategy>(fulgur::PluginKind::strategy, name)));
@@ -728,4 +728,14 @@ TEST_CASE("every built-in callback, logger and strategy passes the testing kit's
   };
   CHECK_THROWS_WITH_AS(kit::check_callback_conformance(std::make_shared<StopsAtOnce>()),
                        doctest::Contains("conformance:"), std::runtime_error);
+}
+
+TEST_CASE("fsdp: zero_stage 3 and stages that do not exist are refused with what to use instead") {
+  const fulgur::Error three = fulgur::test::error_from(
+      [&] { fulgur::create<fulgur::Strategy>(fulgur::PluginKind::strategy, "fsdp", {{"zero_stage", fulgur::OptionValue(int64_t{3})}}); });
+  FULGUR_CHECK_CONTAINS(three.what(), "zero_stage = 3");
+  FULGUR_CHECK_CONTAINS(three.what(), "use 1");
+  const fulgur::Error seven = fulgur::test::error_from(
+      [&] { fulgur::create<fulgur::Strategy>(fulgur::PluginKind::strategy, "fsdp", {{"zero_stage", fulgur::OptionValue(int64_t{7})}}); });
+  FULGUR_CHECK_CONTAINS(seven.what(), "zero_stage = 7 is not a ZeRO stage");
 }

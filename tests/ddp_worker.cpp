@@ -6,6 +6,8 @@
 //   FULGUR_TEST_DIE_RANK=r FULGUR_TEST_DIE_STEP=s: rank r kills itself (SIGKILL) at step s.
 //   FULGUR_TEST_UNUSED_LAYER=1: the model has a layer that forward never uses.
 //   FULGUR_TEST_SCRAMBLE_INIT=1: ranks other than 0 perturb their initial weights.
+//   FULGUR_TEST_SHARDING_MODEL=1: adds a 0-dim parameter and a frozen layer (what sharding must handle).
+//   FULGUR_TEST_OPTIMIZER=adamw: AdamW with weight decay instead of SGD.
 #include <fulgur/callback.h>
 #include <fulgur/config.h>
 #include <fulgur/data.h>
@@ -31,8 +33,17 @@ struct Mlp : fulgur::Module {
     fc2 = register_module("fc2", torch::nn::Linear(32, 4));
     // A layer that gets no gradient (ddp needs find_unused_parameters for it).
     if (std::getenv("FULGUR_TEST_UNUSED_LAYER")) register_module("unused", torch::nn::Linear(4, 4));
+    if (std::getenv("FULGUR_TEST_SHARDING_MODEL")) {
+      scale = register_parameter("scale", torch::ones({}));  // 0-dim: one row, owned by one rank
+      frozen = register_module("frozen", torch::nn::Linear(4, 4));
+      for (auto& p : frozen->parameters()) p.set_requires_grad(false);
+    }
   }
-  at::Tensor forward(const at::Tensor& x) { return fc2->forward(torch::tanh(fc1->forward(x))); }
+  at::Tensor forward(const at::Tensor& x) {
+    at::Tensor out = fc2->forward(torch::tanh(fc1->forward(x)));
+    if (scale.defined()) out = frozen->forward(out) * scale;
+    return out;
+  }
   fulgur::StepOutput training_step(const fulgur::Batch& b, int64_t) override {
     at::Tensor loss = torch::nn::functional::cross_entropy(forward(b.input), b.target);
     log("train/loss", loss, fulgur::LogOptions().sync_dist(true));
@@ -48,9 +59,14 @@ struct Mlp : fulgur::Module {
     return {};
   }
   std::vector<fulgur::OptimizerConfig> configure_optimizers() override {
+    const char* which = std::getenv("FULGUR_TEST_OPTIMIZER");
+    if (which && std::string(which) == "adamw")
+      return {fulgur::OptimizerConfig(
+          std::make_shared<torch::optim::AdamW>(parameters(), torch::optim::AdamWOptions(1e-2).weight_decay(0.1)))};
     return {fulgur::OptimizerConfig(std::make_shared<torch::optim::SGD>(parameters(), torch::optim::SGDOptions(0.1)))};
   }
-  torch::nn::Linear fc1{nullptr}, fc2{nullptr};
+  torch::nn::Linear fc1{nullptr}, fc2{nullptr}, frozen{nullptr};
+  at::Tensor scale;
   int64_t rank = 0;
 };
 

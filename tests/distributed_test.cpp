@@ -25,6 +25,8 @@
 
 #include "test_support.h"
 
+#include <fulgur/checkpoint_io.h>
+
 namespace {
 
 using fulgur::test::contains;
@@ -95,8 +97,16 @@ std::map<std::string, std::string> clean_env() {
   return {{"OMP_NUM_THREADS", "1"}};
 }
 
-std::string worker_config(const std::string& strategy, const std::string& devices, int64_t batch, int64_t max_steps,
+// `strategy` "fsdp:N" selects fsdp with zero_stage = N.
+std::string worker_config(std::string strategy, const std::string& devices, int64_t batch, int64_t max_steps,
                           int64_t accumulate = 1, bool shuffle = false) {
+  std::string strategy_table = "\n[strategy]\ntimeout = 30.0\n";
+  if (strategy.starts_with("fsdp:")) {
+    strategy_table += "zero_stage = " + strategy.substr(5) + "\n";
+    strategy = "fsdp";
+  } else if (strategy != "ddp") {
+    strategy_table.clear();
+  }
   return fmt::format(R"(
 [trainer]
 accelerator = "cpu"
@@ -119,7 +129,7 @@ batch_size = {}
 shuffle = {}
 )",
                      strategy, devices, max_steps, accumulate,
-                     strategy == "ddp" ? "\n[strategy]\ntimeout = 30.0\n" : "", batch, shuffle);
+                     strategy_table, batch, shuffle);
 }
 
 struct Run {
@@ -263,6 +273,77 @@ save_top_k = -1
   CHECK(metrics(*resumed, 0).at("global_step") == 10);
   CHECK(max_difference(weights(*resumed, 0), weights(*whole, 0)) == 0.0);
   CHECK(max_difference(weights(*resumed, 1), weights(*whole, 1)) == 0.0);
+}
+
+// ---- fsdp (ZeRO-1/2) --------------------------------------------------------------------------
+
+namespace {
+// AdamW with weight decay on a model with uneven first dimensions (32 and 4 rows over 2 and 3
+// ranks: short and empty chunks), a 0-dim parameter, a frozen layer and an unused one.
+std::map<std::string, std::string> sharding_env() {
+  auto env = clean_env();
+  env["FULGUR_TEST_SHARDING_MODEL"] = "1";
+  env["FULGUR_TEST_UNUSED_LAYER"] = "1";
+  env["FULGUR_TEST_OPTIMIZER"] = "adamw";
+  return env;
+}
+}  // namespace
+
+TEST_CASE("fsdp: ZeRO-1 and ZeRO-2 on 2 and 3 ranks reach the weights of one process") {
+  // One process with batch 24 and accumulation 2 is the reference; N ranks read 24 / N each.
+  auto single = run_worker(worker_config("single_device", "1", 24, 6, 2), {}, sharding_env());
+  REQUIRE_SUCCESS(single);
+  for (int stage : {1, 2})
+    for (int ranks : {2, 3}) {
+      CAPTURE(stage);
+      CAPTURE(ranks);
+      auto env = sharding_env();
+      env["FULGUR_TEST_SCRAMBLE_INIT"] = "1";  // rank 0's initial weights must win
+      auto run = run_worker(worker_config(fmt::format("fsdp:{}", stage), std::to_string(ranks), 24 / ranks, 6, 2), {},
+                            env);
+      REQUIRE_SUCCESS(run);
+      for (int r = 1; r < ranks; ++r) CHECK(max_difference(weights(*run, 0), weights(*run, r)) == 0.0);
+      CHECK(max_difference(weights(*run, 0), weights(*single, 0)) < 1e-5);
+      CHECK(metrics(*run, 0).at("global_step") == 6);
+    }
+}
+
+TEST_CASE("fsdp: a checkpoint of 2 ZeRO-2 ranks holds full state and resumes on 3 ranks and in one process") {
+  auto whole = run_worker(worker_config("fsdp:2", "2", 12, 10), {}, sharding_env());
+  REQUIRE_SUCCESS(whole);
+  const std::string checkpointing = R"(
+[[callbacks]]
+name = "model_checkpoint"
+dirpath = "ckpts"
+filename = "{step}"
+every_n_train_steps = 4
+save_top_k = -1
+)";
+  auto first = run_worker(worker_config("fsdp:2", "2", 12, 5) + checkpointing, {}, sharding_env());
+  REQUIRE_SUCCESS(first);
+  const fs::path ckpt = first->dir / "ckpts" / "step=4.ckpt";
+  REQUIRE_MESSAGE(fs::exists(ckpt), first->result.output);
+  // Gathered on rank zero: Adam's moments have the parameters' full shapes.
+  const c10::IValue file = fulgur::read_checkpoint_file(ckpt.string());
+  const auto states = file.toGenericDict().at("optimizer_states").toList();
+  REQUIRE(states.size() == 1);
+  const auto per_parameter = states.get(0).toGenericDict().at("state").toGenericDict();
+  std::set<std::vector<int64_t>> shapes;
+  for (const auto& entry : per_parameter) {
+    const at::Tensor moment = entry.value().toGenericDict().at("exp_avg").toTensor();
+    shapes.insert(moment.sizes().vec());
+  }
+  CHECK(shapes.count({32, 16}) == 1);  // fc1.weight: 16 + 16 rows on the two ranks
+  CHECK(shapes.count({4, 32}) == 1);   // fc2.weight: 2 + 2 rows
+  CHECK(shapes.count({}) == 1);        // the 0-dim scale, owned by rank 0
+
+  auto on_three = run_worker(worker_config("fsdp:2", "3", 8, 10), {"--resume", ckpt.string()}, sharding_env());
+  REQUIRE_SUCCESS(on_three);
+  CHECK(contains(on_three->result.output, "global step 4"));
+  CHECK(max_difference(weights(*on_three, 0), weights(*whole, 0)) < 1e-5);
+  auto alone = run_worker(worker_config("single_device", "1", 24, 10), {"--resume", ckpt.string()}, sharding_env());
+  REQUIRE_SUCCESS(alone);
+  CHECK(max_difference(weights(*alone, 0), weights(*whole, 0)) < 1e-5);
 }
 
 TEST_CASE("ddp: a killed rank ends the run with its rank named, without hanging") {

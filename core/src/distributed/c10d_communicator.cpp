@@ -217,6 +217,66 @@ class C10dCommunicator final : public Communicator {
     if (op == ReduceOp::mean) output.div_(world_);
   }
 
+  std::unique_ptr<PendingCollective> reduce_scatter_async(at::Tensor& output, const at::Tensor& input,
+                                                          ReduceOp op) override {
+    c10::intrusive_ptr<c10d::Work> work;
+    guarded("reduce_scatter", [&] {
+      at::Tensor in = input.contiguous();
+      c10d::ReduceScatterOptions options;
+      options.reduceOp = to_c10d(op);
+      work = group_->_reduce_scatter_base(output, in, options);
+    });
+    return std::make_unique<C10dPendingCollective>(std::move(work), output, op == ReduceOp::mean ? world_ : 1,
+                                                   [this](const std::exception& e) { fail("reduce_scatter", e); });
+  }
+
+  void all_gather_into_tensor(at::Tensor& output, const at::Tensor& input) override {
+    all_gather_into_tensor_async(output, input)->wait();
+  }
+
+  std::unique_ptr<PendingCollective> all_gather_into_tensor_async(at::Tensor& output,
+                                                                  const at::Tensor& input) override {
+    if (output.numel() != input.numel() * world_)
+      throw Error(ErrorKind::invalid_argument,
+                  fmt::format("all_gather_into_tensor: output has {} elements, expected {} ({} ranks x {})",
+                              output.numel(), input.numel() * world_, world_, input.numel()));
+    c10::intrusive_ptr<c10d::Work> work;
+    guarded("all_gather", [&] {
+      at::Tensor in = input.contiguous();
+      work = group_->_allgather_base(output, in);
+    });
+    return std::make_unique<C10dPendingCollective>(std::move(work), output, 1,
+                                                   [this](const std::exception& e) { fail("all_gather", e); });
+  }
+
+  void all_gather_into_tensor_coalesced(std::vector<at::Tensor>& outputs,
+                                        const std::vector<at::Tensor>& inputs) override {
+    if (outputs.size() != inputs.size())
+      throw Error(ErrorKind::invalid_argument, "all_gather_into_tensor_coalesced: outputs and inputs differ in count");
+    if (outputs.empty()) return;
+    guarded("all_gather", [&] {
+      std::vector<at::Tensor> in;
+      for (const auto& t : inputs) in.push_back(t.contiguous());
+      group_->allgather_into_tensor_coalesced(outputs, in)->wait();
+    });
+  }
+
+  void reduce_scatter_coalesced(std::vector<at::Tensor>& outputs, const std::vector<at::Tensor>& inputs,
+                                ReduceOp op) override {
+    if (outputs.size() != inputs.size())
+      throw Error(ErrorKind::invalid_argument, "reduce_scatter_coalesced: outputs and inputs differ in count");
+    if (outputs.empty()) return;
+    guarded("reduce_scatter", [&] {
+      std::vector<at::Tensor> in;
+      for (const auto& t : inputs) in.push_back(t.contiguous());
+      c10d::ReduceScatterOptions options;
+      options.reduceOp = to_c10d(op);
+      group_->reduce_scatter_tensor_coalesced(outputs, in, options)->wait();
+    });
+    if (op == ReduceOp::mean)
+      for (auto& t : outputs) t.div_(world_);
+  }
+
   void barrier() override {
     guarded("barrier", [&] { group_->barrier()->wait(); });
   }

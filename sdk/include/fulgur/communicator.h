@@ -75,7 +75,23 @@ class FULGUR_SDK_API Communicator {
   virtual void broadcast(at::Tensor& tensor, int64_t src) = 0;
   // Broadcasts many tensors in a few large messages (initial parameters and buffers).
   virtual void broadcast_coalesced(std::vector<at::Tensor>& tensors, int64_t src) = 0;
+  // `input` (world_size x output's elements, rank-major) reduced across ranks; this rank's slice
+  // lands in `output`. One collective: sharded strategies' gradient reduction.
   virtual void reduce_scatter(at::Tensor& output, const at::Tensor& input, ReduceOp op) = 0;
+  virtual std::unique_ptr<PendingCollective> reduce_scatter_async(at::Tensor& output, const at::Tensor& input,
+                                                                  ReduceOp op) = 0;
+  // Every rank's `input` (the same number of elements everywhere), concatenated in rank order into
+  // `output` (world_size x input's elements, contiguous). One collective: sharded strategies'
+  // parameter gather (c10d's all_gather_into_tensor).
+  virtual void all_gather_into_tensor(at::Tensor& output, const at::Tensor& input) = 0;
+  virtual std::unique_ptr<PendingCollective> all_gather_into_tensor_async(at::Tensor& output,
+                                                                          const at::Tensor& input) = 0;
+  // The same for several tensors in one go (c10d's coalesced forms: one message per group where the
+  // backend batches them). outputs[i] pairs with inputs[i].
+  virtual void all_gather_into_tensor_coalesced(std::vector<at::Tensor>& outputs,
+                                                const std::vector<at::Tensor>& inputs) = 0;
+  virtual void reduce_scatter_coalesced(std::vector<at::Tensor>& outputs, const std::vector<at::Tensor>& inputs,
+                                        ReduceOp op) = 0;
   virtual void barrier() = 0;
 
   // Rethrows an error raised while communication was under way (a backward whose gradient

@@ -1,0 +1,165 @@
+// bench_sharding: what ZeRO sharding saves per rank. One real Fulgur run per layout (ddp, or fsdp
+// with zero_stage 1 or 2, under Fulgur's launcher) on a transformer-sized MLP stack trained with
+// AdamW; after the last step every rank counts the bytes it holds:
+//   parameters  the module's parameters (full on every rank in stages 1 and 2)
+//   gradients   every gradient tensor alive: the module's and the optimizer's (shards)
+//   optimizer   every tensor in the optimizer's state (Adam's moments, step counters)
+// and its peak RSS (getrusage) and median step time. bench/sharding.sh runs the layouts side by
+// side and prints the table against DeepSpeed's formulas.
+//   --strategy ddp|fsdp:1|fsdp:2 --procs N --width W --layers L --steps S --batch B
+#include <fulgur/callback.h>
+#include <fulgur/config.h>
+#include <fulgur/data.h>
+#include <fulgur/module.h>
+#include <fulgur/trainer.h>
+#include <fulgur/trainer_context.h>
+
+#include <fmt/format.h>
+#include <sys/resource.h>
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdlib>
+#include <iostream>
+#include <set>
+#include <string>
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// L blocks of a transformer's MLP (W -> 4W -> W, with a residual): 8W^2 + 5W parameters each.
+struct MlpStack : fulgur::Module {
+  MlpStack(int64_t width, int64_t layers) {
+    for (int64_t i = 0; i < layers; ++i) {
+      up.push_back(register_module(fmt::format("up{}", i), torch::nn::Linear(width, 4 * width)));
+      down.push_back(register_module(fmt::format("down{}", i), torch::nn::Linear(4 * width, width)));
+    }
+    head = register_module("head", torch::nn::Linear(width, 10));
+  }
+  fulgur::StepOutput training_step(const fulgur::Batch& b, int64_t) override {
+    at::Tensor h = b.input;
+    for (size_t i = 0; i < up.size(); ++i) h = h + down[i]->forward(torch::gelu(up[i]->forward(h)));
+    return {torch::nn::functional::cross_entropy(head->forward(h), b.target)};
+  }
+  std::vector<fulgur::OptimizerConfig> configure_optimizers() override {
+    return {fulgur::OptimizerConfig(
+        std::make_shared<torch::optim::AdamW>(parameters(), torch::optim::AdamWOptions(1e-4).weight_decay(0.01)))};
+  }
+  std::vector<torch::nn::Linear> up, down;
+  torch::nn::Linear head{nullptr};
+};
+
+struct RandomData : fulgur::DataModule {
+  RandomData(int64_t samples, int64_t width, int64_t batch) : batch(batch) {
+    auto gen = at::make_generator<at::CPUGeneratorImpl>(3);
+    inputs = at::randn({samples, width}, gen);
+    targets = at::randint(0, 10, {samples}, gen, at::kLong);
+  }
+  std::unique_ptr<fulgur::BatchLoader> train_loader() override {
+    return fulgur::make_tensor_loader(inputs, targets, fulgur::TensorLoaderOptions().batch_size(batch));
+  }
+  int64_t batch;
+  at::Tensor inputs, targets;
+};
+
+
+// Counts, once training is over, what this rank holds; times each step.
+struct StateCounter : fulgur::Callback {
+  fulgur::HookSet hooks() const override {
+    return fulgur::Hook::train_batch_start | fulgur::Hook::train_batch_end | fulgur::Hook::train_end;
+  }
+  void on_train_batch_start(fulgur::TrainerContext&, const fulgur::Batch&, int64_t) override { t0 = Clock::now(); }
+  void on_train_batch_end(fulgur::TrainerContext&, const fulgur::StepOutput&, const fulgur::Batch&,
+                          int64_t i) override {
+    if (i >= 1) step_ms.push_back(std::chrono::duration<double, std::milli>(Clock::now() - t0).count());
+  }
+  void on_train_end(fulgur::TrainerContext& trainer) override {
+    std::set<const void*> seen;  // memory counted once, whoever holds it (views share their storage)
+    auto count = [&](const at::Tensor& t, int64_t& into) {
+      if (t.defined() && t.has_storage() && seen.insert(t.storage().unsafeGetStorageImpl()).second)
+        into += static_cast<int64_t>(t.storage().nbytes());
+    };
+    for (const auto& p : trainer.model().parameters()) {
+      count(p, parameters);
+      count(p.grad(), gradients);
+      numel += p.numel();
+    }
+    for (torch::optim::Optimizer* optimizer : trainer.optimizers()) {
+      for (auto& group : optimizer->param_groups())
+        for (auto& p : group.params()) count(p.grad(), gradients);
+      for (auto& [key, state] : optimizer->state()) {
+        (void)key;
+        if (auto* adam = dynamic_cast<torch::optim::AdamWParamState*>(state.get())) {
+          count(adam->exp_avg(), optimizer_bytes);
+          count(adam->exp_avg_sq(), optimizer_bytes);
+          count(adam->max_exp_avg_sq(), optimizer_bytes);
+        }
+      }
+      // The tensors the optimizer steps: fsdp's are views of the parameters (counted already).
+      for (auto& group : optimizer->param_groups())
+        for (auto& p : group.params()) count(p, shard_parameters);
+    }
+  }
+  Clock::time_point t0;
+  std::vector<double> step_ms;
+  int64_t parameters = 0, shard_parameters = 0, gradients = 0, optimizer_bytes = 0, numel = 0;
+};
+
+std::string arg(int argc, char** argv, const std::string& name, const std::string& fallback) {
+  for (int i = 1; i + 1 < argc; ++i)
+    if (argv[i] == name) return argv[i + 1];
+  return fallback;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const std::string strategy = arg(argc, argv, "--strategy", "ddp");
+  const int64_t procs = std::stoll(arg(argc, argv, "--procs", "2"));
+  const int64_t width = std::stoll(arg(argc, argv, "--width", "768"));
+  const int64_t layers = std::stoll(arg(argc, argv, "--layers", "10"));
+  const int64_t steps = std::stoll(arg(argc, argv, "--steps", "4"));
+  const int64_t batch = std::stoll(arg(argc, argv, "--batch", "8"));
+  std::string strategy_table = "[strategy]\ntimeout = 600.0\n";
+  std::string name = strategy;
+  if (strategy.starts_with("fsdp:")) {
+    strategy_table += "zero_stage = " + strategy.substr(5) + "\n";
+    name = "fsdp";
+  }
+  const std::string toml = fmt::format(R"(
+[trainer]
+accelerator = "cpu"
+strategy = "{}"
+devices = "{}"
+max_epochs = 1
+limit_train_batches = {}
+seed = 1
+num_sanity_val_steps = 0
+enable_progress_bar = false
+enable_model_summary = false
+enable_checkpointing = false
+logger = false
+[accelerator]
+threads = 1
+{})",
+                                       name, procs, steps, strategy_table);
+  fulgur::Trainer trainer(fulgur::parse_config(toml, "bench_sharding.toml"));
+  MlpStack model(width, layers);
+  RandomData data(batch * steps * procs, width, batch);
+  auto counter = std::make_shared<StateCounter>();
+  trainer.add_callback(counter);
+  trainer.fit(model, data);
+  rusage usage{};
+  ::getrusage(RUSAGE_SELF, &usage);
+  std::vector<double> ms = counter->step_ms;
+  std::nth_element(ms.begin(), ms.begin() + ms.size() / 2, ms.end());
+  std::cout << fmt::format(
+      "RESULT strategy={} procs={} rank={} numel={} parameters={} shard_parameters={} gradients={} optimizer={} "
+      "peak_rss={} step_ms={:.1f}\n",
+      strategy, procs, std::getenv("RANK") ? std::getenv("RANK") : "0", counter->numel, counter->parameters,
+      counter->shard_parameters, counter->gradients, counter->optimizer_bytes, usage.ru_maxrss * 1024L,
+      ms.empty() ? 0.0 : ms[ms.size() / 2]);
+  return 0;
+}
