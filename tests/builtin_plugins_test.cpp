@@ -80,7 +80,6 @@ std::vector<std::string> other_entries(const fs::path& dir, const std::set<std::
   return names;
 }
 
-bool running_as_root() { return ::geteuid() == 0; }
 
 std::pair<int, std::string> run_command(const std::string& command) {
   FILE* pipe = ::popen((command + " 2>&1").c_str(), "r");
@@ -221,18 +220,16 @@ TEST_CASE("checkpoint_io: a failed write keeps the previous file and leaves no t
     FULGUR_CHECK_CONTAINS(e.what(), blocked.string());
     CHECK(fs::is_directory(blocked));
   }
-  SUBCASE("the directory is read-only (skipped as root, who may write anyway)") {
-    if (running_as_root()) return;
-    fs::permissions(dir.path(), fs::perms(0555));
-    const Error e = error_from([&] { write_checkpoint_file(big, path.string()); });
-    fs::permissions(dir.path(), fs::perms(0755));
+  SUBCASE("a file stands where the directory should be (fails as root too, unlike a read-only directory)") {
+    write_text(dir / "not-a-directory", "a file");
+    const fs::path inside = dir / "not-a-directory" / "last.ckpt";
+    const Error e = error_from([&] { write_checkpoint_file(big, inside.string()); });
     CHECK(e.kind() == ErrorKind::io);
-    FULGUR_CHECK_CONTAINS(e.what(), path.string());
-    FULGUR_CHECK_CONTAINS(e.what(), "Permission denied");
+    FULGUR_CHECK_CONTAINS(e.what(), inside.string());
   }
 
   CHECK(read_bytes(path) == previous);
-  CHECK(other_entries(dir.path(), {"last.ckpt", "blocked.ckpt"}).empty());
+  CHECK(other_entries(dir.path(), {"last.ckpt", "blocked.ckpt", "not-a-directory"}).empty());
   CHECK(at_key(read_checkpoint_file(path.string()), "global_step").toInt() == 120);
 }
 
@@ -583,17 +580,15 @@ TEST_CASE("csv: a log directory that cannot be written fails at setup, naming it
   CHECK(e.kind() == ErrorKind::io);
   FULGUR_CHECK_CONTAINS(e.what(), (save_dir / "lightning_logs" / "version_0").string());
 
-  if (!running_as_root()) {
-    const fs::path read_only = dir.subdir("read-only");
-    fs::create_directories(read_only / "lightning_logs" / "version_0");
-    fs::permissions(read_only / "lightning_logs" / "version_0", fs::perms(0555));
-    auto second =
-        create<Logger>(PluginKind::logger, "csv", {{"save_dir", read_only.string()}, {"version", int64_t{0}}});
-    const Error denied = error_from([&] { second->setup({dir.path().string(), 0}); });
-    fs::permissions(read_only / "lightning_logs" / "version_0", fs::perms(0755));
-    CHECK(denied.kind() == ErrorKind::io);
-    FULGUR_CHECK_CONTAINS(denied.what(), (read_only / "lightning_logs" / "version_0").string());
-  }
+  // A run directory that exists as a file: refused at setup (as root too; chmod would not be).
+  const fs::path taken = dir.subdir("taken");
+  fs::create_directories(taken / "lightning_logs");
+  write_text(taken / "lightning_logs" / "version_0", "a file, not a run directory");
+  auto second = create<Logger>(PluginKind::logger, "csv", {{"save_dir", taken.string()}, {"version", int64_t{0}}});
+  const Error refused = error_from([&] { second->setup({dir.path().string(), 0}); });
+  CHECK(refused.kind() == ErrorKind::io);
+  FULGUR_CHECK_CONTAINS(refused.what(), (taken / "lightning_logs" / "version_0").string());
+
 }
 
 TEST_CASE("csv: only global rank zero writes") {
