@@ -64,7 +64,6 @@ struct RandomData : fulgur::DataModule {
   at::Tensor inputs, targets;
 };
 
-
 // Counts, once training is over, what this rank holds; times each step.
 struct StateCounter : fulgur::Callback {
   fulgur::HookSet hooks() const override {

@@ -80,7 +80,6 @@ std::vector<std::string> other_entries(const fs::path& dir, const std::set<std::
   return names;
 }
 
-
 std::pair<int, std::string> run_command(const std::string& command) {
   FILE* pipe = ::popen((command + " 2>&1").c_str(), "r");
   REQUIRE(pipe != nullptr);
@@ -588,7 +587,6 @@ TEST_CASE("csv: a log directory that cannot be written fails at setup, naming it
   const Error refused = error_from([&] { second->setup({dir.path().string(), 0}); });
   CHECK(refused.kind() == ErrorKind::io);
   FULGUR_CHECK_CONTAINS(refused.what(), (taken / "lightning_logs" / "version_0").string());
-
 }
 
 TEST_CASE("csv: only global rank zero writes") {
@@ -726,11 +724,15 @@ TEST_CASE("every built-in callback, logger and strategy passes the testing kit's
 }
 
 TEST_CASE("fsdp: zero_stage 3 and stages that do not exist are refused with what to use instead") {
-  const fulgur::Error three = fulgur::test::error_from(
-      [&] { fulgur::create<fulgur::Strategy>(fulgur::PluginKind::strategy, "fsdp", {{"zero_stage", fulgur::OptionValue(int64_t{3})}}); });
+  const fulgur::Error three = fulgur::test::error_from([&] {
+    fulgur::create<fulgur::Strategy>(fulgur::PluginKind::strategy, "fsdp",
+                                     {{"zero_stage", fulgur::OptionValue(int64_t{3})}});
+  });
   FULGUR_CHECK_CONTAINS(three.what(), "zero_stage = 3");
   FULGUR_CHECK_CONTAINS(three.what(), "use 1");
-  const fulgur::Error seven = fulgur::test::error_from(
-      [&] { fulgur::create<fulgur::Strategy>(fulgur::PluginKind::strategy, "fsdp", {{"zero_stage", fulgur::OptionValue(int64_t{7})}}); });
+  const fulgur::Error seven = fulgur::test::error_from([&] {
+    fulgur::create<fulgur::Strategy>(fulgur::PluginKind::strategy, "fsdp",
+                                     {{"zero_stage", fulgur::OptionValue(int64_t{7})}});
+  });
   FULGUR_CHECK_CONTAINS(seven.what(), "zero_stage = 7 is not a ZeRO stage");
 }

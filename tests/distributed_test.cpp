@@ -128,8 +128,7 @@ logger = false
 batch_size = {}
 shuffle = {}
 )",
-                     strategy, devices, max_steps, accumulate,
-                     strategy_table, batch, shuffle);
+                     strategy, devices, max_steps, accumulate, strategy_table, batch, shuffle);
 }
 
 struct Run {
@@ -299,8 +298,8 @@ TEST_CASE("fsdp: ZeRO-1 and ZeRO-2 on 2 and 3 ranks reach the weights of one pro
       CAPTURE(ranks);
       auto env = sharding_env();
       env["FULGUR_TEST_SCRAMBLE_INIT"] = "1";  // rank 0's initial weights must win
-      auto run = run_worker(worker_config(fmt::format("fsdp:{}", stage), std::to_string(ranks), 24 / ranks, 6, 2), {},
-                            env);
+      auto run =
+          run_worker(worker_config(fmt::format("fsdp:{}", stage), std::to_string(ranks), 24 / ranks, 6, 2), {}, env);
       REQUIRE_SUCCESS(run);
       for (int r = 1; r < ranks; ++r) CHECK(max_difference(weights(*run, 0), weights(*run, r)) == 0.0);
       CHECK(max_difference(weights(*run, 0), weights(*single, 0)) < 1e-5);

@@ -75,11 +75,12 @@ class FsdpStrategy final : public fulgur::strategy_support::ProcessGroupStrategy
   explicit FsdpStrategy(const fulgur::Options& options)
       : ProcessGroupStrategy("fsdp", options), zero_stage_(options.get_int("zero_stage")) {
     if (zero_stage_ == 3)
-      throw Error(ErrorKind::config, "strategy 'fsdp': zero_stage = 3 (sharded parameters) is not available yet; use "
-                                     "1 (sharded optimizer state) or 2 (sharded optimizer state and gradients)");
+      throw Error(ErrorKind::config,
+                  "strategy 'fsdp': zero_stage = 3 (sharded parameters) is not available yet; use "
+                  "1 (sharded optimizer state) or 2 (sharded optimizer state and gradients)");
     if (zero_stage_ != 1 && zero_stage_ != 2)
-      throw Error(ErrorKind::config, fmt::format("strategy 'fsdp': zero_stage = {} is not a ZeRO stage; use 1 or 2",
-                                                 zero_stage_));
+      throw Error(ErrorKind::config,
+                  fmt::format("strategy 'fsdp': zero_stage = {} is not a ZeRO stage; use 1 or 2", zero_stage_));
   }
 
   void setup_module(torch::nn::Module& module) override {
@@ -157,9 +158,8 @@ class FsdpStrategy final : public fulgur::strategy_support::ProcessGroupStrategy
   c10::IValue optimizer_state_dict(torch::optim::Optimizer& optimizer) override {
     c10::IValue local = fulgur::optimizer_state_dict(optimizer);
     const std::vector<ShardedParameter*>& order = shards_for(optimizer);
-    return map_parameter_states(local, order, [&](const ShardedParameter& p, const at::Tensor& t) {
-      return gather_rows(p, t);
-    });
+    return map_parameter_states(local, order,
+                                [&](const ShardedParameter& p, const at::Tensor& t) { return gather_rows(p, t); });
   }
 
   void load_optimizer_state_dict(torch::optim::Optimizer& optimizer, const c10::IValue& state,
@@ -183,8 +183,9 @@ class FsdpStrategy final : public fulgur::strategy_support::ProcessGroupStrategy
     if (dynamic_cast<torch::optim::Adam*>(&optimizer) || dynamic_cast<torch::optim::AdamW*>(&optimizer) ||
         dynamic_cast<torch::optim::SGD*>(&optimizer))
       return;
-    throw Error(ErrorKind::config, "strategy 'fsdp': shards the state of Adam, AdamW and SGD; configure_optimizers "
-                                   "returned another optimizer (use ddp for it)");
+    throw Error(ErrorKind::config,
+                "strategy 'fsdp': shards the state of Adam, AdamW and SGD; configure_optimizers "
+                "returned another optimizer (use ddp for it)");
   }
 
   ShardedParameter& shard_of(const at::Tensor& parameter) {
@@ -209,8 +210,9 @@ class FsdpStrategy final : public fulgur::strategy_support::ProcessGroupStrategy
     // model holds no second copy of them (DeepSpeed's accounting: no extra 4 bytes per parameter).
     p.shard = p.rows_of(parameter.detach(), p.begin, p.local_rows()).reshape(p.shard_shape());
     if (p.local_rows() > 0 && !p.shard.is_alias_of(parameter))
-      throw Error(ErrorKind::config, "strategy 'fsdp': a parameter that is not contiguous cannot be sharded in place; "
-                                     "make it contiguous in the Module's constructor");
+      throw Error(ErrorKind::config,
+                  "strategy 'fsdp': a parameter that is not contiguous cannot be sharded in place; "
+                  "make it contiguous in the Module's constructor");
     return shards_.emplace(parameter.unsafeGetTensorImpl(), std::move(p)).first->second;
   }
 
