@@ -379,8 +379,8 @@ TEST_CASE("single_device: checkpoints go through write/read_checkpoint_file, cre
   c10::impl::GenericDict whole = sample_checkpoint();
   c10::IValue model_state = whole.at("state_dict");
   std::vector<c10::IValue> optimizer_states;
-  whole.erase("state_dict");
-  whole.erase("optimizer_states");
+  REQUIRE(whole.erase("state_dict") == 1);
+  REQUIRE(whole.erase("optimizer_states") == 1);
   c10::IValue metadata(whole);
   strategy->save_checkpoint(CheckpointParts{&model_state, &optimizer_states, &metadata}, path.string());
   CHECK(strategy->is_checkpoint(path.string()));
