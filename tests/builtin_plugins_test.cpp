@@ -713,7 +713,8 @@ TEST_CASE("every built-in callback, logger and strategy passes the testing kit's
       {"backbone_finetuning", {{"backbone", std::string("layer")}, {"unfreeze_backbone_at_epoch", int64_t{0}}}},
       {"freeze_schedule", {{"schedule", std::vector<std::string>{"0:freeze:layer.bias", "1:unfreeze:layer.*"}}}},
       {"spike_detection", {{"action", std::string("warn")}}},
-      {"prediction_writer", {}}};
+      {"prediction_writer", {}},
+      {"model_pruning", {}}};
   for (const auto& [name, overrides] : callbacks) {
     INFO("callback " << name);
     CHECK_NOTHROW(kit::check_callback_conformance(

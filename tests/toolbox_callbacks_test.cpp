@@ -348,6 +348,33 @@ TEST_CASE("backbone_finetuning: the backbone is frozen, then trained in its own 
 }
 
 TEST_CASE(
+    "backbone_finetuning: a run resumed after the unfreeze gets its backbone group back before the optimizer state") {
+  TempDir dir;
+  torch::manual_seed(0);
+  kit::BoringData data;
+  const Overrides finetuning{{"unfreeze_backbone_at_epoch", int64_t{1}}, {"lambda_func", 4.0}};
+  const Overrides checkpointing{
+      {"dirpath", (dir.path() / "ckpt").string()}, {"save_top_k", int64_t{0}}, {"save_last", true}};
+  {
+    fulgur::Trainer trainer(quiet_options(dir.path().string(), 2));
+    trainer.add_callback(make("backbone_finetuning", finetuning), "finetuning");
+    trainer.add_callback(make("model_checkpoint", checkpointing), "checkpoint");
+    TwoPart module;
+    trainer.fit(module, data);
+  }
+  REQUIRE(fs::exists(dir.path() / "ckpt" / "last.ckpt"));
+  fulgur::Trainer trainer(quiet_options(dir.path().string(), 3));
+  trainer.add_callback(make("backbone_finetuning", finetuning), "finetuning");
+  auto recorder = std::make_shared<EpochRecorder>();
+  trainer.add_callback(recorder, "recorder");
+  TwoPart module;
+  trainer.fit(module, data, (dir.path() / "ckpt" / "last.ckpt").string());
+  REQUIRE(recorder->snapshots.size() == 1);  // epoch 2 only
+  CHECK(recorder->group_counts[0] == 2);
+  CHECK(recorder->last_lrs[0] == doctest::Approx(0.04));  // 0.01 at epoch 1, x4 at epoch 2
+}
+
+TEST_CASE(
     "freeze_schedule: parameters freeze and unfreeze at their epochs, unfrozen ones the optimizer lacks join it") {
   TempDir dir;
   torch::manual_seed(0);
@@ -505,6 +532,88 @@ TEST_CASE("prediction_writer: per-batch and per-epoch files per rank, .pt opens 
 
   CHECK_THROWS_WITH_AS(make("prediction_writer", {{"format", std::string("npy")}}), doctest::Contains("format"),
                        fulgur::Error);
+}
+
+// ---- model_pruning --------------------------------------------------------------------------------
+
+TEST_CASE("model_pruning: L1 pruning reaches the set sparsity on the smallest weights, logs it, and zeros stay zero") {
+  kit::FakeTrainer trainer;
+  auto first = torch::nn::Linear(4, 4);
+  auto second = torch::nn::Linear(4, 4);
+  trainer.module = torch::nn::Sequential(first, second).ptr();
+  {
+    // 32 weights with distinct magnitudes 1..32, alternating signs; the biases are not selected.
+    torch::NoGradGuard no_grad;
+    const at::Tensor values = torch::arange(1, 33, torch::kFloat) * torch::tensor({1.0f, -1.0f}).repeat(16);
+    first->weight.copy_(values.slice(0, 0, 16).view({4, 4}));
+    second->weight.copy_(values.slice(0, 16, 32).view({4, 4}));
+  }
+  auto pruning = make("model_pruning", {{"amount", 0.5}, {"end_epoch", int64_t{1}}, {"verbose", int64_t{2}}});
+  trainer.start_fit(*pruning);
+  auto zeros = [&] { return (first->weight == 0).sum().item<int64_t>() + (second->weight == 0).sum().item<int64_t>(); };
+  auto all_weights = [&] {
+    return torch::cat({first->weight.detach().reshape(-1), second->weight.detach().reshape(-1)});
+  };
+
+  pruning->on_train_epoch_end(trainer);  // epoch 0: half of 32
+  CHECK(zeros() == 16);
+  // The 16 smallest magnitudes (1..16: all of the first layer) went.
+  CHECK(first->weight.eq(0).all().item<bool>());
+  REQUIRE(trainer.logged.size() == 1);
+  CHECK(trainer.logged[0].metrics.at("pruning/sparsity") == doctest::Approx(0.5));
+  CHECK(trainer.logged[0].metrics.at("pruning/sparsity/0.weight") == doctest::Approx(1.0));
+
+  // An optimizer step moves every weight; the pruned ones are put back to zero.
+  {
+    torch::NoGradGuard no_grad;
+    first->weight.add_(1.0);
+    second->weight.add_(1.0);
+  }
+  fulgur::Batch batch;
+  pruning->on_train_batch_end(trainer, fulgur::StepOutput{}, batch, 0);
+  CHECK(zeros() == 16);
+
+  trainer.epoch = 1;
+  pruning->on_train_epoch_end(trainer);  // half of the 16 left
+  CHECK(zeros() == 24);
+  CHECK(trainer.logged.back().metrics.at("pruning/sparsity") == doctest::Approx(0.75));
+  const at::Tensor survivors = all_weights().abs().masked_select(all_weights() != 0);
+  CHECK(survivors.min().item<float>() >= 25.0f - 1.0f);  // the largest magnitudes remain (shifted by the +1 step)
+
+  trainer.epoch = 2;  // past end_epoch: no more pruning
+  pruning->on_train_epoch_end(trainer);
+  CHECK(zeros() == 24);
+  CHECK(trainer.logged.size() == 2);
+
+  // The masks survive a checkpoint.
+  c10::IValue state;
+  pruning->state_dict(state);
+  auto resumed = make("model_pruning", {{"amount", 0.5}});
+  resumed->load_state_dict(state);
+  {
+    torch::NoGradGuard no_grad;
+    first->weight.fill_(3.0);
+    second->weight.fill_(3.0);
+  }
+  resumed->on_fit_start(trainer);
+  CHECK(zeros() == 24);
+
+  CHECK_THROWS_WITH_AS(make("model_pruning", {{"pruning_fn", std::string("ln_structured")}}),
+                       doctest::Contains("pruning_fn"), fulgur::Error);
+  CHECK_THROWS_WITH_AS(make("model_pruning", {{"amount", 1.5}}), doctest::Contains("amount"), fulgur::Error);
+}
+
+TEST_CASE("model_pruning: a real fit ends with the scheduled sparsity in the weights") {
+  TempDir dir;
+  torch::manual_seed(0);
+  fulgur::Trainer trainer(quiet_options(dir.path().string(), 3));
+  trainer.add_callback(make("model_pruning", {{"amount", 0.5}, {"start_epoch", int64_t{1}}}), "pruning");
+  kit::BoringModule module;
+  kit::BoringData data;
+  trainer.fit(module, data);
+  // Epochs 1 and 2 prune: 64 -> 32 -> 16 left; the bias is untouched.
+  CHECK((module.layer->weight == 0).sum().item<int64_t>() == 48);
+  CHECK((module.layer->bias == 0).sum().item<int64_t>() == 0);
 }
 
 // ---- the shipped program --------------------------------------------------------------------------
