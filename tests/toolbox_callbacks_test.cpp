@@ -400,6 +400,14 @@ TEST_CASE(
   CHECK(recorder->group_counts[2] == 2);                        // the backbone joined the optimizer...
   CHECK_FALSE(s[2]["backbone.weight"].equal(backbone_before));  // ...and trained
 
+  kit::FakeTrainer ddp;
+  ddp.cluster_info.world_size = 2;
+  for (const char* name : {"freeze_schedule", "backbone_finetuning"}) {
+    auto cb = std::string(name) == "freeze_schedule"
+                  ? make(name, {{"schedule", std::vector<std::string>{"0:freeze:*"}}})
+                  : make(name);
+    CHECK_THROWS_WITH_AS(cb->on_fit_start(ddp), doctest::Contains("several processes"), fulgur::Error);
+  }
   CHECK_THROWS_WITH_AS(make("freeze_schedule", {{"schedule", std::vector<std::string>{"one:freeze:x"}}}),
                        doctest::Contains("EPOCH:freeze:PATTERN"), fulgur::Error);
   CHECK_THROWS_WITH_AS(
