@@ -700,7 +700,14 @@ TEST_CASE("every built-in callback, logger and strategy passes the testing kit's
       {"lr_monitor", {}},
       {"timer", {{"duration", std::string("00:01:00:00")}}},
       {"throughput_monitor", {}},
-      {"device_stats", {}}};
+      {"device_stats", {}},
+      {"ema", {}},
+      {"swa", {{"swa_lrs", std::vector<double>{0.05}}}},
+      {"backbone_finetuning", {{"backbone", std::string("layer")}, {"unfreeze_backbone_at_epoch", int64_t{0}}}},
+      {"freeze_schedule", {{"schedule", std::vector<std::string>{"0:freeze:layer.bias", "1:unfreeze:layer.*"}}}},
+      {"spike_detection", {{"action", std::string("warn")}}},
+      {"prediction_writer", {}},
+      {"model_pruning", {}}};
   for (const auto& [name, overrides] : callbacks) {
     INFO("callback " << name);
     CHECK_NOTHROW(kit::check_callback_conformance(

@@ -1,0 +1,251 @@
+// Built-in callback `model_pruning`: Lightning's ModelPruning with L1 unstructured magnitude
+// pruning. At the end of each training epoch from start_epoch to end_epoch it prunes `amount` of
+// the weights still unpruned (torch.nn.utils.prune's cumulative rule: two prunings of 0.5 leave a
+// quarter), choosing those of smallest magnitude, over all selected parameters together
+// (use_global_unstructured) or parameter by parameter. The selected parameters are those whose
+// own name (the last part of the dotted name) is in parameter_names, as Lightning's
+// parameter_names. Pruned weights are zeroed and kept at zero after every optimizer step (torch's
+// forward pre-hook computes weight = weight_orig * mask instead; the weights the model uses are
+// the same); at the end of training the zeros are final (Lightning's make_pruning_permanent: there
+// is no reparametrization to remove). After each pruning the sparsity is sent to the loggers as
+// "pruning/sparsity" (and per parameter, "pruning/sparsity/<name>", with verbose = 2). The masks
+// are saved in checkpoints, so a resumed run keeps them.
+//
+// Not offered: other pruning_fn values, structured pruning (pruning_dim, pruning_norm), the lottery
+// ticket reset and resample_parameters.
+#include <fulgur/plugin.h>
+
+#include "../common/callback_support.h"
+
+#include <ATen/core/grad_mode.h>
+#include <ATen/ops/cat.h>
+#include <ATen/ops/full_like.h>
+#include <ATen/ops/ones_like.h>
+#include <ATen/ops/topk.h>
+#include <ATen/ops/where.h>
+#include <ATen/ops/zeros_like.h>
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+#include <spdlog/spdlog.h>
+#include <torch/nn/module.h>
+
+#include <cmath>
+#include <limits>
+#include <optional>
+#include <set>
+#include <string>
+#include <vector>
+
+namespace {
+
+namespace support = fulgur::callback_support;
+using fulgur::Error;
+using fulgur::ErrorKind;
+
+constexpr char kOwner[] = "callback 'model_pruning'";
+
+struct Pruned {
+  std::string name;
+  at::Tensor param;
+  at::Tensor mask;  // same dtype as the parameter: 1 kept, 0 pruned
+};
+
+class ModelPruning final : public fulgur::CallbackBase<ModelPruning> {
+ public:
+  explicit ModelPruning(const fulgur::Options& options)
+      : amount_(options.get_float("amount")),
+        names_(options.get_string_list("parameter_names")),
+        global_(options.get_bool("use_global_unstructured")),
+        start_epoch_(options.get_int("start_epoch")),
+        end_epoch_(options.get_int("end_epoch")),
+        verbose_(options.get_int("verbose")) {
+    const std::string& fn = options.get_string("pruning_fn");
+    if (fn != "l1_unstructured")
+      throw Error(ErrorKind::config, fmt::format("{}: pruning_fn = \"{}\" is not available; the built-in prunes by "
+                                                 "magnitude: pruning_fn = \"l1_unstructured\"",
+                                                 kOwner, fn));
+    if (!(amount_ > 0.0 && amount_ < 1.0))
+      throw Error(ErrorKind::config, fmt::format("{}: amount = {} must lie in (0, 1): the fraction of the unpruned "
+                                                 "weights pruned at each pruning epoch",
+                                                 kOwner, amount_));
+    if (names_.empty())
+      throw Error(ErrorKind::config,
+                  fmt::format("{}: parameter_names is empty; name the parameters to prune, e.g. [\"weight\"]", kOwner));
+    if (start_epoch_ < 0)
+      throw Error(ErrorKind::config, fmt::format("{}: start_epoch = {} must be >= 0", kOwner, start_epoch_));
+    if (end_epoch_ != -1 && end_epoch_ < start_epoch_)
+      throw Error(ErrorKind::config, fmt::format("{}: end_epoch = {} is before start_epoch = {}; use -1 for no end",
+                                                 kOwner, end_epoch_, start_epoch_));
+    if (verbose_ < 0 || verbose_ > 2)
+      throw Error(ErrorKind::config, fmt::format("{}: verbose = {} must be 0, 1 or 2", kOwner, verbose_));
+  }
+
+  void on_fit_start(fulgur::TrainerContext& trainer) override {
+    pruned_.clear();
+    const std::set<std::string> wanted(names_.begin(), names_.end());
+    for (const auto& item : trainer.model().named_parameters(/*recurse=*/true)) {
+      const std::string& name = item.key();
+      const std::string leaf = name.substr(name.rfind('.') == std::string::npos ? 0 : name.rfind('.') + 1);
+      if (wanted.count(leaf) && at::isFloatingType(item.value().scalar_type()))
+        pruned_.push_back({name, item.value(), at::ones_like(item.value())});
+    }
+    if (pruned_.empty())
+      throw Error(ErrorKind::config, fmt::format("{}: parameter_names = [{}] selects no floating-point parameter of "
+                                                 "the model (the names are the last part of the dotted names, such "
+                                                 "as \"weight\" in \"fc1.weight\")",
+                                                 kOwner, fmt::join(names_, ", ")));
+    prunings_ = 0;
+    last_epoch_ = -1;
+    if (pending_) {
+      restore(*pending_);
+      pending_.reset();
+      apply_masks();
+    }
+  }
+
+  // Keeps pruned weights at zero after each optimizer step.
+  void on_train_batch_end(fulgur::TrainerContext&, const fulgur::StepOutput&, const fulgur::Batch&, int64_t) override {
+    if (prunings_ > 0) apply_masks();
+  }
+
+  void on_train_epoch_end(fulgur::TrainerContext& trainer) override {
+    const int64_t epoch = trainer.current_epoch();
+    if (epoch < start_epoch_ || (end_epoch_ >= 0 && epoch > end_epoch_) || epoch == last_epoch_) return;
+    prune();
+    last_epoch_ = epoch;
+    ++prunings_;
+    fulgur::MetricMap row{{"pruning/sparsity", sparsity()}};
+    if (verbose_ >= 2)
+      for (const auto& p : pruned_) row["pruning/sparsity/" + p.name] = sparsity_of(p);
+    if (verbose_ >= 1)
+      spdlog::info("{}: epoch {}: pruned to a sparsity of {:.4f} over {} parameter(s)", kOwner, epoch,
+                   row["pruning/sparsity"], pruned_.size());
+    if (trainer.has_logger()) trainer.log_metrics(row, kOwner);
+  }
+
+  void on_train_end(fulgur::TrainerContext&) override {
+    if (prunings_ == 0) return;
+    apply_masks();
+    spdlog::info("{}: pruning made permanent: sparsity {:.4f} over {} parameter(s)", kOwner, sparsity(),
+                 pruned_.size());
+  }
+
+  std::string state_key() const override { return "ModelPruning"; }
+  void state_dict(c10::IValue& out) const override {
+    auto state = support::new_state_dict();
+    c10::impl::GenericDict masks(c10::StringType::get(), c10::TensorType::get());
+    for (const auto& p : pruned_) masks.insert(p.name, p.mask.to(at::kBool).to(at::kCPU));
+    state.insert("masks", masks);
+    state.insert("prunings", prunings_);
+    state.insert("last_epoch", last_epoch_);
+    out = c10::IValue(state);
+  }
+  // Restored before on_fit_start, when the parameters are not known yet: kept until then. A state
+  // saved before any pruning has nothing to restore.
+  void load_state_dict(const c10::IValue& state) override {
+    auto dict = support::expect_dict(kOwner, state);
+    if (support::get_optional_int(kOwner, dict, "prunings").value_or(0) > 0) pending_ = dict;
+  }
+
+ private:
+  void restore(const c10::impl::GenericDict& state) {
+    prunings_ = support::get_optional_int(kOwner, state, "prunings").value_or(0);
+    last_epoch_ = support::get_optional_int(kOwner, state, "last_epoch").value_or(-1);
+    auto masks = support::find_value(state, "masks");
+    if (!masks || !masks->isGenericDict()) return;
+    const auto dict = masks->toGenericDict();
+    for (auto& p : pruned_) {
+      auto it = dict.find(p.name);
+      if (it == dict.end() || it->value().toTensor().sizes() != p.param.sizes())
+        throw Error(ErrorKind::checkpoint, fmt::format("{}: the checkpoint has no mask of the right shape for '{}'; "
+                                                       "resume with the same model and parameter_names",
+                                                       kOwner, p.name));
+      p.mask = it->value().toTensor().to(p.param.options());
+    }
+  }
+
+  void apply_masks() {
+    at::NoGradGuard no_grad;
+    for (auto& p : pruned_) p.param.detach().mul_(p.mask);
+  }
+
+  // Prunes round(amount * unpruned) of the unpruned weights with the smallest magnitude.
+  void prune() {
+    at::NoGradGuard no_grad;
+    if (global_) {
+      std::vector<at::Tensor> scores;
+      for (const auto& p : pruned_) scores.push_back(score(p).to(at::kFloat).to(at::kCPU));
+      at::Tensor all = at::cat(scores);
+      at::Tensor drop = choose(all);
+      int64_t offset = 0;
+      for (auto& p : pruned_) {
+        const int64_t n = p.param.numel();
+        at::Tensor part = drop.slice(0, offset, offset + n).view(p.param.sizes()).to(p.mask.device());
+        p.mask.masked_fill_(part, 0);
+        offset += n;
+      }
+    } else {
+      for (auto& p : pruned_) p.mask.masked_fill_(choose(score(p)).view(p.param.sizes()), 0);
+    }
+    apply_masks();
+  }
+
+  // |w| where unpruned, +inf where pruned (never chosen again), flattened.
+  static at::Tensor score(const Pruned& p) {
+    at::Tensor magnitude = p.param.detach().abs().reshape({-1});
+    return at::where(p.mask.reshape({-1}) == 0, at::full_like(magnitude, std::numeric_limits<double>::infinity()),
+                     magnitude);
+  }
+
+  // A boolean vector marking the k smallest unpruned scores, k = round(amount * unpruned) with
+  // Python's round (half to even), as torch.nn.utils.prune counts.
+  at::Tensor choose(const at::Tensor& scores) const {
+    const int64_t unpruned = scores.isfinite().sum().item<int64_t>();
+    const int64_t k = static_cast<int64_t>(std::nearbyint(amount_ * static_cast<double>(unpruned)));
+    at::Tensor drop = at::zeros_like(scores, scores.options().dtype(at::kBool));
+    if (k == 0) return drop;
+    at::Tensor indices = std::get<1>(at::topk(scores, k, /*dim=*/0, /*largest=*/false));
+    drop.index_fill_(0, indices, true);
+    return drop;
+  }
+
+  static double sparsity_of(const Pruned& p) {
+    return 1.0 - p.mask.sum().item<double>() / static_cast<double>(std::max<int64_t>(1, p.mask.numel()));
+  }
+  double sparsity() const {
+    double zeros = 0, total = 0;
+    for (const auto& p : pruned_) {
+      zeros += static_cast<double>(p.mask.numel()) - p.mask.sum().item<double>();
+      total += static_cast<double>(p.mask.numel());
+    }
+    return total > 0 ? zeros / total : 0.0;
+  }
+
+  double amount_;
+  std::vector<std::string> names_;
+  bool global_;
+  int64_t start_epoch_;
+  int64_t end_epoch_;
+  int64_t verbose_;
+  std::vector<Pruned> pruned_;
+  int64_t prunings_ = 0;
+  int64_t last_epoch_ = -1;
+  std::optional<c10::impl::GenericDict> pending_;
+};
+
+}  // namespace
+
+FULGUR_PLUGIN(ModelPruning, "model_pruning", "0.1.0",
+              "L1 unstructured magnitude pruning at the end of training epochs (Lightning's ModelPruning), made "
+              "permanent at the end; the sparsity goes to the loggers",
+              FULGUR_OPTION(string, pruning_fn, "Pruning method: \"l1_unstructured\" (smallest magnitude first)",
+                            "l1_unstructured"),
+              FULGUR_OPTION(floating, amount, "Fraction of the still unpruned weights pruned at each pruning epoch",
+                            0.5),
+              FULGUR_OPTION(string_list, parameter_names,
+                            "Parameter names to prune (the last part of dotted names)", ["weight"]),
+              FULGUR_OPTION(boolean, use_global_unstructured,
+                            "One magnitude threshold over all selected parameters; false: per parameter", true),
+              FULGUR_OPTION(integer, start_epoch, "First epoch (0-based) whose end prunes", 0),
+              FULGUR_OPTION(integer, end_epoch, "Last epoch whose end prunes; -1: every epoch to the end", -1),
+              FULGUR_OPTION(integer, verbose, "0: quiet, 1: log the sparsity, 2: also per parameter", 0))
