@@ -256,3 +256,24 @@ TEST_CASE("contract v2: fulgur config check rejects bad values of [trainer] keys
   FULGUR_CHECK_CONTAINS(plugin_value.output, "job.toml:4");  // the table's name = line
   FULGUR_CHECK_CONTAINS(plugin_value.output, "mode = \"sideways\" is not understood");
 }
+
+TEST_CASE(
+    "contract v2: a callback overriding a hook it does not declare is warned about; declared conditions are not") {
+  TempDir dir;
+  const fs::path plugins = plugin_dir(dir, {"undeclared"});
+  // The shipped CLI creates it (`fulgur plugins load` runs its factory).
+  auto describe = [&](const std::vector<std::string>& args) {
+    std::vector<std::string> argv{FULGUR_TEST_FULGUR_BIN};
+    argv.insert(argv.end(), args.begin(), args.end());
+    return fulgur::test::run_process(argv, {{"FULGUR_PLUGIN_PATH", plugins.string()}, {"FULGUR_LOG_LEVEL", "info"}},
+                                     dir.path());
+  };
+  const ProcessRun warned = describe({"plugins", "load", "fixture_undeclared", "--kind", "callback"});
+  INFO(warned.output);
+  FULGUR_CHECK_CONTAINS(warned.output, "on_train_start but does not list them in hooks()");
+  // model_checkpoint leaves on_train_batch_end out when it saves by epoch only: intended, no warning.
+  const ProcessRun quiet = describe({"plugins", "load", "model_checkpoint", "--kind", "callback"});
+  INFO(quiet.output);
+  CHECK(quiet.exit_code == 0);
+  CHECK(!contains(quiet.output, "does not list them in hooks()"));
+}

@@ -288,6 +288,9 @@ class ModelCheckpoint final : public fulgur::Callback, public fulgur::Checkpoint
     top_k_.kth_value = support::worst_score(mode_);
   }
 
+  // on_train_batch_end is declared only when step-triggered saving is on (see hooks()).
+  static constexpr fulgur::HookSet kConditionalHooks = static_cast<fulgur::HookSet>(fulgur::Hook::train_batch_end);
+
   fulgur::HookSet hooks() const override {
     fulgur::HookSet set = fulgur::Hook::setup | fulgur::Hook::teardown | fulgur::Hook::fit_start |
                           fulgur::Hook::train_epoch_end | fulgur::Hook::validation_end;

@@ -46,6 +46,9 @@ class ThroughputMonitor final : public fulgur::Callback {
                                                  kOwner));
   }
 
+  // on_train_batch_start is declared only when FLOPs are counted (see hooks()).
+  static constexpr fulgur::HookSet kConditionalHooks = static_cast<fulgur::HookSet>(fulgur::Hook::train_batch_start);
+
   fulgur::HookSet hooks() const override {
     using fulgur::Hook;
     HookSet set = Hook::train_start | Hook::train_batch_end | Hook::validation_start | Hook::validation_end;

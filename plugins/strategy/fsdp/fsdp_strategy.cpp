@@ -141,6 +141,7 @@ class FsdpStrategy final : public fulgur::strategy_support::ProcessGroupStrategy
   }
 
   bool optimizer_step(torch::optim::Optimizer& optimizer, fulgur::Precision& precision) override {
+    check_groups_unchanged(optimizer);
     agree_on_non_finite_gradients(optimizer);
     const bool stepped = precision.optimizer_step(optimizer);
     if (stepped) gather_parameters(optimizer);
@@ -186,6 +187,20 @@ class FsdpStrategy final : public fulgur::strategy_support::ProcessGroupStrategy
     throw Error(ErrorKind::config,
                 "strategy 'fsdp': shards the state of Adam, AdamW and SGD; configure_optimizers "
                 "returned another optimizer (use ddp for it)");
+  }
+
+  // A parameter added to the optimizer after setup_optimizers (a param group a finetuning callback
+  // adds) would be stepped whole on every rank and be missing from the gathered state: refused.
+  void check_groups_unchanged(torch::optim::Optimizer& optimizer) const {
+    size_t count = 0;
+    for (const auto& group : optimizer.param_groups()) count += group.params().size();
+    if (count != shards_for(optimizer).size())
+      throw Error(ErrorKind::config,
+                  fmt::format("strategy 'fsdp': the optimizer now holds {} parameters, {} when training started; "
+                              "parameters added later (a callback that unfreezes layers into a new param group) "
+                              "are not sharded; put every parameter in configure_optimizers (frozen ones are "
+                              "fine) or use ddp / single_device",
+                              count, shards_for(optimizer).size()));
   }
 
   ShardedParameter& shard_of(const at::Tensor& parameter) {

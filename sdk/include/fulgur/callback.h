@@ -211,7 +211,9 @@ constexpr HookSet overridden_hooks() {
 #undef FULGUR_HOOK_OVERRIDDEN
 
 // A callback that overrides hooks its hooks() does not list would never see them: FULGUR_PLUGIN's
-// factory says so once, when it is created (CallbackBase<T> derives the list: never a gap).
+// factory says so once, when it is created (CallbackBase<T> derives the list: never a gap). A
+// callback that leaves hooks out on purpose, depending on its options, names them in
+// `static constexpr fulgur::HookSet kConditionalHooks`.
 FULGUR_SDK_API void warn_undeclared_hooks(const Callback& callback, HookSet overridden, const fulgur_create_args* args);
 }  // namespace detail
 

@@ -173,7 +173,13 @@ void* create(const fulgur_create_args* args) noexcept {
     } else {
       object = new T();
     }
-    if constexpr (std::is_base_of_v<Callback, T>) warn_undeclared_hooks(*object, overridden_hooks<T>(), args);
+    if constexpr (std::is_base_of_v<Callback, T>) {
+      // A callback whose hook set depends on its options names those hooks in a static
+      // kConditionalHooks (HookSet): leaving them out of hooks() is then intended.
+      HookSet overridden = overridden_hooks<T>();
+      if constexpr (requires { T::kConditionalHooks; }) overridden &= ~static_cast<HookSet>(T::kConditionalHooks);
+      warn_undeclared_hooks(*object, overridden, args);
+    }
     return static_cast<void*>(object);
   } catch (const std::exception& e) {
     report_create_error(args, e.what());
