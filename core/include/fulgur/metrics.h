@@ -1,6 +1,7 @@
 // Stateful metrics for use inside steps, computed as torchmetrics computes them: update() per
-// batch accumulates states on the batch's device (no host sync), compute() reduces them (across
-// ranks when the metric is synced), reset() starts over.
+// batch accumulates states on the batch's device (no host copy of the values; ignore_index and,
+// on CUDA, bincount need a device sync), compute() reduces them (across ranks when the metric is
+// synced), reset() starts over.
 //
 //   struct Net : fulgur::Module {
 //     Net() { val_acc.sync_with(*this); }   // states all-reduced through the Trainer's strategy
