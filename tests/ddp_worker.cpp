@@ -12,6 +12,7 @@
 #include <fulgur/config.h>
 #include <fulgur/data.h>
 #include <fulgur/error.h>
+#include <fulgur/metrics.h>
 #include <fulgur/module.h>
 #include <fulgur/strategy.h>
 #include <fulgur/trainer.h>
@@ -56,6 +57,13 @@ struct Mlp : fulgur::Module {
     log("val/rank", torch::full({}, static_cast<double>(rank), at::kFloat), fulgur::LogOptions().sync_dist(true));
     // Not synced: each rank sees its own value (for decisions that must still agree).
     log("val/own_rank", torch::full({}, static_cast<double>(rank), at::kFloat));
+    // Metric objects: states summed (accuracy) and gathered (AUROC's scores) across ranks at
+    // epoch end, so every rank logs the value over the whole validation set.
+    const at::Tensor logits = forward(b.input);
+    val_acc.update(logits, b.target);
+    val_auroc.update(logits, b.target);
+    log("val/acc_metric", val_acc);
+    log("val/auroc_metric", val_auroc);
     return {};
   }
   std::vector<fulgur::OptimizerConfig> configure_optimizers() override {
@@ -68,6 +76,9 @@ struct Mlp : fulgur::Module {
   torch::nn::Linear fc1{nullptr}, fc2{nullptr}, frozen{nullptr};
   at::Tensor scale;
   int64_t rank = 0;
+  fulgur::metrics::Accuracy val_acc{
+      fulgur::metrics::ClassificationOptions::multiclass(4).average(fulgur::metrics::Average::micro)};
+  fulgur::metrics::AUROC val_auroc{fulgur::metrics::ClassificationOptions::multiclass(4)};
 };
 
 struct FixedData : fulgur::DataModule {

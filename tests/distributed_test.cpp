@@ -180,7 +180,10 @@ std::map<std::string, double> metrics(const Run& run, int rank) {
 }  // namespace
 
 TEST_CASE("ddp: 2 ranks with batch B reach the weights of 1 process with batch 2B") {
-  auto single = run_worker(worker_config("single_device", "1", 16, 6));
+  // The single process validates on 4 batches: the 2 each of the two ranks see (the metric checks).
+  std::string single_config = worker_config("single_device", "1", 16, 6);
+  REQUIRE(fulgur::test::replace_all(single_config, "limit_val_batches = 2", "limit_val_batches = 4") == 1);
+  auto single = run_worker(single_config);
   REQUIRE_SUCCESS(single);
   auto env = clean_env();
   env["FULGUR_TEST_SCRAMBLE_INIT"] = "1";  // rank 1 starts from other weights: rank 0's must win
@@ -196,6 +199,14 @@ TEST_CASE("ddp: 2 ranks with batch B reach the weights of 1 process with batch 2
   CHECK(m0.at("val/rank") == doctest::Approx(0.5));
   CHECK(m1.at("val/rank") == doctest::Approx(0.5));
   CHECK(m0.at("val/loss") == doctest::Approx(m1.at("val/loss")).epsilon(1e-6));
+  // Metric objects (fulgur/metrics.h) synced through the strategy: each rank saw half of the
+  // validation batches, both log the value over all of them, which is what one process computes.
+  const auto one = metrics(*single, 0);
+  for (const char* key : {"val/acc_metric", "val/auroc_metric"}) {
+    INFO(std::string(key) << ": rank 0 " << m0.at(key) << ", rank 1 " << m1.at(key) << ", one process " << one.at(key));
+    CHECK(m0.at(key) == m1.at(key));
+    CHECK(m0.at(key) == doctest::Approx(one.at(key)).epsilon(1e-4));
+  }
 }
 
 TEST_CASE("ddp: gradient accumulation syncs once per window and matches one process") {

@@ -94,6 +94,7 @@ void smoke(const std::string& target, Entry entry, int mutations_per_seed) {
 TEST_CASE("fuzz smoke: TOML config parse and schema validation") { smoke("config", fuzz::config, 300); }
 TEST_CASE("fuzz smoke: ELF-note reader") { smoke("elf_note", fuzz::elf_note, 2000); }
 TEST_CASE("fuzz smoke: checkpoint reader") { smoke("checkpoint", fuzz::checkpoint, 300); }
+TEST_CASE("fuzz smoke: safetensors reader") { smoke("safetensors", fuzz::safetensors, 1000); }
 TEST_CASE("fuzz smoke: IDX reader") { smoke("idx", fuzz::idx, 500); }
 
 }  // namespace fulgur

@@ -7,12 +7,15 @@
 //   fulgur plugins check [NAME | --all] [--kind KIND] [--config FILE] [--timeout S] [--force]
 //                                  (the same in child processes: crashes and hangs are reported)
 //   fulgur config check FILE       (parses the TOML and checks every plugin table)
+//   fulgur weights convert IN OUT  (between .pt / .ckpt and .safetensors)
+//   fulgur weights inspect FILE    (names, dtypes, shapes)
 #include <fulgur/config.h>
 #include <fulgur/error.h>
 #include <fulgur/host.h>
 #include <fulgur/registry/registry.h>
 
 #include "plugin_check.h"
+#include "weights_command.h"
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -34,7 +37,9 @@ constexpr const char* kUsage =
     "  fulgur plugins describe NAME [--kind KIND] [--config FILE]\n"
     "  fulgur plugins load NAME [--kind KIND] [--config FILE]\n"
     "  fulgur plugins check [NAME | --all] [--kind KIND] [--config FILE] [--timeout SECONDS] [--force]\n"
-    "  fulgur config check FILE\n";
+    "  fulgur config check FILE\n"
+    "  fulgur weights convert IN OUT\n"
+    "  fulgur weights inspect FILE\n";
 
 struct Args {
   std::vector<std::string> positional;
@@ -241,6 +246,7 @@ int main(int argc, char** argv) {
     if (p.size() >= 2 && p[0] == "plugins" && p[1] == "load") return load_plugin(args);
     if (p.size() >= 2 && p[0] == "plugins" && p[1] == "check") return check_plugins(args);
     if (p.size() >= 2 && p[0] == "config" && p[1] == "check") return check_config(args);
+    if (!p.empty() && p[0] == "weights") return cli::weights_main(p);
     std::cerr << kUsage;
     return 2;
   } catch (const Error& e) {

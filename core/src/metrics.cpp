@@ -1,5 +1,7 @@
 #include "metrics.h"
 
+#include <fulgur/metrics.h>
+
 #include <fulgur/error.h>
 #include <fulgur/strategy.h>
 
@@ -79,9 +81,39 @@ MetricMap MetricStore::prog_bar_step_values() const {
   return out;
 }
 
+void MetricStore::log_metric(const std::string& name, metrics::Metric& metric, const LogOptions& options) {
+  Entry& e = entry(name);
+  if (e.metric && e.metric != &metric)
+    throw Error(ErrorKind::invalid_argument,
+                fmt::format("log('{}'): two different metric objects under one name", name));
+  e.on_step = false;
+  e.on_epoch = true;
+  e.prog_bar = options.prog_bar_;
+  e.logger = options.logger_;
+  e.metric = &metric;
+  e.metric_due = true;
+}
+
 MetricMap MetricStore::reduce_epoch(Strategy* strategy, bool logger_only, MetricMap* prog_bar_out, MetricMap* all_out) {
   MetricMap out;
   for (auto& e : entries_) {
+    if (e.metric) {
+      if (!e.metric_due) continue;
+      // A collective when the metric is synced: every rank reaches this point at the same epoch end.
+      const at::Tensor computed = e.metric->compute();
+      e.metric->reset();
+      e.metric_due = false;
+      if (computed.numel() != 1)
+        throw Error(ErrorKind::invalid_argument,
+                    fmt::format("log('{}', metric): the metric computes a tensor of shape {}, not a scalar (an average "
+                                "of none?); log its elements yourself",
+                                e.name, c10::str(computed.sizes())));
+      const double value = computed.item<double>();
+      if (all_out) (*all_out)[e.name] = value;
+      if (prog_bar_out && e.prog_bar) (*prog_bar_out)[e.name] = value;
+      if (!logger_only || e.logger) out[e.name] = value;
+      continue;
+    }
     if (!e.on_epoch || !e.epoch_accum.defined()) continue;
     at::Tensor total = e.epoch_accum;
     double weight = e.epoch_weight;

@@ -12,6 +12,9 @@
 namespace fulgur {
 
 class Strategy;
+namespace metrics {
+class Metric;
+}
 
 class MetricStore {
  public:
@@ -23,15 +26,18 @@ class MetricStore {
     bool logger = true;
     bool sync_dist = false;
     Reduction reduce = Reduction::mean;
-    at::Tensor step_value;    // latest value (detached)
-    at::Tensor epoch_accum;   // weighted sum (mean), sum, or running max/min
-    double epoch_weight = 0;  // total batch size behind epoch_accum
-    bool step_fresh = false;  // logged since the last collect_step()
+    at::Tensor step_value;              // latest value (detached)
+    at::Tensor epoch_accum;             // weighted sum (mean), sum, or running max/min
+    double epoch_weight = 0;            // total batch size behind epoch_accum
+    bool step_fresh = false;            // logged since the last collect_step()
+    metrics::Metric* metric = nullptr;  // Module::log(name, metric): computed and reset at epoch end
+    bool metric_due = false;            // logged since the last reduce_epoch()
   };
 
   void log(const std::string& name, const at::Tensor& value, const LogOptions& options, bool training_context,
            int64_t batch_size);
 
+  void log_metric(const std::string& name, metrics::Metric& metric, const LogOptions& options);
   // Step-level values logged since the last call ("name" or "name_step"); host copies happen here.
   MetricMap collect_step(bool logger_only, bool prog_bar_only, bool consume);
   // Epoch-level values ("name" or "name_epoch"), reduced across ranks where sync_dist asked for it;

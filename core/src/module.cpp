@@ -1,4 +1,5 @@
 #include <fulgur/error.h>
+#include <fulgur/metrics.h>
 #include <fulgur/module.h>
 #include <fulgur/precision.h>
 
@@ -43,6 +44,22 @@ void Module::log(const std::string& name, const at::Tensor& value, const LogOpti
 
 void Module::log(const std::string& name, double value, const LogOptions& options) {
   log(name, at::scalar_tensor(value, at::kDouble), options);
+}
+
+void Module::log(const std::string& name, metrics::Metric& metric, const LogOptions& options) {
+  if (!binding_ || !binding_->metrics) return;
+  if (!binding_->logging_allowed)
+    throw Error(ErrorKind::invalid_argument,
+                fmt::format("log('{}') was called from a hook where logging is not allowed (as in Lightning: only "
+                            "steps, batch/epoch hooks and backward/optimizer hooks may log)",
+                            name));
+  if (options.on_step_.value_or(false) || !options.on_epoch_.value_or(true))
+    throw Error(ErrorKind::invalid_argument,
+                fmt::format("log('{}', metric): metric objects are logged once per epoch (compute() at its end); for a "
+                            "per-step value log a tensor, e.g. the batch's own value",
+                            name));
+  if (!metric.synced()) metric.sync_with(*this);
+  binding_->metrics->log_metric(name, metric, options);
 }
 
 void Module::log_dict(const std::map<std::string, at::Tensor>& values, const LogOptions& options) {

@@ -18,9 +18,11 @@
 #include <caffe2/serialize/inline_container.h>
 #include <torch/csrc/jit/serialization/import_read.h>
 #include <torch/csrc/jit/serialization/pickler.h>
+#include <torch/csrc/jit/serialization/unpickler.h>
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <chrono>
@@ -32,6 +34,8 @@
 #include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
+
+#include "pickle_compat.h"
 
 namespace fulgur {
 namespace {
@@ -389,8 +393,24 @@ c10::IValue read_checkpoint_file(const std::string& path, c10::Device map_locati
     caffe2::serialize::PyTorchStreamReader reader(path);
     if (reader.hasRecord("data.pkl")) {
       auto [pickle, size] = reader.getRecord("data.pkl");
-      if (std::string problem = pickle_memo_problem(static_cast<const uint8_t*>(pickle.get()), size); !problem.empty())
+      const auto* bytes = static_cast<const uint8_t*>(pickle.get());
+      if (std::string problem = pickle_memo_problem(bytes, size); !problem.empty())
         unreadable(path, fmt::format("the archive is corrupt: {}", problem));
+      // Python's OrderedDicts (every state_dict()) need the rewrite; then this is what
+      // readArchiveAndTensors does, over the rewritten pickle.
+      if (std::optional<std::string> fixed = detail::plain_dicts_for_ordered_dicts(bytes, size)) {
+        size_t read = 0;
+        auto next = [&](char* buffer, size_t length) -> size_t {
+          length = std::min(length, fixed->size() - read);
+          std::memcpy(buffer, fixed->data() + read, length);
+          read += length;
+          return length;
+        };
+        auto record = [&](const std::string& name) { return std::get<0>(reader.getRecord("data/" + name)); };
+        torch::jit::Unpickler unpickler(next, nullptr, nullptr, record, map_location);
+        unpickler.set_version(reader.version());
+        return unpickler.parse_ivalue();
+      }
     }
     // What torch::pickle_load does, reading records from the file instead of a buffer holding
     // all of it, and placing tensors on `map_location`.

@@ -10,10 +10,11 @@
 
 namespace fulgur::fuzz {
 
-int config(const uint8_t* data, size_t size);      // TOML config, parse + schema validation
-int elf_note(const uint8_t* data, size_t size);    // plugin ELF-note reader
-int checkpoint(const uint8_t* data, size_t size);  // checkpoint archive reader
-int idx(const uint8_t* data, size_t size);         // Fashion-MNIST IDX reader (plain and gzip)
+int config(const uint8_t* data, size_t size);       // TOML config, parse + schema validation
+int elf_note(const uint8_t* data, size_t size);     // plugin ELF-note reader
+int checkpoint(const uint8_t* data, size_t size);   // checkpoint archive reader
+int idx(const uint8_t* data, size_t size);          // Fashion-MNIST IDX reader (plain and gzip)
+int safetensors(const uint8_t* data, size_t size);  // safetensors reader (smoke only: no libFuzzer target yet)
 
 }  // namespace fulgur::fuzz
 

@@ -2,7 +2,7 @@
 """Regenerates the small binary seeds of tests/fuzz/corpus (the TOML seeds are written by hand).
 
 usage: make_seeds.py PLUGIN.so   (any Fulgur plugin: its metadata note seeds the ELF-note target)
-Needs torch (the venv's python) for the checkpoint seed.
+Needs torch and safetensors (the venv's python) for the checkpoint and safetensors seeds.
 """
 import gzip
 import io
@@ -62,6 +62,18 @@ def main():
     torch.save({"epoch": 1, "global_step": 4, "state_dict": {"layer.weight": torch.arange(4.0).reshape(2, 2)},
                 "optimizer_states": [{"lr": 0.1}], "callbacks": {}}, buffer)
     write("checkpoint", "small.ckpt", buffer.getvalue())
+    # What torch.save(model.state_dict()) writes: OrderedDicts with a _metadata attribute, which the
+    # reader rewrites to plain dicts (sdk/src/pickle_compat.cpp).
+    torch.manual_seed(0)
+    buffer = io.BytesIO()
+    torch.save(torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.BatchNorm1d(2)).state_dict(), buffer)
+    write("checkpoint", "state_dict.pt", buffer.getvalue())
+
+    from safetensors.torch import save
+    write("safetensors", "small.safetensors",
+          save({"w": torch.arange(6.0).reshape(2, 3), "h": torch.ones(2, dtype=torch.float16),
+                "i": torch.tensor([1, -2]), "b": torch.tensor([True, False])}, metadata={"format": "pt"}))
+    write("safetensors", "empty.safetensors", save({}))
 
 
 if __name__ == "__main__":

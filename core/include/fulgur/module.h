@@ -36,6 +36,9 @@ class Optimizer;
 namespace fulgur {
 
 class MetricStore;
+namespace metrics {
+class Metric;
+}
 
 enum class Reduction { mean, sum, max, min };
 
@@ -180,6 +183,13 @@ class Module : public torch::nn::Module {
   void log(const std::string& name, const at::Tensor& value, const LogOptions& options = {});
   void log(const std::string& name, double value, const LogOptions& options = {});
   void log_dict(const std::map<std::string, at::Tensor>& values, const LogOptions& options = {});
+  // A metric object (fulgur/metrics.h), as Lightning logs a torchmetrics object: at the end of
+  // the epoch the Trainer calls metric.compute() (synchronised across ranks through this Module
+  // unless the metric was given its own sync) and then metric.reset(). Update the metric in the
+  // step yourself; log it from the step (every call after the first only marks it as due). The
+  // value is epoch-level only (on_step(true) is refused: log a tensor for per-step values) and
+  // must be a scalar. The metric must outlive the epoch (make it a member).
+  void log(const std::string& name, metrics::Metric& metric, const LogOptions& options = {});
 
   // Manual optimization: training_step calls manual_backward and steps the optimizers itself
   // through the handles optimizers() returns (see OptimizerHandle). Trainer-level
