@@ -690,7 +690,7 @@ TEST_CASE("simple: misuse of start/stop") {
 
 // The testing kit's conformance checks (fulgur/testing/plugin_kit.h), which third parties run on
 // their plugins, pass for every built-in callback, logger and strategy.
-TEST_CASE("every built-in callback, logger and strategy passes the testing kit's conformance checks") {
+TEST_CASE("every built-in plugin passes the testing kit's conformance checks for its kind") {
   namespace kit = fulgur::testing;
   const std::vector<std::pair<std::string, std::vector<std::pair<std::string, fulgur::OptionValue>>>> callbacks = {
       {"model_checkpoint", {}},
@@ -721,6 +721,21 @@ TEST_CASE("every built-in callback, logger and strategy passes the testing kit's
     INFO("strategy " << name);
     CHECK_NOTHROW(
         kit::check_strategy_conformance(kit::create_plugin<fulgur::Strategy>(fulgur::PluginKind::strategy, name)));
+  }
+  {
+    INFO("accelerator cpu");
+    CHECK_NOTHROW(kit::check_accelerator_conformance(
+        kit::create_plugin<fulgur::Accelerator>(fulgur::PluginKind::accelerator, "cpu")));
+  }
+  for (const char* name : {"32-true", "64-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true"}) {
+    INFO("precision " << name);
+    CHECK_NOTHROW(
+        kit::check_precision_conformance(kit::create_plugin<fulgur::Precision>(fulgur::PluginKind::precision, name)));
+  }
+  for (const char* name : {"simple", "pytorch"}) {
+    INFO("profiler " << name);
+    CHECK_NOTHROW(
+        kit::check_profiler_conformance(kit::create_plugin<fulgur::Profiler>(fulgur::PluginKind::profiler, name)));
   }
   // The checks can fail: a callback that stops the run early is caught.
   struct StopsAtOnce : fulgur::CallbackBase<StopsAtOnce> {

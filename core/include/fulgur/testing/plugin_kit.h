@@ -7,13 +7,17 @@
 //       fulgur::PluginKind::callback, "divergence_guard", {{"limit", 10.0}}, {"build"});
 //   fulgur::testing::check_callback_conformance(guard.get());   // throws std::runtime_error
 //
-// The checks throw std::runtime_error saying what failed, so any test framework can use them.
+// The checks throw std::runtime_error saying what failed, so any test framework can use them; one
+// per plugin kind (check_callback/logger/strategy/accelerator/precision/profiler_conformance).
 #pragma once
 
+#include <fulgur/accelerator.h>
 #include <fulgur/callback.h>
 #include <fulgur/data.h>
 #include <fulgur/logger.h>
 #include <fulgur/module.h>
+#include <fulgur/precision.h>
+#include <fulgur/profiler.h>
 #include <fulgur/registry/registry.h>
 #include <fulgur/strategy.h>
 #include <fulgur/testing.h>
@@ -27,6 +31,7 @@
 
 #include <sys/stat.h>
 
+#include <cmath>
 #include <filesystem>
 #include <map>
 #include <memory>
@@ -218,6 +223,77 @@ inline void check_strategy_conformance(const std::shared_ptr<Strategy>& strategy
   strategy->load_module_state_dict(module, model_back, /*strict=*/true, path);
   detail::expect(module.layer->weight.equal(before), "load_module_state_dict restores the saved weights");
   strategy->teardown();
+}
+
+// An accelerator: when it says it is available, "1" selects one device of its type, that device
+// can be set up and synchronized, and its statistics are finite numbers. When it is not available,
+// selecting a device fails with a fulgur::Error (a message, not a crash).
+inline void check_accelerator_conformance(const std::shared_ptr<Accelerator>& accelerator) {
+  if (!accelerator->is_available()) {
+    bool refused = false;
+    try {
+      accelerator->parse_devices("1");
+    } catch (const Error&) {
+      refused = true;
+    }
+    detail::expect(refused, "an unavailable accelerator refuses devices = \"1\" with a fulgur::Error");
+    return;
+  }
+  detail::expect(accelerator->device_count() >= 1, "an available accelerator counts at least one device");
+  const std::vector<c10::Device> devices = accelerator->parse_devices("1");
+  detail::expect(devices.size() == 1 && devices[0].type() == accelerator->device_type(),
+                 "devices = \"1\" selects one device of the accelerator's type");
+  accelerator->setup_device(devices[0]);
+  accelerator->synchronize(devices[0]);
+  for (const auto& [name, value] : accelerator->device_stats(devices[0]))
+    detail::expect(std::isfinite(value), "device_stats '" + name + "' is a finite number");
+  detail::expect(!accelerator->default_collective_backend().empty(), "a collective backend is named");
+  accelerator->teardown();
+}
+
+// A precision plugin: a module converted by it trains one SGD step inside its forward scope (the
+// loss goes down on the same batch), and its state survives state_dict -> load_state_dict.
+inline void check_precision_conformance(const std::shared_ptr<Precision>& precision) {
+  BoringModule module;
+  precision->convert_module(module);
+  auto optimizer = std::make_shared<torch::optim::SGD>(module.parameters(), torch::optim::SGDOptions(0.1));
+  Batch batch;
+  batch.input = at::randn({8, 32});
+  batch.target = at::zeros({8}, at::kLong);
+  precision->convert_input(batch);
+  auto loss_of = [&] {
+    PrecisionScope scope(*precision);
+    return module.layer->forward(batch.input).pow(2).mean();
+  };
+  const at::Tensor before = loss_of();
+  optimizer->zero_grad();
+  precision->scale_loss(before).backward();
+  precision->unscale_gradients(*optimizer);
+  precision->clip_gradients(*optimizer, 1.0, GradClipAlgorithm::norm);
+  detail::expect(precision->optimizer_step(*optimizer), "a step with finite gradients is taken");
+  const at::Tensor after = loss_of();
+  detail::expect(after.item<double>() < before.item<double>(), "the loss decreases after one step");
+  c10::IValue state;
+  precision->state_dict(state);
+  precision->load_state_dict(state);
+}
+
+// A profiler: the Trainer's actions can be started and stopped (nested too) between setup and
+// teardown over several steps with real tensor work inside, and it has a summary to show.
+inline void check_profiler_conformance(const std::shared_ptr<Profiler>& profiler) {
+  const std::string root = detail::temp_directory();
+  profiler->setup(Stage::fit, root, 0);
+  at::Tensor x = at::randn({32, 32});
+  for (int i = 0; i < 8; ++i) {
+    profiler->start("run_training_batch");
+    profiler->start("training_step");
+    x = x.mm(x).tanh();
+    profiler->stop("training_step");
+    profiler->stop("run_training_batch");
+  }
+  const std::string summary = profiler->summary();
+  profiler->teardown(Stage::fit);
+  detail::expect(!summary.empty(), "summary() has something to show after 8 profiled steps");
 }
 
 }  // namespace fulgur::testing
