@@ -152,6 +152,19 @@ Options typed_options(const std::vector<RawOption>& raw, const std::vector<Optio
     // document a count.
     if (!value && spec->type == OptionType::string && node.is_integer() && r.key == "devices")
       value = OptionValue{std::to_string(*node.value<int64_t>())};
+    // ... and `devices = [0, 2]` (indices) as "0,2"; "[0]" keeps the brackets so one index is not
+    // read as a count.
+    if (!value && spec->type == OptionType::string && r.key == "devices" && node.is_array()) {
+      const auto& array = *node.as_array();
+      std::string joined;
+      bool integers = !array.empty();
+      for (const auto& item : array) {
+        if (!item.is_integer()) integers = false;
+        if (!integers) break;
+        joined += (joined.empty() ? "" : ",") + std::to_string(*item.value<int64_t>());
+      }
+      if (integers) value = OptionValue{array.size() == 1 ? "[" + joined + "]" : joined};
+    }
     if (!value)
       fail(r.where, fmt::format("{}: '{}' must be {}, found {}{}", owner, r.key, to_string(spec->type), found,
                                 spec->default_value ? fmt::format(" (default: {})", spec->default_text) : ""));

@@ -47,9 +47,17 @@ PluginSet connect_plugins(Config& config, bool fast_dev_run) {
 
   set.accelerator = plugin_cast<Accelerator>(
       registry.create(PluginKind::accelerator, config.accelerator.name, config.accelerator.options));
-  if (!set.accelerator->is_available())
+  if (!set.accelerator->is_available()) {
+    // An accelerator that offers no device says why when asked for one (Accelerator::parse_devices
+    // throws naming what is missing): that line is the refusal, before any file is written.
+    try {
+      (void)set.accelerator->parse_devices(config.trainer.get_string("devices"));
+    } catch (const Error& e) {
+      throw Error(ErrorKind::config, fmt::format("{}: {}", config.accelerator.where.str(), e.what()));
+    }
     throw Error(ErrorKind::config, fmt::format("{}: accelerator '{}' is not available on this machine",
                                                config.accelerator.where.str(), config.accelerator.name));
+  }
   set.strategy =
       plugin_cast<Strategy>(registry.create(PluginKind::strategy, config.strategy.name, config.strategy.options));
   set.precision =

@@ -1,0 +1,108 @@
+#!/usr/bin/env bash
+# The GPU check of the `cuda` accelerator (issue #12), for a machine with an NVIDIA GPU. Not run in
+# CI. One command:
+#
+#   scripts/gpu_check.sh RESULTS_DIR
+#
+# installs what is missing (scripts/setup.sh), builds, runs the GPU tests (doctest suite "gpu",
+# CTest names "gpu: ..."), and the cuda accelerator tests, trains the Fashion-MNIST example on cuda
+# with 32-true and bf16-mixed (5 epochs each; test accuracy from the program's own output), runs
+# bench/compare.sh --device cuda on small cases, writes every log into RESULTS_DIR and prints one
+# markdown summary (also RESULTS_DIR/summary.md). Exits non-zero, saying why, without a visible GPU.
+set -euo pipefail
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+if [ $# -ne 1 ]; then
+  echo "usage: scripts/gpu_check.sh RESULTS_DIR" >&2
+  exit 2
+fi
+mkdir -p "$1"
+out="$(cd "$1" && pwd)"
+source "$here/env.sh"
+cd "$here/.."
+jobs="${FULGUR_JOBS:-$(nproc)}"
+
+# 1. A GPU, before spending time on anything else.
+if ! command -v nvidia-smi >/dev/null 2>&1 || ! nvidia-smi -L >"$out/nvidia-smi.txt" 2>&1 ||
+  ! grep -q '^GPU ' "$out/nvidia-smi.txt"; then
+  echo "gpu_check: no NVIDIA GPU is visible on this machine (nvidia-smi -L: $(head -1 "$out/nvidia-smi.txt" 2>/dev/null || echo 'not installed')); run this on a GPU machine" >&2
+  exit 1
+fi
+"$here/setup.sh"
+torch_cuda="$("$FULGUR_VENV/bin/python" -c 'import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)' 2>"$out/torch-cuda.txt" || echo 0)"
+if [ "${torch_cuda:-0}" -lt 1 ]; then
+  echo "gpu_check: torch sees no CUDA device (CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES-<unset>}; see $out/torch-cuda.txt); a CPU-only torch wheel or a driver mismatch" >&2
+  exit 1
+fi
+
+status=0
+step() {  # step NAME COMMAND...: runs it, logs to $out/NAME.log, records the exit code
+  local name="$1"
+  shift
+  echo "gpu_check: $name ..." >&2
+  if "$@" >"$out/$name.log" 2>&1; then
+    echo "$name: ok" >>"$out/steps.txt"
+  else
+    echo "$name: FAILED (exit $?; $out/$name.log)" >>"$out/steps.txt"
+    status=1
+  fi
+}
+: >"$out/steps.txt"
+
+# 2. Build everything, then the GPU tests and the cuda accelerator's own tests.
+step build "$here/build.sh" -- -j"$jobs"
+[ -f "$FULGUR_BUILD_DIR/lib/fulgur/plugins/libfulgur-accelerator-cuda.so" ] || {
+  echo "build: FAILED (no libfulgur-accelerator-cuda.so: is the torch wheel a CUDA build?)" >>"$out/steps.txt"
+  status=1
+}
+step gpu_tests ctest --test-dir "$FULGUR_BUILD_DIR" -R '^gpu: |cuda' --output-on-failure -j1
+grep -h 'skipped: no CUDA device' "$out/gpu_tests.log" >/dev/null 2>&1 &&
+  echo "gpu_tests: WARNING a GPU test skipped itself: no device visible to the test process" >>"$out/steps.txt"
+
+# 3. Fashion-MNIST on cuda, 32-true and bf16-mixed, 5 epochs.
+train() {  # train PRECISION
+  local dir="$out/fashion_mnist_$1"
+  mkdir -p "$dir"
+  sed -e 's/^accelerator = .*/accelerator = "cuda"\ndevices = 1/' -e "s/^precision = .*/precision = \"$1\"/" \
+    -e 's/^max_epochs = .*/max_epochs = 5/' -e "s|^default_root_dir = .*|default_root_dir = \"$dir/runs\"|" \
+    -e 's/^num_workers = .*/num_workers = 4/' examples/fashion_mnist/fashion_mnist.toml >"$dir/job.toml"
+  (cd "$dir" && /usr/bin/time -f 'wall_seconds %e' "$OLDPWD/$FULGUR_BUILD_DIR/bin/fashion_mnist" --config job.toml)
+}
+for precision in 32-true bf16-mixed; do step "fashion_mnist_$precision" train "$precision"; done
+
+# 4. Side-by-side throughput on small cases.
+step bench_compare bench/compare.sh --device cuda --runs 3 --cases mlp:256:200:20,cnn:256:100:10,gpt:64:100:10 \
+  --json "$out/bench_compare.json"
+
+# 5. One markdown summary, from the logs only.
+{
+  echo "## Fulgur GPU check ($(date -u +%Y-%m-%dT%H:%MZ), commit $(git rev-parse --short HEAD 2>/dev/null || echo '?'))"
+  echo
+  echo '```'
+  cat "$out/nvidia-smi.txt"
+  echo '```'
+  echo
+  echo "| step | result |"
+  echo "|---|---|"
+  sed -e 's/^\([^:]*\): \(.*\)$/| \1 | \2 |/' "$out/steps.txt"
+  echo
+  echo "| Fashion-MNIST on cuda (5 epochs) | test accuracy | wall time |"
+  echo "|---|---|---|"
+  for precision in 32-true bf16-mixed; do
+    log="$out/fashion_mnist_$precision.log"
+    acc="$(grep -o 'test accuracy: [0-9.]*%' "$log" 2>/dev/null | tail -1 | cut -d' ' -f3)"
+    wall="$(grep -o 'wall_seconds [0-9.]*' "$log" 2>/dev/null | tail -1 | cut -d' ' -f2)"
+    echo "| $precision | ${acc:-n/a} | ${wall:+${wall} s} |"
+  done
+  echo
+  echo "### gpu tests"
+  echo
+  echo '```'
+  grep -E 'tests passed|tests failed|Failed|\*\*\*' "$out/gpu_tests.log" 2>/dev/null | tail -15 || true
+  echo '```'
+  echo
+  echo "### bench/compare.sh --device cuda"
+  echo
+  sed -n '/^torch /,$p' "$out/bench_compare.log" 2>/dev/null || echo "(no tables: see $out/bench_compare.log)"
+} >"$out/summary.md"
+cat "$out/summary.md"
+exit $status

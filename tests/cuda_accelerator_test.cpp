@@ -1,0 +1,213 @@
+// The `cuda` accelerator (issue #12): the `devices` parser over every accepted and refused form with
+// fake device counts (a pure function), the plugin as a machine without a visible GPU meets it, and
+// the shipped example refusing accelerator = "cuda" there in one line, before writing anything.
+// The GPU tests (TEST_SUITE "gpu", names starting "gpu: ") skip at runtime with a MESSAGE when no
+// device is visible; scripts/gpu_check.sh runs them on a GPU machine (ctest -R '^gpu: ').
+#include "test_support.h"
+
+#include <fulgur/accelerator.h>
+#include <fulgur/config.h>
+#include <fulgur/testing/plugin_kit.h>
+
+#include "../plugins/accelerator/cuda/cuda_devices.h"
+
+#include <ATen/ops/ones.h>
+#include <doctest/doctest.h>
+
+#include <cstdlib>
+#include <fstream>
+#include <string>
+#include <vector>
+
+namespace {
+
+namespace fs = std::filesystem;
+namespace kit = fulgur::testing;
+using fulgur::cuda_accelerator::parse_cuda_devices;
+using fulgur::test::contains;
+using fulgur::test::error_from;
+using fulgur::test::TempDir;
+using Indices = std::vector<int64_t>;
+
+std::string refusal(std::string_view spec, int64_t count, const char* visible = nullptr) {
+  const fulgur::Error e = error_from([&] { parse_cuda_devices(spec, count, visible); });
+  CHECK(e.kind() == fulgur::ErrorKind::config);
+  const std::string text = e.what();
+  CHECK_MESSAGE(text.find('\n') == std::string::npos, "one line: " << text);
+  FULGUR_CHECK_CONTAINS(text, "accelerator 'cuda'");
+  return text;
+}
+
+std::shared_ptr<fulgur::Accelerator> cuda_plugin(
+    std::vector<std::pair<std::string, fulgur::OptionValue>> options = {}) {
+  return kit::create_plugin<fulgur::Accelerator>(fulgur::PluginKind::accelerator, "cuda", options);
+}
+
+// Lightning's fashion_mnist job, small, with the given [trainer] lines.
+fs::path write_job(const TempDir& dir, const std::string& trainer_extra) {
+  const fs::path toml = dir.path() / "job.toml";
+  std::ofstream(toml) << "[trainer]\nmax_epochs = 1\nseed = 7\nlimit_train_batches = 20\nlimit_val_batches = 3\n"
+                         "limit_test_batches = 2\nlog_every_n_steps = 5\nenable_progress_bar = false\n"
+                         "default_root_dir = \""
+                      << (dir.path() / "runs").string() << "\"\n"
+                      << trainer_extra << "[model]\narch = \"mlp\"\n[data]\nbatch_size = 32\nnum_workers = 2\n";
+  return toml;
+}
+
+}  // namespace
+
+TEST_CASE("cuda devices: every accepted form selects the indices Lightning selects") {
+  CHECK(parse_cuda_devices("auto", 1) == Indices{0});
+  CHECK(parse_cuda_devices("auto", 4) == Indices{0, 1, 2, 3});
+  CHECK(parse_cuda_devices("-1", 2) == Indices{0, 1});
+  CHECK(parse_cuda_devices("", 2) == Indices{0, 1});
+  CHECK(parse_cuda_devices(" auto ", 2) == Indices{0, 1});
+  CHECK(parse_cuda_devices("1", 8) == Indices{0});  // a count: the first N
+  CHECK(parse_cuda_devices("2", 2) == Indices{0, 1});
+  CHECK(parse_cuda_devices("3", 8) == Indices{0, 1, 2});
+  CHECK(parse_cuda_devices("0,1", 2) == Indices{0, 1});
+  CHECK(parse_cuda_devices("0, 2", 4) == Indices{0, 2});
+  CHECK(parse_cuda_devices("2,0", 4) == Indices{2, 0});  // in the order given
+  CHECK(parse_cuda_devices("1,", 2) == Indices{1});      // Lightning: "1," is index 1, not a count
+  CHECK(parse_cuda_devices("[0, 2]", 4) == Indices{0, 2});
+  CHECK(parse_cuda_devices("[3]", 4) == Indices{3});  // TOML devices = [3] arrives as "[3]"
+  CHECK(parse_cuda_devices("[ 1 ,3 ]", 4) == Indices{1, 3});
+}
+
+TEST_CASE("cuda devices: malformed specs, indices beyond the count and no device are refused in one line") {
+  for (const char* bad :
+       {"abc", "1.5", "gpu", "0,,1", ",", ",1", "[0, 2", "0 2", "[]", "[a]", "0,-1", "two", "1e2", "0x1", "auto,1"}) {
+    INFO("spec " << bad);
+    const std::string text = refusal(bad, 4);
+    FULGUR_CHECK_CONTAINS(text, "is not understood");
+    FULGUR_CHECK_CONTAINS(text, "\"0,1\"");  // says what to write instead
+  }
+  FULGUR_CHECK_CONTAINS(refusal("0", 4), "devices = 0 selects no device");
+  FULGUR_CHECK_CONTAINS(refusal("-2", 4), "selects no device");
+  const std::string many = refusal("4", 2);
+  FULGUR_CHECK_CONTAINS(many, "asks for 4 devices, but only 2 are visible");
+  FULGUR_CHECK_CONTAINS(many, "CUDA_VISIBLE_DEVICES");
+  FULGUR_CHECK_CONTAINS(refusal("0,2", 2), "names device 2, but only 2 are visible (indices 0..1)");
+  FULGUR_CHECK_CONTAINS(refusal("[1]", 1), "names device 1, but only 1 is visible");
+  FULGUR_CHECK_CONTAINS(refusal("0,0", 2), "names device 0 twice");
+  for (const char* spec : {"auto", "1", "0,1", "-1"}) {
+    INFO("spec " << spec);
+    const std::string none = refusal(spec, 0, nullptr);
+    FULGUR_CHECK_CONTAINS(none, "no CUDA device is visible (torch sees 0; CUDA_VISIBLE_DEVICES=<unset>)");
+    FULGUR_CHECK_CONTAINS(none, "use accelerator = \"cpu\" or run on a GPU machine");
+  }
+  FULGUR_CHECK_CONTAINS(refusal("auto", 0, ""), "CUDA_VISIBLE_DEVICES=\"\"");
+  FULGUR_CHECK_CONTAINS(refusal("auto", 0, "3"), "CUDA_VISIBLE_DEVICES=\"3\"");
+}
+
+TEST_CASE("cuda devices: TOML devices = [0, 2] and devices = [1] reach the accelerator as index lists") {
+  const fulgur::Config two = fulgur::parse_config("[trainer]\ndevices = [0, 2]\n", "/cfg/run.toml");
+  CHECK(two.trainer.get_string("devices") == "0,2");
+  const fulgur::Config one = fulgur::parse_config("[trainer]\ndevices = [1]\n", "/cfg/run.toml");
+  CHECK(one.trainer.get_string("devices") == "[1]");
+  CHECK(parse_cuda_devices(one.trainer.get_string("devices"), 2) == Indices{1});
+  const fulgur::Error strings =
+      error_from([] { fulgur::parse_config("[trainer]\ndevices = [\"a\"]\n", "/cfg/run.toml"); });
+  FULGUR_CHECK_CONTAINS(strings.what(), "devices");
+}
+
+TEST_CASE("cuda accelerator: options that it cannot act on are refused, the rest are declared") {
+  const fulgur::Error precision = error_from([] { cuda_plugin({{"float32_matmul_precision", std::string("low")}}); });
+  FULGUR_CHECK_CONTAINS(precision.what(), "float32_matmul_precision = \"low\" is not a precision");
+  const std::runtime_error unknown = [] {
+    try {
+      cuda_plugin({{"deterministic", true}});
+    } catch (const std::runtime_error& e) {
+      return e;
+    }
+    return std::runtime_error("no error");
+  }();
+  FULGUR_CHECK_CONTAINS(unknown.what(), "has no option 'deterministic'");
+  const auto accelerator = cuda_plugin({{"benchmark", true}, {"float32_matmul_precision", std::string("high")}});
+  CHECK(accelerator->device_type() == c10::DeviceType::CUDA);
+  CHECK(accelerator->default_collective_backend() == "nccl");
+}
+
+TEST_CASE("cuda accelerator: without a visible device it is unavailable and refuses in one line") {
+  const auto accelerator = cuda_plugin();
+  if (accelerator->device_count() > 0) {
+    MESSAGE("skipped: this machine has a visible CUDA device");
+    return;
+  }
+  CHECK_FALSE(accelerator->is_available());
+  CHECK(accelerator->device_count() == 0);
+  for (const char* spec : {"auto", "1", "0,1"}) {
+    const fulgur::Error e = error_from([&] { accelerator->parse_devices(spec); });
+    FULGUR_CHECK_CONTAINS(e.what(), "accelerator 'cuda': no CUDA device is visible (torch sees 0;");
+  }
+  const fulgur::Error setup = error_from([&] { accelerator->setup_device(c10::Device(c10::DeviceType::CUDA, 0)); });
+  FULGUR_CHECK_CONTAINS(setup.what(), "no CUDA device is visible");
+  FULGUR_CHECK_CONTAINS(setup.what(), "use accelerator = \"cpu\" or run on a GPU machine");
+  CHECK(std::string(setup.what()).find('\n') == std::string::npos);
+  // Nothing to wait for and nothing to report; neither touches a device.
+  CHECK_NOTHROW(accelerator->synchronize(c10::Device(c10::DeviceType::CUDA, 0)));
+  CHECK(accelerator->device_stats(c10::Device(c10::DeviceType::CUDA, 0)).empty());
+}
+
+TEST_CASE("cuda accelerator: the example refuses accelerator = \"cuda\" without a GPU and writes nothing") {
+  if (cuda_plugin()->device_count() > 0) {
+    MESSAGE("skipped: this machine has a visible CUDA device");
+    return;
+  }
+  TempDir dir;
+  const fs::path toml = write_job(dir, "accelerator = \"cuda\"\ndevices = \"auto\"\n");
+  const auto run = fulgur::test::run_process({FULGUR_TEST_FASHION_MNIST, "--config", toml.string()},
+                                             {{"FULGUR_LOG_LEVEL", "info"}}, dir.path());
+  INFO(run.output);
+  CHECK(run.exit_code != 0);
+  FULGUR_CHECK_CONTAINS(run.output, "accelerator 'cuda': no CUDA device is visible (torch sees 0;");
+  FULGUR_CHECK_CONTAINS(run.output, "use accelerator = \"cpu\" or run on a GPU machine");
+  // The refusal is one line of the output, not a stack of them.
+  size_t lines_with_refusal = 0, at = 0;
+  while ((at = run.output.find("no CUDA device is visible", at)) != std::string::npos) ++lines_with_refusal, ++at;
+  CHECK(lines_with_refusal == 1);
+  CHECK_FALSE(fs::exists(dir.path() / "runs"));
+  CHECK_FALSE(fs::exists(dir.path() / "lightning_logs"));
+  CHECK_FALSE(fs::exists(dir.path() / "checkpoints"));
+}
+
+TEST_SUITE("gpu") {
+  TEST_CASE("gpu: set_device, allocator statistics, synchronize and the TF32 option on a visible device") {
+    const auto accelerator = cuda_plugin({{"float32_matmul_precision", std::string("high")}});
+    if (accelerator->device_count() == 0) {
+      MESSAGE("skipped: no CUDA device is visible");
+      return;
+    }
+    const std::vector<c10::Device> devices = accelerator->parse_devices("auto");
+    REQUIRE(static_cast<int64_t>(devices.size()) == accelerator->device_count());
+    const c10::Device last = devices.back();
+    accelerator->setup_device(last);
+    CHECK(at::globalContext().float32MatmulPrecision() == at::Float32MatmulPrecision::HIGH);
+    const at::Tensor x = at::ones({1024, 1024}, at::TensorOptions().device(last));
+    accelerator->synchronize(last);
+    const fulgur::MetricMap stats = accelerator->device_stats(last);
+    REQUIRE(stats.count("allocated_bytes.all.current") == 1);
+    CHECK(stats.at("allocated_bytes.all.current") >= 4.0 * 1024 * 1024);
+    CHECK(stats.at("reserved_bytes.all.current") >= stats.at("allocated_bytes.all.current"));
+    CHECK(stats.at("num_ooms") == 0);
+    CHECK(stats.count("num_alloc_retries") == 1);
+    CHECK(x.device() == last);
+    const fulgur::Error beyond =
+        error_from([&] { accelerator->parse_devices(std::to_string(accelerator->device_count()) + ","); });
+    FULGUR_CHECK_CONTAINS(beyond.what(), "names device");
+  }
+
+  TEST_CASE("gpu: the example trains one short epoch on cuda and writes its checkpoint") {
+    if (cuda_plugin()->device_count() == 0) {
+      MESSAGE("skipped: no CUDA device is visible");
+      return;
+    }
+    TempDir dir;
+    const fs::path toml = write_job(dir, "accelerator = \"cuda\"\ndevices = 1\n");
+    const auto run = fulgur::test::run_process({FULGUR_TEST_FASHION_MNIST, "--config", toml.string()},
+                                               {{"FULGUR_LOG_LEVEL", "info"}}, dir.path());
+    INFO(run.output);
+    CHECK(run.exit_code == 0);
+    CHECK(fs::exists(dir.path() / "runs"));
+  }
+}
