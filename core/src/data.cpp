@@ -14,6 +14,18 @@ namespace fulgur {
 BatchLoader::~BatchLoader() = default;
 DataModule::~DataModule() = default;
 
+std::vector<std::unique_ptr<BatchLoader>> DataModule::val_loaders() {
+  std::vector<std::unique_ptr<BatchLoader>> loaders;
+  if (auto loader = val_loader()) loaders.push_back(std::move(loader));
+  return loaders;
+}
+
+std::vector<std::unique_ptr<BatchLoader>> DataModule::test_loaders() {
+  std::vector<std::unique_ptr<BatchLoader>> loaders;
+  if (auto loader = test_loader()) loaders.push_back(std::move(loader));
+  return loaders;
+}
+
 namespace {
 
 // Batches from in-memory tensors. The order of an epoch is a pure function of (seed, epoch), so a
