@@ -22,6 +22,7 @@
 namespace {
 
 namespace d = fulgur::data;
+namespace fs = std::filesystem;
 using fulgur::test::contains;
 using fulgur::test::error_from;
 
@@ -302,9 +303,24 @@ TEST_CASE("data: loader workers run ATen with one intra-op thread, leaving the c
   epoch(loader, 0);
   CHECK(seen->load() == 1);
   CHECK(at::get_num_threads() == main_threads);
-  // The existing tensor loader's workers too (index_select runs parallel regions).
-  auto tl = fulgur::make_tensor_loader(at::randn({64, 3}), at::arange(64),
-                                       fulgur::TensorLoaderOptions().batch_size(8).shuffle(true).num_workers(2));
-  epoch(*tl, 0);
+  // The existing tensor loader's workers too (index_select runs parallel regions): while they work,
+  // the process has the caller's threads plus one per worker, not an OpenMP team per worker (which
+  // the tensor loader had before: 2 extra threads here on a 2-core machine).
+  (void)at::randn({1 << 20}).sum();  // the caller's own OpenMP team exists before counting
+  auto threads = [] {
+    int n = 0;
+    for (const auto& e : fs::directory_iterator("/proc/self/task")) n += e.is_directory() ? 1 : 0;
+    return n;
+  };
+  const int before = threads();
+  auto tl = fulgur::make_tensor_loader(
+      at::randn({4096, 3, 32, 32}), at::arange(4096),
+      fulgur::TensorLoaderOptions().batch_size(256).shuffle(true).num_workers(2).prefetch(8));
+  int peak = 0;
+  for (int e = 0; e < 2; ++e) {
+    tl->start_epoch(e);
+    while (tl->next()) peak = std::max(peak, threads());
+  }
+  CHECK(peak <= before + 2);
   CHECK(at::get_num_threads() == main_threads);
 }
