@@ -1,5 +1,6 @@
 #include <fulgur/data/token_file.h>
 #include <fulgur/error.h>
+#include <fulgur/log.h>
 
 #include <ATen/ATen.h>
 #include <fmt/format.h>
@@ -53,6 +54,9 @@ TokenFile::TokenFile(std::filesystem::path file, TokenFileOptions options) : fil
                                            where, bytes, width));
   }
   tokens_ = static_cast<int64_t>(bytes / width);
+  if (bytes % width != 0)
+    log::warn(fmt::format("{}: ignoring the last {} bytes (a partial {}-byte token: truncated file?)", where,
+                          bytes % width, width));
   if (bytes > 0) {
     void* p = ::mmap(nullptr, bytes, PROT_READ, MAP_SHARED, fd, 0);
     if (p == MAP_FAILED) {
