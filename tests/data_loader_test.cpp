@@ -324,3 +324,34 @@ TEST_CASE("data: loader workers run ATen with one intra-op thread, leaving the c
   CHECK(peak <= before + 2);
   CHECK(at::get_num_threads() == main_threads);
 }
+
+TEST_CASE("data: variable-length sequences through the loader: padded batches with a mask, any worker count") {
+  // Sequence i has length 1 + i % 5 and holds i; an iterable stream of them, and a map-style view.
+  struct Sequences final : d::Dataset {
+    int64_t size() const override { return 23; }
+    d::Sample get(int64_t i) const override {
+      d::Sample s;
+      s.input = at::full({1 + i % 5}, static_cast<double>(i), at::kFloat);
+      s.target = at::full({1 + i % 5}, i, at::kLong);
+      return s;
+    }
+  };
+  auto data = std::make_shared<Sequences>();
+  std::vector<fulgur::Batch> reference;
+  for (int64_t workers : {0, 2}) {
+    d::DataLoader loader(data, d::DataLoaderOptions().batch_size(4).shuffle(true).seed(5).num_workers(workers).collate(
+                                   d::pad_collate()));
+    auto batches = epoch(loader, 0);
+    REQUIRE(batches.size() == 6);
+    for (const auto& b : batches) {
+      const at::Tensor mask = b.extra.at(0), lengths = b.extra.at(1);
+      CHECK(mask.sum(1).equal(lengths));
+      CHECK(b.input.size(1) == lengths.max().item<int64_t>());
+      CHECK(b.target.masked_select(mask.logical_not()).eq(-100).all().item<bool>());
+    }
+    if (workers == 0)
+      reference = batches;
+    else
+      require_same(batches, reference);
+  }
+}
