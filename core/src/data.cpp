@@ -1,4 +1,5 @@
 #include <fulgur/data.h>
+#include <fulgur/data/data_loader.h>
 #include <fulgur/error.h>
 
 #include <ATen/ATen.h>
@@ -122,6 +123,9 @@ class TensorLoader final : public BatchLoader {
     const int64_t end = num_batches();
     for (int64_t w = 0; w < options_.num_workers_; ++w) {
       workers_.emplace_back([this, end] {
+        // index_select runs parallel regions: one thread here, or each worker opens an OpenMP team
+        // as large as the training step's on the same cores (issue #16).
+        data::limit_intra_op_threads_for_this_thread(1);
         while (true) {
           int64_t index;
           {
