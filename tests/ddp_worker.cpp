@@ -8,6 +8,8 @@
 //   FULGUR_TEST_SCRAMBLE_INIT=1: ranks other than 0 perturb their initial weights.
 //   FULGUR_TEST_SHARDING_MODEL=1: adds a 0-dim parameter and a frozen layer (what sharding must handle).
 //   FULGUR_TEST_OPTIMIZER=adamw: AdamW with weight decay instead of SGD.
+//   FULGUR_TEST_UNKNOWN_LENGTH=1: the train loader does not know its length, and the last rank's
+//   yields one batch fewer per epoch than the others (a streaming dataset split unevenly).
 #include <fulgur/callback.h>
 #include <fulgur/config.h>
 #include <fulgur/data.h>
@@ -25,6 +27,7 @@
 #include <cstdlib>
 #include <fstream>
 #include <iostream>
+#include <optional>
 
 namespace {
 
@@ -81,6 +84,28 @@ struct Mlp : fulgur::Module {
   fulgur::metrics::AUROC val_auroc{fulgur::metrics::ClassificationOptions::multiclass(4)};
 };
 
+// A loader of unknown length (num_batches() == -1) over another; on the last replica it ends one
+// batch early.
+struct UnknownLength : fulgur::BatchLoader {
+  explicit UnknownLength(std::unique_ptr<fulgur::BatchLoader> inner) : inner(std::move(inner)) {}
+  int64_t num_batches() const override { return -1; }
+  void start_epoch(int64_t epoch, int64_t skip) override {
+    inner->start_epoch(epoch, skip);
+    left = inner->num_batches() - skip - (last_replica ? 1 : 0);
+  }
+  std::optional<fulgur::Batch> next() override {
+    if (left-- <= 0) return std::nullopt;
+    return inner->next();
+  }
+  void set_replica(int64_t rank, int64_t replicas) override {
+    inner->set_replica(rank, replicas);
+    last_replica = replicas > 1 && rank == replicas - 1;
+  }
+  std::unique_ptr<fulgur::BatchLoader> inner;
+  bool last_replica = false;
+  int64_t left = 0;
+};
+
 struct FixedData : fulgur::DataModule {
   FixedData(int64_t batch, bool shuffle) : batch(batch), shuffle(shuffle) {
     auto gen = at::make_generator<at::CPUGeneratorImpl>(1234);
@@ -88,8 +113,10 @@ struct FixedData : fulgur::DataModule {
     targets = at::randint(0, 4, {96}, gen, at::kLong);
   }
   std::unique_ptr<fulgur::BatchLoader> train_loader() override {
-    return fulgur::make_tensor_loader(inputs, targets,
-                                      fulgur::TensorLoaderOptions().batch_size(batch).shuffle(shuffle).seed(5));
+    auto loader = fulgur::make_tensor_loader(inputs, targets,
+                                             fulgur::TensorLoaderOptions().batch_size(batch).shuffle(shuffle).seed(5));
+    if (std::getenv("FULGUR_TEST_UNKNOWN_LENGTH")) return std::make_unique<UnknownLength>(std::move(loader));
+    return loader;
   }
   std::unique_ptr<fulgur::BatchLoader> val_loader() override {
     return fulgur::make_tensor_loader(inputs.slice(0, 0, 32), targets.slice(0, 0, 32),
@@ -171,6 +198,7 @@ int main(int argc, char** argv) {
     std::ofstream metrics(fmt::format("{}/metrics_rank{}.txt", argv[2], rank));
     for (const auto& [k, v] : trainer.callback_metrics()) metrics << k << ' ' << fmt::format("{:.9g}", v) << '\n';
     metrics << "global_step " << trainer.global_step() << '\n';
+    metrics << "current_epoch " << trainer.current_epoch() << '\n';
     return 0;
   } catch (const std::exception& e) {
     std::cerr << "fulgur_ddp_worker: " << e.what() << '\n';

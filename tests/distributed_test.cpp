@@ -209,6 +209,24 @@ TEST_CASE("ddp: 2 ranks with batch B reach the weights of 1 process with batch 2
   }
 }
 
+TEST_CASE("ddp: loaders of unknown length that end at different batches end every rank's epoch together") {
+  // 96 samples, batch 8: 6 batches per rank, but rank 1's loader ends after 5 and neither knows its
+  // length. The ranks agree on the end of each epoch: 5 steps per epoch on both, so the 12th step
+  // falls in epoch 2 everywhere (which then counts as done: epoch 3), and the replicas stay
+  // identical. Without the agreement rank 0 would take 6 steps per epoch (ending at epoch 2) and
+  // wait in a gradient collective that rank 1 never joins.
+  auto env = clean_env();
+  env["FULGUR_TEST_UNKNOWN_LENGTH"] = "1";
+  auto ddp = run_worker(worker_config("ddp", "2", 8, 12), {}, env);
+  REQUIRE_SUCCESS(ddp);
+  const auto m0 = metrics(*ddp, 0), m1 = metrics(*ddp, 1);
+  CHECK(m0.at("global_step") == 12);
+  CHECK(m1.at("global_step") == 12);
+  CHECK(m0.at("current_epoch") == 3);
+  CHECK(m1.at("current_epoch") == 3);
+  CHECK(max_difference(weights(*ddp, 0), weights(*ddp, 1)) == 0.0);
+}
+
 TEST_CASE("ddp: gradient accumulation syncs once per window and matches one process") {
   auto single = run_worker(worker_config("single_device", "1", 8, 4, /*accumulate=*/2));
   REQUIRE_SUCCESS(single);

@@ -34,10 +34,21 @@ void TrainingEpochLoop::run(BatchLoader& train) {
       val_loop_.has_batches() && (position_.epoch + 1) % t.settings_.check_val_every_n_epoch == 0;
   // A loader of unknown length (num_batches() == -1) trains until it is exhausted: the batch
   // after the current one is fetched ahead so that is_last_batch is known before the step.
+  // With several ranks and no known length, the ranks agree after every fetch whether all of
+  // them still have a batch: the epoch ends for everyone at the shortest rank's end (otherwise
+  // the longer ones would wait forever in the gradient collective). One boolean all-reduce per
+  // batch, only for such loaders.
+  Strategy& strategy = *t.plugins_.strategy;
+  const bool agree_on_end = num_batches_ < 0 && strategy.cluster().world_size > 1;
   std::optional<Batch> next;
   auto fetch = [&] {
-    ProfileScope scope(t.plugins_.profiler.get(), "train_dataloader_next");
-    return train.next();
+    std::optional<Batch> batch;
+    {
+      ProfileScope scope(t.plugins_.profiler.get(), "train_dataloader_next");
+      batch = train.next();
+    }
+    if (agree_on_end && !strategy.reduce_boolean_decision(batch.has_value(), /*all=*/true)) batch.reset();
+    return batch;
   };
   if (!batches_done(skip)) next = fetch();
   for (int64_t batch_idx = skip; next; ++batch_idx) {
