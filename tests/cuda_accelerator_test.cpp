@@ -7,11 +7,17 @@
 
 #include <fulgur/accelerator.h>
 #include <fulgur/config.h>
+#include <fulgur/data/data_loader.h>
+#include <fulgur/data/dataset.h>
 #include <fulgur/testing/plugin_kit.h>
 
 #include "../plugins/accelerator/cuda/cuda_devices.h"
 
+#include <ATen/Context.h>
+#include <ATen/ops/equal.h>
+#include <ATen/ops/full.h>
 #include <ATen/ops/ones.h>
+#include <ATen/ops/scalar_tensor.h>
 #include <doctest/doctest.h>
 
 #include <cstdlib>
@@ -195,6 +201,37 @@ TEST_SUITE("gpu") {
     const fulgur::Error beyond =
         error_from([&] { accelerator->parse_devices(std::to_string(accelerator->device_count()) + ","); });
     FULGUR_CHECK_CONTAINS(beyond.what(), "names device");
+  }
+
+  TEST_CASE("gpu: DataLoader pin_memory hands out pinned batches that copy to the device asynchronously") {
+    if (!at::globalContext().hasCUDA() || cuda_plugin({})->device_count() == 0) {
+      MESSAGE("skipped: no CUDA device is visible");
+      return;
+    }
+    struct Squares final : fulgur::data::Dataset {
+      int64_t size() const override { return 40; }
+      fulgur::data::Sample get(int64_t i) const override {
+        fulgur::data::Sample s;
+        s.input = at::full({3}, static_cast<double>(i * i), at::kFloat);
+        s.target = at::scalar_tensor(i, at::kLong);
+        return s;
+      }
+    };
+    for (const bool pin : {false, true}) {
+      INFO("pin_memory = " << pin);
+      auto loader = fulgur::data::make_data_loader(
+          std::make_shared<Squares>(), fulgur::data::DataLoaderOptions().batch_size(8).num_workers(2).pin_memory(pin));
+      loader->start_epoch(0);
+      int64_t batches = 0;
+      while (auto batch = loader->next()) {
+        CHECK(batch->input.is_pinned() == pin);
+        CHECK(batch->target.is_pinned() == pin);
+        const at::Tensor on_device = batch->input.to(at::Device(at::kCUDA, 0), /*non_blocking=*/true);
+        CHECK(at::equal(on_device.cpu(), batch->input));
+        ++batches;
+      }
+      CHECK(batches == 5);
+    }
   }
 
   TEST_CASE("gpu: the example trains one short epoch on cuda and writes its checkpoint") {
