@@ -177,6 +177,32 @@ TEST_CASE("cuda accelerator: the example refuses accelerator = \"cuda\" without 
   CHECK_FALSE(fs::exists(dir.path() / "checkpoints"));
 }
 
+TEST_CASE("accelerator = \"auto\" trains on cuda when a GPU is visible, else on cpu, and takes no options") {
+  const bool gpu = cuda_plugin()->device_count() > 0;
+  TempDir dir;
+  const fs::path toml = write_job(dir, "accelerator = \"auto\"\ndevices = 1\n");
+  const auto run = fulgur::test::run_process({FULGUR_TEST_FASHION_MNIST, "--config", toml.string()},
+                                             {{"FULGUR_LOG_LEVEL", "info"}}, dir.path());
+  INFO(run.output);
+  CHECK(run.exit_code == 0);
+  FULGUR_CHECK_CONTAINS(run.output,
+                        gpu ? "accelerator = \"auto\": using 'cuda'" : "accelerator = \"auto\": using 'cpu'");
+  bool checkpoint = false;
+  for (const auto& e : fs::recursive_directory_iterator(dir.path() / "runs"))
+    checkpoint |= e.path().extension() == ".ckpt";
+  CHECK(checkpoint);
+
+  // Options belong to one accelerator: with "auto" they are refused before anything runs.
+  TempDir other;
+  std::ofstream(write_job(other, "accelerator = \"auto\"\n"), std::ios::app) << "[accelerator]\nthreads = 1\n";
+  const auto refused = fulgur::test::run_process({FULGUR_TEST_FASHION_MNIST, "--config", (other / "job.toml").string()},
+                                                 {}, other.path());
+  INFO(refused.output);
+  CHECK(refused.exit_code != 0);
+  FULGUR_CHECK_CONTAINS(refused.output, "accelerator = \"auto\" takes no [accelerator] options");
+  CHECK_FALSE(fs::exists(other.path() / "runs"));
+}
+
 TEST_SUITE("gpu") {
   TEST_CASE("gpu: set_device, allocator statistics, synchronize and the TF32 option on a visible device") {
     const auto accelerator = cuda_plugin({{"float32_matmul_precision", std::string("high")}});

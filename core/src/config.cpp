@@ -1,5 +1,6 @@
 // TOML configuration: structure checks at load time, plugin option checks against the schemas
 // read from the plugins' metadata (no plugin code runs before the whole config is known good).
+#include <fulgur/accelerator.h>
 #include <fulgur/builtin_plugins.h>
 #include <fulgur/config.h>
 #include <fulgur/error.h>
@@ -8,6 +9,9 @@
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
+#include <spdlog/spdlog.h>
+
+#include <algorithm>
 
 #include <cstdlib>
 #include <fstream>
@@ -49,7 +53,8 @@ const std::vector<OptionSchema>& trainer_option_schema() {
     };
     using T = OptionType;
     const Row rows[] = {
-        {"accelerator", T::string, plugin_default("accelerator"), "Accelerator plugin by name (fulgur plugins list)"},
+        {"accelerator", T::string, plugin_default("accelerator"),
+         "Accelerator plugin by name (fulgur plugins list), or \"auto\" (cuda when a GPU is visible, else cpu)"},
         {"strategy", T::string, plugin_default("strategy"), "Strategy plugin by name (fulgur plugins list)"},
         {"precision", T::string, plugin_default("precision"), "Precision plugin by name (fulgur plugins list)"},
         {"devices", T::string, "\"auto\"", "Devices per node: a count, \"auto\", -1 (all) or \"0,1\""},
@@ -430,7 +435,44 @@ Config load_config(const fs::path& file) {
   return parse_config(buffer.str(), file);
 }
 
+namespace {
+
+// [trainer] accelerator = "auto": the available accelerator of highest priority among those the
+// build marked (fulgur/builtin_plugins.h), as Lightning picks cuda when a GPU is visible.
+std::string choose_auto_accelerator(const PluginSelection& sel, const PluginRegistry& registry) {
+  if (!sel.raw.empty() || !sel.given.values().empty())
+    throw Error(ErrorKind::config,
+                fmt::format("{}: accelerator = \"auto\" takes no [accelerator] options (each accelerator has its own); "
+                            "name the accelerator to set options (`fulgur plugins list` shows them)",
+                            sel.where.str()));
+  std::vector<builtin::AutoAccelerator> order(std::begin(builtin::kAutoAccelerators),
+                                              std::end(builtin::kAutoAccelerators));
+  std::stable_sort(order.begin(), order.end(), [](const auto& a, const auto& b) { return a.priority > b.priority; });
+  std::vector<std::string> tried;
+  for (const builtin::AutoAccelerator& candidate : order) {
+    const std::string name(candidate.name);
+    try {
+      const PluginCandidate& found = registry.resolve(PluginKind::accelerator, name);
+      auto accelerator =
+          plugin_cast<Accelerator>(registry.create(PluginKind::accelerator, name, default_options(found.metadata)));
+      if (accelerator->is_available()) {
+        spdlog::info("accelerator = \"auto\": using '{}'", name);
+        return name;
+      }
+      tried.push_back(fmt::format("{} (no device)", name));
+    } catch (const Error& e) {
+      tried.push_back(fmt::format("{} ({})", name, e.what()));
+    }
+  }
+  throw Error(ErrorKind::config, fmt::format("{}: accelerator = \"auto\" found no available accelerator; tried {}",
+                                             sel.where.str(), fmt::join(tried, "; ")));
+}
+
+}  // namespace
+
 void validate_plugins(Config& config, const PluginRegistry& registry) {
+  if (config.accelerator.name == "auto")
+    config.accelerator.name = choose_auto_accelerator(config.accelerator, registry);
   for (PluginSelection* sel : config.selections()) {
     const PluginCandidate* candidate = nullptr;
     try {
