@@ -13,9 +13,12 @@
 
 #include <doctest/doctest.h>
 #include <fmt/format.h>
+#include <spdlog/sinks/ostream_sink.h>
+#include <spdlog/spdlog.h>
 
 #include <fstream>
 #include <set>
+#include <sstream>
 
 #include "image_files.h"
 #include "test_support.h"
@@ -136,7 +139,20 @@ TEST_CASE("data readers: an image folder decodes JPEG and PNG, and names a corru
 
   auto skipping = std::make_shared<d::ImageFolder>(root, d::ImageFolderOptions().skip_corrupt(true));
   d::DataLoader loader(skipping, d::DataLoaderOptions().batch_size(2).num_workers(2));
-  auto batches = epoch(loader, 0);
+  std::ostringstream log;
+  auto previous = spdlog::default_logger();
+  spdlog::set_default_logger(
+      std::make_shared<spdlog::logger>("capture", std::make_shared<spdlog::sinks::ostream_sink_st>(log)));
+  std::vector<fulgur::Batch> batches;
+  try {
+    batches = epoch(loader, 0);
+  } catch (...) {
+    spdlog::set_default_logger(previous);
+    throw;
+  }
+  spdlog::set_default_logger(previous);
+  // The skipped samples are counted in the run's log, once, at the end of the epoch.
+  CHECK(contains(log.str(), "DataLoader: epoch 0 left out 2 corrupt sample(s)"));
   // Batch 0 (samples 0 and 1) lost both: no batch; batch 1 holds sample 2.
   REQUIRE(batches.size() == 1);
   CHECK(batches[0].size() == 1);

@@ -4,6 +4,7 @@
 #include <ATen/ATen.h>
 #include <ATen/Context.h>
 #include <fmt/format.h>
+#include <spdlog/spdlog.h>
 
 #include <atomic>
 #include <condition_variable>
@@ -46,6 +47,8 @@ struct DataLoader::Impl {
   int64_t rank = 0, replicas = 1;
   std::optional<BatchSampler> batches;  // map-style, for the current replica
   std::atomic<int64_t> skipped{0};
+  int64_t skipped_before_epoch = 0;  // to report this epoch's count once, at its end
+  bool epoch_reported = false;
 
   // Epoch state. Batches [next_batch, end) are still to be claimed; next_emit is the next one
   // next() hands out. Under `mutex` when workers run.
@@ -325,9 +328,25 @@ int64_t DataLoader::num_batches() const {
   return impl_->options.drop_last_ ? n / bs : (n + bs - 1) / bs;
 }
 
-void DataLoader::start_epoch(int64_t epoch, int64_t skip_batches) { impl_->start_epoch(epoch, skip_batches); }
+void DataLoader::start_epoch(int64_t epoch, int64_t skip_batches) {
+  impl_->stop_workers();  // before taking the baseline: the new epoch's workers count from it
+  impl_->skipped_before_epoch = impl_->skipped.load();
+  impl_->epoch_reported = false;
+  impl_->start_epoch(epoch, skip_batches);
+}
 
-std::optional<Batch> DataLoader::next() { return impl_->next(); }
+std::optional<Batch> DataLoader::next() {
+  std::optional<Batch> batch = impl_->next();
+  if (!batch && !impl_->epoch_reported) {
+    // skip_corrupt leaves samples out silently in the batches; the run's log says how many.
+    impl_->epoch_reported = true;
+    const int64_t total = impl_->skipped.load();
+    if (const int64_t now = total - impl_->skipped_before_epoch; now > 0)
+      spdlog::warn("DataLoader: epoch {} left out {} corrupt sample(s) (skip_corrupt; {} in all so far)", impl_->epoch,
+                   now, total);
+  }
+  return batch;
+}
 
 void DataLoader::set_replica(int64_t rank, int64_t num_replicas) {
   if (num_replicas < 1 || rank < 0 || rank >= num_replicas)
