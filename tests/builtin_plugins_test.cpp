@@ -705,6 +705,7 @@ TEST_CASE("every built-in plugin passes the testing kit's conformance checks for
       {"swa", {{"swa_lrs", std::vector<double>{0.05}}}},
       {"backbone_finetuning", {{"backbone", std::string("layer")}, {"unfreeze_backbone_at_epoch", int64_t{0}}}},
       {"freeze_schedule", {{"schedule", std::vector<std::string>{"0:freeze:layer.bias", "1:unfreeze:layer.*"}}}},
+      {"gradient_accumulation_scheduler", {{"scheduling", std::vector<std::string>{"2:2"}}}},  // after the 2 epochs
       {"spike_detection", {{"action", std::string("warn")}}},
       {"prediction_writer", {}},
       {"model_pruning", {}}};

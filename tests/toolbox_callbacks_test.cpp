@@ -420,6 +420,89 @@ TEST_CASE(
       doctest::Contains("matches no parameter"), fulgur::Error);
 }
 
+// ---- gradient_accumulation_scheduler -------------------------------------------------------------
+
+namespace {
+
+// The global step and the accumulation factor at each training epoch's start.
+struct AccumulationRecorder : fulgur::CallbackBase<AccumulationRecorder> {
+  void on_train_epoch_start(fulgur::TrainerContext& t) override {
+    steps.push_back(t.global_step());
+    factors.push_back(t.accumulate_grad_batches());
+  }
+  void on_fit_end(fulgur::TrainerContext& t) override { after_fit = t.accumulate_grad_batches(); }
+  std::vector<int64_t> steps, factors;
+  int64_t after_fit = 0;
+};
+
+}  // namespace
+
+TEST_CASE("gradient_accumulation_scheduler: the factor follows the epoch, also after a resume, and is restored") {
+  TempDir dir;
+  const Overrides scheduling = {{"scheduling", std::vector<std::string>{"1:2", "2:4"}}};
+  const fs::path ckpt = dir.path() / "two_epochs.ckpt";
+  {
+    torch::manual_seed(0);
+    fulgur::Trainer trainer(quiet_options(dir.path().string(), 4));
+    trainer.add_callback(make("gradient_accumulation_scheduler", scheduling), "scheduler");
+    auto recorder = std::make_shared<AccumulationRecorder>();
+    trainer.add_callback(recorder, "recorder");
+    kit::BoringModule module;
+    kit::BoringData data;  // 8 batches per epoch
+    trainer.fit(module, data);
+    CHECK(recorder->factors == std::vector<int64_t>{1, 2, 4, 4});
+    CHECK(recorder->steps == std::vector<int64_t>{0, 8, 12, 14});
+    CHECK(trainer.global_step() == 16);
+    CHECK(recorder->after_fit == 1);  // the scheduler's callbacks ran before the recorder's
+  }
+  {
+    // Two epochs, saved; a new Trainer resumes for the third: its factor is that of epoch 2.
+    torch::manual_seed(0);
+    fulgur::Trainer first(quiet_options(dir.path().string(), 2));
+    first.add_callback(make("gradient_accumulation_scheduler", scheduling), "scheduler");
+    kit::BoringModule module;
+    kit::BoringData data;
+    first.fit(module, data);
+    first.save_checkpoint(ckpt.string());
+    fulgur::Trainer second(quiet_options(dir.path().string(), 3));
+    second.add_callback(make("gradient_accumulation_scheduler", scheduling), "scheduler");
+    kit::BoringModule resumed;
+    second.fit(resumed, data, ckpt.string());
+    CHECK(second.global_step() == 14);
+  }
+  CHECK_THROWS_WITH_AS(make("gradient_accumulation_scheduler", {{"scheduling", std::vector<std::string>{"2"}}}),
+                       doctest::Contains("is not EPOCH:FACTOR"), fulgur::Error);
+  CHECK_THROWS_WITH_AS(make("gradient_accumulation_scheduler", {{"scheduling", std::vector<std::string>{"1:0"}}}),
+                       doctest::Contains("FACTOR >= 1"), fulgur::Error);
+  CHECK_THROWS_WITH_AS(
+      make("gradient_accumulation_scheduler", {{"scheduling", std::vector<std::string>{"1:2", "1:4"}}}),
+      doctest::Contains("epoch 1 appears twice"), fulgur::Error);
+  kit::FakeTrainer fake;
+  fake.accumulate = 2;
+  CHECK_THROWS_WITH_AS(make("gradient_accumulation_scheduler", scheduling)->on_fit_start(fake),
+                       doctest::Contains("leave accumulate_grad_batches at 1"), fulgur::Error);
+}
+
+TEST_CASE("gradient_accumulation_scheduler from TOML in the example: 8 + 4 + 2 optimizer steps in 3 epochs") {
+  TempDir dir;
+  const fs::path ckpt = dir.path() / "ckpt";
+  const std::string toml =
+      "[trainer]\nmax_epochs = 3\nseed = 7\nlimit_train_batches = 8\nlimit_val_batches = 2\n"
+      "limit_test_batches = 2\nenable_progress_bar = false\ndefault_root_dir = \"" +
+      (dir.path() / "runs").string() +
+      "\"\n[model]\narch = \"mlp\"\n[data]\nbatch_size = 32\n"
+      "[[callbacks]]\nname = \"gradient_accumulation_scheduler\"\nscheduling = [\"1:2\", \"2:4\"]\n"
+      "[[callbacks]]\nname = \"model_checkpoint\"\ndirpath = \"" +
+      ckpt.string() + "\"\nsave_top_k = 0\nsave_last = true\n";
+  fulgur::test::write_bytes(dir.path() / "job.toml", toml);
+  const auto run = fulgur::test::run_process(
+      {FULGUR_TEST_FASHION_MNIST, "--config", (dir.path() / "job.toml").string()}, {}, dir.path());
+  INFO(run.output);
+  REQUIRE(run.exit_code == 0);
+  const auto checkpoint = fulgur::read_checkpoint_file((ckpt / "last.ckpt").string()).toGenericDict();
+  CHECK(checkpoint.at("global_step").toInt() == 14);
+}
+
 // ---- spike_detection ------------------------------------------------------------------------------
 
 namespace {

@@ -118,6 +118,19 @@ void Trainer::Impl::synchronize_device() {
 
 MetricMap Trainer::Impl::device_stats() const { return plugins_.accelerator->device_stats(device()); }
 
+void Trainer::Impl::set_accumulate_grad_batches(int64_t n) {
+  if (n < 1) throw Error(ErrorKind::config, fmt::format("accumulate_grad_batches = {}: must be >= 1", n));
+  if (module_ && !module_->automatic_optimization && n != 1)
+    throw Error(ErrorKind::config, fmt::format("accumulate_grad_batches = {} is not supported with manual optimization "
+                                               "(automatic_optimization = false)",
+                                               n));
+  if (fit_loop_.epoch_loop().in_batch())
+    throw Error(ErrorKind::config,
+                "accumulate_grad_batches can change between batches (e.g. in on_train_epoch_start), not inside a "
+                "training batch");
+  settings_.accumulate_grad_batches = n;
+}
+
 void Trainer::Impl::request_stop(std::string_view reason) {
   should_stop_ = true;
   stop_reason_ = std::string(reason);

@@ -62,6 +62,8 @@ class Trainer::Impl final : public TrainerContext {
   MetricMap device_stats() const override;
   bool should_stop() const override { return should_stop_; }
   void request_stop(std::string_view reason) override;
+  int64_t accumulate_grad_batches() const override { return settings_.accumulate_grad_batches; }
+  void set_accumulate_grad_batches(int64_t n) override;
   const std::string& default_root_dir() const override { return settings_.default_root_dir; }
   std::string log_dir() const override { return logging_.log_dir(); }
   void save_checkpoint(const std::string& path, bool weights_only) override { checkpoints_.save(path, weights_only); }

@@ -59,8 +59,10 @@ class FakeTrainer : public TrainerContext {
   int64_t max_steps_value = -1;
   std::map<Stage, int64_t> batches{{Stage::fit, 5}, {Stage::validate, 2}};
   bool last_batch = false;
-  MetricMap metrics;      // callback_metrics()
-  MetricMap bar_metrics;  // progress_bar_metrics()
+  int64_t accumulate = 1;    // accumulate_grad_batches, as a callback set it
+  int64_t loader_index = 0;  // dataloader_idx()
+  MetricMap metrics;         // callback_metrics()
+  MetricMap bar_metrics;     // progress_bar_metrics()
   bool logging_due = true;
   bool logger_configured = true;
   ClusterInfo cluster_info;
@@ -139,6 +141,12 @@ class FakeTrainer : public TrainerContext {
   MetricMap device_stats() const override { return device_stats_value; }
   bool should_stop() const override { return !stop_reasons.empty(); }
   void request_stop(std::string_view reason) override { stop_reasons.emplace_back(reason); }
+  int64_t accumulate_grad_batches() const override { return accumulate; }
+  void set_accumulate_grad_batches(int64_t n) override {
+    if (n < 1) throw Error(ErrorKind::config, "accumulate_grad_batches must be >= 1");
+    accumulate = n;
+  }
+  int64_t dataloader_idx() const override { return loader_index; }
   const std::string& default_root_dir() const override { return root_dir; }
   std::string log_dir() const override { return root_dir; }
   // Writes a small text file (not a real checkpoint): callbacks decide names and times, not content.

@@ -76,6 +76,12 @@ class FULGUR_SDK_API TrainerContext {
   // Asks the fit loop to stop at the next check (respecting min_epochs/min_steps). Call it on
   // every rank with the same decision (use agree()), as early stopping does.
   virtual void request_stop(std::string_view reason) = 0;
+  // Gradient accumulation: batches per optimizer step ([trainer] accumulate_grad_batches). A
+  // callback may change it between epochs (on_train_epoch_start, on every rank alike), as
+  // Lightning's GradientAccumulationScheduler does; it applies from the next batch. Throws
+  // fulgur::Error (config) under manual optimization, for n < 1, or inside a training batch.
+  virtual int64_t accumulate_grad_batches() const = 0;
+  virtual void set_accumulate_grad_batches(int64_t n) = 0;
   virtual const std::string& default_root_dir() const = 0;
   // The first logger's run directory (rank zero's), or default_root_dir when there is no logger.
   virtual std::string log_dir() const = 0;
