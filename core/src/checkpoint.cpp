@@ -173,7 +173,10 @@ std::string Trainer::Impl::resolve_checkpoint_path(const std::string& ckpt_path,
     return ckpt_path;
   }
   // Asked of the callbacks that provide checkpoints (model_checkpoint, or any plugin that declares
-  // itself a provider); the first that knows one answers.
+  // itself a provider); the first that knows one answers. For "last", a checkpoint written on a
+  // signal (signal_connector.h) competes with it: the newer file wins, as in Lightning.
+  const std::string interrupted =
+      ckpt_path == "last" ? broadcast(existing_interrupt_checkpoint(config_, root_dir_), 0) : std::string();
   std::vector<std::string> looked;
   for (auto& slot : hooks_.slots()) {
     CheckpointProvider* provider = slot.callback->checkpoint_provider();
@@ -185,8 +188,9 @@ std::string Trainer::Impl::resolve_checkpoint_path(const std::string& ckpt_path,
     } catch (...) {
       rethrow_attributed(slot.identity, ckpt_path == "best" ? "best_checkpoint_path" : "last_checkpoint_path", pos_);
     }
-    if (!path.empty()) return path;
+    if (!path.empty()) return ckpt_path == "last" ? broadcast(newer_checkpoint(path, interrupted), 0) : path;
   }
+  if (!interrupted.empty()) return interrupted;
   const std::string where =
       looked.empty() ? std::string("no callback provides checkpoints (add a checkpoint callback under [[callbacks]])")
                      : fmt::format("asked {}", fmt::join(looked, "; "));

@@ -155,7 +155,8 @@ void Trainer::Impl::step_schedulers(SchedulerInterval interval, bool skip_monito
 
 void Trainer::Impl::fit(Module& module, DataModule& data, const std::string& ckpt_path) {
   // The argument wins; otherwise [trainer] ckpt_path (TOML or TrainerOptions) applies to fit.
-  const std::string requested = ckpt_path.empty() ? config_.trainer.get_string("ckpt_path") : ckpt_path;
+  const std::string requested =
+      restart_ckpt_path(ckpt_path.empty() ? config_.trainer.get_string("ckpt_path") : ckpt_path);
   run_stage(Stage::fit, module, data, [&] {
     binding_.optimizer_step = [this](torch::optim::Optimizer& optimizer) { return step_optimizer(optimizer); };
     binding_.manual_backward = [this](const at::Tensor& loss) {
@@ -250,6 +251,7 @@ void Trainer::Impl::run_fit() {
   }
 
   module_->train();
+  const SignalScope signals(config_, root_dir_);  // SIGTERM & co. stop at a safe point below
   hooks_.call(Hook::train_start, [&](Callback& c) { c.on_train_start(*this); });
   {
     LogContext log(binding_, &train_metrics_, true, true);
@@ -258,6 +260,7 @@ void Trainer::Impl::run_fit() {
   while (!fit_done()) {
     const int64_t steps_before = pos_.global_step;
     run_train_epoch();
+    if (interrupt_due(*this)) interrupt_at_safe_point(*this);
     // A loader that yields nothing would spin forever under max_steps alone.
     if (max_epochs_ < 0 && pos_.global_step == steps_before && epoch_was_empty_ && num_train_batches_ != 0)
       throw Error(ErrorKind::invalid_argument,
@@ -306,6 +309,7 @@ void Trainer::Impl::run_train_epoch() {
     run_train_batch(batch, batch_idx);
     if (validate_this_epoch && val_check_batches_ > 0 && (batch_idx + 1) % val_check_batches_ == 0 && !is_last_batch_)
       run_validation(false);
+    if (interrupt_due(*this)) interrupt_at_safe_point(*this);  // after the step and its validation
     // Mid-epoch, fit_done()'s epoch limit cannot hold yet: this checks max_steps, max_time and a
     // requested stop.
     if (fit_done()) break;

@@ -114,6 +114,7 @@ void validate_trainer_values(const Config& config) {
   }
   const std::string& devices = t.get_string("devices");
   require(!devices.empty(), "devices", "devices = \"\": give a count, \"auto\", -1 or indices such as \"0,1\"");
+  validate_signal_options(config);
   const std::string& level = config.log_level;
   if (!level.empty() && spdlog::level::from_str(level) == spdlog::level::off && level != "off")
     throw Error(ErrorKind::config,
@@ -455,6 +456,16 @@ void Trainer::Impl::run_stage(Stage stage, Module& module, DataModule& data, con
     setup_loggers_once();
     if (plugins_.profiler) plugins_.profiler->setup(stage, log_dir(), strategy.cluster().global_rank);
     body();
+  } catch (const TrainingInterrupted& stop) {
+    // A signal, turned into a checkpoint at a safe point (signal_connector.h): not a failure.
+    try {
+      finish_stage(stage, RunStatus::interrupted);
+    } catch (const std::exception& cleanup) {
+      spdlog::error("while stopping on a signal, finishing the {} stage failed: {}", to_string(stage), cleanup.what());
+    }
+    train_loader_.reset();  // no loader thread may outlive exit's static destructors
+    val_loader_.reset();
+    exit_interrupted(stop);
   } catch (const std::exception& e) {
     status = RunStatus::failed;
     detail::note_local_run_failed();  // ranks this process launched stop instead of being awaited

@@ -25,6 +25,7 @@
 #include "binding.h"
 #include "hook_dispatcher.h"
 #include "metrics.h"
+#include "signal_connector.h"
 
 namespace fulgur {
 
