@@ -196,6 +196,7 @@ void Trainer::Impl::fit(Module& module, DataModule& data, const std::string& ckp
 
 void Trainer::Impl::run_fit() {
   fit_start_time_ = std::chrono::steady_clock::now();
+  const SignalScope signals(config_, root_dir_);  // SIGTERM & co. stop at a safe point below
   train_loader_ = data_->train_loader();
   if (!train_loader_) throw Error(ErrorKind::invalid_argument, "the DataModule returned no train_loader()");
   train_loader_->set_replica(plugins_.strategy->data_parallel_rank(), plugins_.strategy->data_parallel_size());
@@ -251,7 +252,6 @@ void Trainer::Impl::run_fit() {
   }
 
   module_->train();
-  const SignalScope signals(config_, root_dir_);  // SIGTERM & co. stop at a safe point below
   hooks_.call(Hook::train_start, [&](Callback& c) { c.on_train_start(*this); });
   {
     LogContext log(binding_, &train_metrics_, true, true);

@@ -16,6 +16,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <exception>
 #include <filesystem>
 #include <string_view>
 
@@ -31,6 +32,7 @@ namespace fs = std::filesystem;
 
 // Set by the handler, read at safe points. A lock-free atomic int is async-signal-safe.
 std::atomic<int> g_received{0};
+bool g_handled = false;  // a safe point acted on it
 static_assert(std::atomic<int>::is_always_lock_free);
 
 // What the current fit set up (one fit at a time per process: signals are process-wide).
@@ -151,8 +153,10 @@ void validate_signal_options(const Config& config) {
                             where("interrupt_checkpoint"), name));
 }
 
-SignalScope::SignalScope(const Config& config, const std::string& root_dir) {
+SignalScope::SignalScope(const Config& config, const std::string& root_dir)
+    : uncaught_at_start_(std::uncaught_exceptions()) {
   g_received.store(0);
+  g_handled = false;
   g_setup = Setup{};
   g_setup.checkpoint = checkpoint_path(config, root_dir);
   if (g_setup.checkpoint.empty()) return;  // turned off: signals keep their default action
@@ -174,6 +178,9 @@ SignalScope::~SignalScope() {
   ::sigaction(SIGTERM, &previous_term_, nullptr);
   ::sigaction(SIGINT, &previous_int_, nullptr);
   if (requeue_signal_ > 0) ::sigaction(requeue_signal_, &previous_requeue_, nullptr);
+  // Fit ended normally after the signal but before a safe point saw it: not lost, but passed on.
+  const int pending = g_received.load();
+  if (pending != 0 && !g_handled && std::uncaught_exceptions() == uncaught_at_start_) ::raise(pending);
 }
 
 int signals::received() { return g_received.load(std::memory_order_relaxed); }
@@ -194,6 +201,7 @@ void interrupt_at_safe_point(TrainerContext& trainer) {
     detail::note_local_run_interrupted(128 + sig);
   }
   if (sig == 0) sig = SIGTERM;
+  g_handled = true;
   const bool requeue = sig == g_setup.requeue_signal;
   spdlog::warn("{} received: saving {} at epoch {}, global step {}", signal_name(sig), g_setup.checkpoint,
                trainer.current_epoch(), trainer.global_step());

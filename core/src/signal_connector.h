@@ -30,7 +30,9 @@ struct TrainingInterrupted {
 // Checks [trainer] interrupt_checkpoint and requeue_signal (config check and the Trainer).
 void validate_signal_options(const Config& config);
 
-// Installs the handlers for the life of a fit and restores the previous ones afterwards.
+// Installs the handlers for the life of a fit and restores the previous ones afterwards. A signal
+// that came too late for a safe point (fit's last hooks) is raised again then, so it takes the
+// previous action instead of being lost.
 class SignalScope {
  public:
   SignalScope(const Config& config, const std::string& root_dir);
@@ -41,6 +43,7 @@ class SignalScope {
  private:
   bool active_ = false;
   int requeue_signal_ = 0;
+  int uncaught_at_start_ = 0;
   struct sigaction previous_term_ {
   }, previous_int_{}, previous_requeue_{};
 };
