@@ -185,6 +185,44 @@ TEST_CASE("signals: SIGTERM to one rank of a 2-process ddp run stops both at the
   CHECK(job::same_weights(dir / "ckpt" / "last.ckpt", ref / "ckpt" / "last.ckpt"));
 }
 
+TEST_CASE("elastic: torchrun --max-restarts restarts a killed group and every rank resumes from the last checkpoint") {
+  TempDir dir;
+  const fs::path plugins = job::plugin_dir(dir, {"kill-at-step"});
+  auto torchrun = [&](const fs::path& run_dir, const std::string& extra_args) {
+    std::vector<std::string> args = {FULGUR_TEST_PYTHON, "-m", "torch.distributed.run", "--standalone",
+                                     "--nproc_per_node=2"};
+    if (!extra_args.empty()) args.push_back(extra_args);
+    for (const char* a : {"--no-python", FULGUR_TEST_FASHION_MNIST, "--config"}) args.emplace_back(a);
+    args.push_back((run_dir / "job.toml").string());
+    return fulgur::test::run_process(args, {{"FULGUR_LOG_LEVEL", "info"}}, run_dir);
+  };
+  const std::string ddp = "strategy = \"ddp\"\n";
+  const fs::path ref = dir.subdir("reference");
+  std::ofstream(ref / "job.toml") << job::toml(ref, plugins, 1, 16, ddp, job::checkpointing(ref / "ckpt", 4));
+  const ProcessRun reference = torchrun(ref, "");
+  INFO(reference.output);
+  REQUIRE(reference.exit_code == 0);
+
+  // SIGKILL at step 7 (last.ckpt holds step 4); torchrun restarts both workers once, and they
+  // resume by themselves: no ckpt_path, TORCHELASTIC_RESTART_COUNT = 1 tells them.
+  const fs::path run_dir = dir.subdir("elastic");
+  std::ofstream(run_dir / "job.toml") << job::toml(
+      run_dir, plugins, 1, 16, ddp,
+      job::checkpointing(run_dir / "ckpt", 4) +
+          "[[callbacks]]\nname = \"fixture_kill_at_step\"\nstep = 7\nmarker = \"" + (run_dir / "killed").string() +
+          "\"\n");
+  const ProcessRun restarted = torchrun(run_dir, "--max-restarts=1");
+  INFO(restarted.output);
+  REQUIRE(restarted.exit_code == 0);
+  CHECK(fs::exists(run_dir / "killed"));
+  FULGUR_CHECK_CONTAINS(restarted.output, "exitcode: -9");
+  FULGUR_CHECK_CONTAINS(restarted.output, "TORCHELASTIC_RESTART_COUNT = 1: this job was restarted");
+  FULGUR_CHECK_CONTAINS(restarted.output, "Restored training state from " + (run_dir / "ckpt" / "last.ckpt").string() +
+                                              " (epoch 0, global step 4, 4 batches into the epoch)");
+  CHECK(job::checkpoint_dict(run_dir / "ckpt" / "last.ckpt").at("global_step").toInt() == 16);
+  CHECK(job::same_weights(run_dir / "ckpt" / "last.ckpt", ref / "ckpt" / "last.ckpt"));
+}
+
 // ---- on_exception_checkpoint ----------------------------------------------------------------------
 
 TEST_CASE("on_exception_checkpoint: passes the testing kit and saves only for a failed fit on one process") {
