@@ -451,6 +451,73 @@ print("python-ok")
   CHECK(output.find("python-ok") != std::string::npos);
 }
 
+// Runs a Python check script on a checkpoint; true when it prints "python-ok".
+bool python_checks_checkpoint(const TempDir& dir, const std::string& code, const fs::path& ckpt) {
+  fs::path script = dir / "loops_check.py";
+  std::ofstream(script) << code;
+  const std::string command = fmt::format("{} {} {} 2>&1", FULGUR_TEST_PYTHON, script.string(), ckpt.string());
+  FILE* pipe = ::popen(command.c_str(), "r");
+  REQUIRE(pipe != nullptr);
+  std::string output;
+  char buffer[512];
+  while (std::fgets(buffer, sizeof(buffer), pipe)) output += buffer;
+  const int status = ::pclose(pipe);
+  INFO(output);
+  return status == 0 && output.find("python-ok") != std::string::npos;
+}
+
+TEST_CASE("every loop keeps its own state in the checkpoint and gets it back on resume") {
+  TempDir dir;
+  // 4 batches per epoch, validation at every epoch's end; the sanity check is not a pass.
+  const std::string keys = "limit_val_batches = 2\nenable_checkpointing = false\nlogger = false\n";
+  fs::path first = dir / "first.ckpt", second = dir / "second.ckpt";
+  {
+    fulgur::Trainer trainer(config_from(dir, "max_epochs = 2\n" + keys, "[model]\nlr = 0.01\nwidth = 16\n"));
+    RecordingModule module(nullptr);
+    SyntheticData data;
+    trainer.fit(module, data);
+    trainer.validate(module, data);
+    trainer.test(module, data);
+    trainer.test(module, data);
+    trainer.predict(module, data);
+    trainer.save_checkpoint(first.string());
+  }
+  CHECK(python_checks_checkpoint(dir, R"(
+import sys, torch
+loops = torch.load(sys.argv[1], weights_only=True)["loops"]
+assert sorted(loops) == ["fit_loop", "predict_loop", "test_loop", "validate_loop"], sorted(loops)
+fit = loops["fit_loop"]
+assert fit["epoch"] == 2 and fit["global_step"] == 8 and fit["batches_done_in_epoch"] == 0, fit
+assert fit["val_loop"] == {"batches_done": 2, "completed_passes": 2}, fit["val_loop"]
+assert loops["validate_loop"] == {"batches_done": 2, "completed_passes": 1}, loops["validate_loop"]
+assert loops["test_loop"] == {"batches_done": 4, "completed_passes": 2}, loops["test_loop"]
+assert loops["predict_loop"] == {"batches_done": 4, "completed_passes": 1}, loops["predict_loop"]
+print("python-ok")
+)",
+                                 first));
+  {
+    // Resumed for one more epoch: every loop starts from its saved state, not from zero.
+    fulgur::Trainer trainer(config_from(dir, "max_epochs = 3\n" + keys, "[model]\nlr = 0.01\nwidth = 16\n"));
+    RecordingModule module(nullptr);
+    SyntheticData data;
+    trainer.fit(module, data, first.string());
+    CHECK(trainer.current_epoch() == 3);
+    CHECK(trainer.global_step() == 12);
+    trainer.save_checkpoint(second.string());
+  }
+  CHECK(python_checks_checkpoint(dir, R"(
+import sys, torch
+loops = torch.load(sys.argv[1], weights_only=True)["loops"]
+assert loops["fit_loop"]["epoch"] == 3 and loops["fit_loop"]["global_step"] == 12, loops["fit_loop"]
+assert loops["fit_loop"]["val_loop"]["completed_passes"] == 3, loops["fit_loop"]["val_loop"]
+assert loops["validate_loop"]["completed_passes"] == 1, loops["validate_loop"]
+assert loops["test_loop"]["completed_passes"] == 2, loops["test_loop"]
+assert loops["predict_loop"]["completed_passes"] == 1, loops["predict_loop"]
+print("python-ok")
+)",
+                                 second));
+}
+
 TEST_CASE("bad checkpoints fail clearly and lose nothing") {
   TempDir dir;
   const std::string keys = "max_steps = 2\nlimit_val_batches = 0\nenable_checkpointing = false\nlogger = false";

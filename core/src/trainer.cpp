@@ -25,138 +25,21 @@
 
 namespace fulgur {
 
-namespace {
-
-double as_number(const OptionValue& v) {
-  return std::holds_alternative<int64_t>(v) ? static_cast<double>(std::get<int64_t>(v)) : std::get<double>(v);
-}
-
-}  // namespace
-
-double parse_max_time(const std::string& text) {
-  if (text.empty()) return 0;
-  const auto bad = [&] {
-    return Error(ErrorKind::config,
-                 fmt::format("[trainer] max_time = \"{}\": expected \"DD:HH:MM:SS\" (fewer fields count from the "
-                             "right, e.g. \"00:01:30:00\" or \"90:00\")",
-                             text));
-  };
-  std::vector<double> parts;
-  size_t start = 0;
-  while (true) {
-    size_t end = text.find(':', start);
-    std::string field = text.substr(start, end == std::string::npos ? std::string::npos : end - start);
-    try {
-      size_t used = 0;
-      parts.push_back(std::stod(field, &used));
-      if (used != field.size() || !std::isfinite(parts.back()) || parts.back() < 0) throw bad();
-    } catch (const std::exception&) {
-      throw bad();
-    }
-    if (end == std::string::npos) break;
-    start = end + 1;
-  }
-  if (parts.size() > 4) throw bad();
-  const double scale[] = {1, 60, 3600, 86400};
-  double seconds = 0;
-  for (size_t i = 0; i < parts.size(); ++i) seconds += parts[parts.size() - 1 - i] * scale[i];
-  return seconds;
-}
-
-int64_t apply_batch_limit(const OptionValue& limit, int64_t available) {
-  if (const auto* count = std::get_if<int64_t>(&limit)) return available < 0 ? *count : std::min(*count, available);
-  if (available < 0) return std::get<double>(limit) > 0 ? -1 : 0;
-  const double fraction = std::get<double>(limit);
-  return static_cast<int64_t>(static_cast<double>(available) * fraction);
-}
-
-void validate_trainer_values(const Config& config) {
-  const Options& t = config.trainer;
-  auto where = [&](std::string_view key) {
-    auto it = config.trainer_locations.find(key);
-    return it == config.trainer_locations.end() ? std::string("[trainer]") : it->second.str() + ": [trainer]";
-  };
-  auto require = [&](bool ok, std::string_view key, const std::string& message) {
-    if (!ok) throw Error(ErrorKind::config, fmt::format("{} {}", where(key), message));
-  };
-  const std::string& algorithm = t.get_string("gradient_clip_algorithm");
-  require(algorithm == "norm" || algorithm == "value", "gradient_clip_algorithm",
-          fmt::format("gradient_clip_algorithm = \"{}\": use \"norm\" or \"value\"", algorithm));
-  for (const char* key : {"accumulate_grad_batches", "log_every_n_steps", "check_val_every_n_epoch", "num_nodes"})
-    require(t.get_int(key) >= 1, key, fmt::format("{} = {}: must be >= 1", key, t.get_int(key)));
-  for (const char* key : {"fast_dev_run", "min_epochs", "min_steps"})
-    require(t.get_int(key) >= 0, key, fmt::format("{} = {}: must be >= 0", key, t.get_int(key)));
-  for (const char* key : {"max_epochs", "max_steps"})
-    require(t.get_int(key) >= -1, key, fmt::format("{} = {}: must be >= 0, or -1 for no limit", key, t.get_int(key)));
-  require(t.get_int("num_sanity_val_steps") >= -1, "num_sanity_val_steps",
-          fmt::format("num_sanity_val_steps = {}: must be >= 0, or -1 for all", t.get_int("num_sanity_val_steps")));
-  require(t.get_float("gradient_clip_val") >= 0 && std::isfinite(t.get_float("gradient_clip_val")), "gradient_clip_val",
-          fmt::format("gradient_clip_val = {}: must be a finite number >= 0", t.get_float("gradient_clip_val")));
-  for (const char* key : {"limit_train_batches", "limit_val_batches", "limit_test_batches", "limit_predict_batches",
-                          "overfit_batches", "val_check_interval"}) {
-    const OptionValue& v = t.values().at(key);
-    const double x = as_number(v);
-    require(x >= 0, key, fmt::format("{} = {}: must be >= 0", key, x));
-    if (std::holds_alternative<double>(v) && std::string_view(key) != "val_check_interval")
-      require(x <= 1.0, key,
-              fmt::format("{} = {}: a float is a fraction in [0, 1]; use an integer for a count", key, x));
-  }
-  {
-    const OptionValue& v = t.values().at("val_check_interval");
-    require(as_number(v) > 0, "val_check_interval", "val_check_interval must be > 0");
-  }
-  try {
-    parse_max_time(t.get_string("max_time"));
-  } catch (const Error& e) {
-    auto it = config.trainer_locations.find("max_time");
-    throw Error(ErrorKind::config,
-                it == config.trainer_locations.end() ? std::string(e.what()) : it->second.str() + ": " + e.what());
-  }
-  const std::string& devices = t.get_string("devices");
-  require(!devices.empty(), "devices", "devices = \"\": give a count, \"auto\", -1 or indices such as \"0,1\"");
-  validate_signal_options(config);
-  const std::string& level = config.log_level;
-  if (!level.empty() && spdlog::level::from_str(level) == spdlog::level::off && level != "off")
-    throw Error(ErrorKind::config,
-                fmt::format("[logging] level = \"{}\": use trace, debug, info, warn, error, critical or off", level));
-}
-
 // ---- construction -------------------------------------------------------------------------------
 
-Trainer::Impl::Impl(Config config) : config_(std::move(config)) {
-  validate_trainer_values(config_);
+Trainer::Impl::Impl(Config config) : config_(std::move(config)), settings_(TrainerSettings::from_config(config_)) {
   const Options& t = config_.trainer;
   if (!config_.log_level.empty()) spdlog::set_level(spdlog::level::from_str(config_.log_level));
-  root_dir_ = t.get_string("default_root_dir");
-  max_epochs_ = t.get_int("max_epochs");
-  max_steps_ = t.get_int("max_steps");
-  min_epochs_ = t.get_int("min_epochs");
-  min_steps_ = t.get_int("min_steps");
-  if (max_epochs_ < 0 && max_steps_ < 0) max_epochs_ = 1000;  // Lightning's default
-  max_time_seconds_ = t.get_string("max_time").empty() ? -1.0 : parse_max_time(t.get_string("max_time"));
-  check_val_every_n_epoch_ = t.get_int("check_val_every_n_epoch");
-  num_sanity_val_steps_ = t.get_int("num_sanity_val_steps");
-  log_every_n_steps_ = t.get_int("log_every_n_steps");
-  accumulate_ = t.get_int("accumulate_grad_batches");
-  fast_dev_run_ = t.get_int("fast_dev_run");
-  clip_val_ = t.get_float("gradient_clip_val");
-  inference_mode_ = t.get_bool("inference_mode");
-  detect_anomaly_ = t.get_bool("detect_anomaly");
-  clip_algorithm_ =
-      t.get_string("gradient_clip_algorithm") == "norm" ? GradClipAlgorithm::norm : GradClipAlgorithm::value;
-  if (fast_dev_run_ > 0) {
-    max_epochs_ = 1;
-    max_steps_ = fast_dev_run_;
-    num_sanity_val_steps_ = 0;
-  }
 
   // Seeding here, before the user builds the model, makes initial weights reproducible too.
   if (const int64_t seed = t.get_int("seed"); seed >= 0) torch::manual_seed(static_cast<uint64_t>(seed));
   if (t.get_bool("deterministic")) at::globalContext().setDeterministicAlgorithms(true, /*warn_only=*/false);
 
-  plugins_ = connect_plugins(config_, fast_dev_run_ > 0);
+  plugins_ = connect_plugins(config_, settings_.fast_dev_run > 0);
   profiler_ptr_ = plugins_.profiler.get();
-  for (auto& l : plugins_.loggers) loggers_.push_back(l.get());
+  std::vector<Logger*> loggers;
+  for (auto& l : plugins_.loggers) loggers.push_back(l.get());
+  logging_.connect(std::move(loggers), &plugins_.logger_identities);
   for (auto& entry : plugins_.callbacks) hooks_.add(std::move(entry.callback), std::move(entry.identity));
   plugins_.callbacks.clear();
 }
@@ -181,45 +64,15 @@ void Trainer::Impl::add_callback(std::shared_ptr<Callback> callback, std::string
 int64_t Trainer::Impl::num_batches(Stage stage) const {
   switch (stage) {
     case Stage::fit:
-      return num_train_batches_;
+      return fit_loop_.epoch_loop().num_batches();
     case Stage::validate:
     case Stage::sanity_check:
-      return stage_ == Stage::fit ? num_val_batches_ : num_eval_batches_;
+      return stage_ == Stage::fit ? fit_loop_.epoch_loop().val_loop().num_batches() : validate_loop_.num_batches();
+    case Stage::test:
+      return test_loop_.num_batches();
     default:
-      return num_eval_batches_;
+      return predict_loop_.num_batches();
   }
-}
-
-const MetricMap& Trainer::Impl::callback_metrics() const {
-  // Step values are copied to the host only when someone asks (no sync per training step).
-  for (const auto& [k, v] : const_cast<MetricStore&>(train_metrics_).collect_step(false, false, false)) {
-    callback_metrics_[k] = v;
-    if (k.ends_with("_step")) callback_metrics_[k.substr(0, k.size() - 5)] = v;
-  }
-  return callback_metrics_;
-}
-
-const MetricMap& Trainer::Impl::progress_bar_metrics() const {
-  for (const auto& [k, v] : train_metrics_.prog_bar_step_values()) progress_bar_metrics_[k] = v;
-  return progress_bar_metrics_;
-}
-
-void Trainer::Impl::log_metrics(const MetricMap& metrics, std::string_view owner) {
-  if (loggers_.empty())
-    throw Error(ErrorKind::config,
-                fmt::format("{}: the Trainer has no logger, so there is nowhere to write its values; add a "
-                            "[[loggers]] table (`fulgur plugins list` shows the loggers) or remove the callback",
-                            owner));
-  if (metrics.empty() || global_rank() != 0) return;
-  if (in_train_batch_) {
-    // Joins the Trainer's own row for this step (sent at the end of the batch when due).
-    for (const auto& [k, v] : metrics) pending_row_[k] = v;
-    return;
-  }
-  // Outside a batch, Lightning's step: the steps taken so far, or at an epoch's end the epoch's
-  // last step (where its epoch-level row goes).
-  const int64_t step = in_epoch_end_phase_ ? pos_.global_step - 1 : pos_.global_step;
-  send_row(metrics, std::max<int64_t>(0, step));
 }
 
 const ClusterInfo& Trainer::Impl::cluster() const {
@@ -264,11 +117,6 @@ void Trainer::Impl::request_stop(std::string_view reason) {
   should_stop_ = true;
   stop_reason_ = std::string(reason);
   if (!reason.empty()) spdlog::info("{}", reason);
-}
-
-std::string Trainer::Impl::log_dir() const {
-  if (loggers_ready_) return log_dir_;
-  return root_dir_;
 }
 
 torch::nn::Module& Trainer::Impl::model() {
@@ -352,37 +200,6 @@ StrategyEnvironment Trainer::Impl::make_strategy_environment() {
   return env;
 }
 
-void Trainer::Impl::setup_loggers_once() {
-  if (loggers_ready_) return;
-  LoggerSetup setup;
-  setup.root_dir = root_dir_;
-  setup.global_rank = plugins_.strategy->cluster().global_rank;
-  for_each_logger("setup", [&](Logger& l) { l.setup(setup); });
-  loggers_ready_ = true;
-  // Every rank names the run by rank 0's directory (the loggers of other ranks write nothing, and
-  // their own version numbering may differ).
-  log_dir_ = plugins_.strategy->broadcast_string(loggers_.empty() ? root_dir_ : loggers_.front()->log_dir(), 0);
-  // Hyperparameters of model, data and trainer, flattened with their table as prefix. Model and
-  // data come from the objects (attach() fills them from [model] / [data] unless set in code), so
-  // hyperparameters a Module sets itself are logged too; the selected accelerator, strategy,
-  // precision and profiler add their options.
-  std::map<std::string, std::string> params;
-  auto add = [&](const std::string& prefix, const Options& options) {
-    for (const auto& [k, v] : options.values()) params[prefix + k] = format_option_value(v);
-  };
-  add("model.", module_ ? module_->hparams : config_.model);
-  add("data.", data_ ? data_->hparams : config_.data);
-  add("trainer.", config_.trainer);
-  add("accelerator.", config_.accelerator.options);
-  add("strategy.", config_.strategy.options);
-  add("precision.", config_.precision.options);
-  if (config_.profiler) {
-    params["profiler.name"] = format_option_value(OptionValue(config_.profiler->name));
-    add("profiler.", config_.profiler->options);
-  }
-  for_each_logger("log_hyperparams", [&](Logger& l) { l.log_hyperparams(params); });
-}
-
 // ---- the stage funnel --------------------------------------------------------------------------
 
 void Trainer::Impl::attach(Module& module, DataModule& data, Stage stage) {
@@ -400,10 +217,10 @@ void Trainer::Impl::attach(Module& module, DataModule& data, Stage stage) {
   };
   module.bind(&binding_);
   setup_environment_once();
-  if (detect_anomaly_) torch::autograd::AnomalyMode::set_enabled(true);
+  if (settings_.detect_anomaly) torch::autograd::AnomalyMode::set_enabled(true);
 }
 
-void Trainer::Impl::build_model(Module& module, Stage stage) {
+void Trainer::Impl::build_model(Module& module) {
   Strategy& strategy = *plugins_.strategy;
   // Lightning's configure_model: layers may be created here, under the strategy (which can build
   // them sharded). It runs for every stage, so it must be idempotent, as in Lightning.
@@ -411,7 +228,6 @@ void Trainer::Impl::build_model(Module& module, Stage stage) {
   // Device first: the precision plugins pick autocast and kernels from the module's device.
   strategy.setup_module(module);
   plugins_.precision->convert_module(module);
-  (void)stage;
 }
 
 void Trainer::Impl::setup_optimizers(Module& module) {
@@ -451,9 +267,9 @@ void Trainer::Impl::run_stage(Stage stage, Module& module, DataModule& data, con
     strategy.barrier("prepare_data");
     hooks_.call(Hook::setup, [&](Callback& c) { c.setup(*this, stage); });
     data.setup(stage);
-    build_model(module, stage);
+    build_model(module);
     if (stage == Stage::fit) setup_optimizers(module);
-    setup_loggers_once();
+    logging_.setup_once();
     if (plugins_.profiler) plugins_.profiler->setup(stage, log_dir(), strategy.cluster().global_rank);
     body();
   } catch (const TrainingInterrupted& stop) {
@@ -463,8 +279,7 @@ void Trainer::Impl::run_stage(Stage stage, Module& module, DataModule& data, con
     } catch (const std::exception& cleanup) {
       spdlog::error("while stopping on a signal, finishing the {} stage failed: {}", to_string(stage), cleanup.what());
     }
-    train_loader_.reset();  // no loader thread may outlive exit's static destructors
-    val_loader_.reset();
+    fit_loop_.release_loaders();  // no loader thread may outlive exit's static destructors
     exit_interrupted(stop);
   } catch (const std::exception& e) {
     status = RunStatus::failed;
@@ -499,12 +314,149 @@ void Trainer::Impl::finish_stage(Stage stage, RunStatus status) {
     if (plugins_.profiler) plugins_.profiler->teardown(stage);
   });
   step([&] {
-    for_each_logger("save", [&](Logger& l) { l.save(); });
-    if (stage == Stage::fit || status != RunStatus::success)
-      for_each_logger("finalize", [&](Logger& l) { l.finalize(status); });
+    logging_.save();
+    if (stage == Stage::fit || status != RunStatus::success) logging_.finalize(status);
   });
   if (module_) module_->bind(nullptr);
   if (first && status == RunStatus::success) std::rethrow_exception(first);
+}
+
+// ---- fit / validate / test / predict -----------------------------------------------------------
+
+void Trainer::Impl::fit(Module& module, DataModule& data, const std::string& ckpt_path) {
+  // The argument wins; otherwise [trainer] ckpt_path (TOML or TrainerOptions) applies to fit.
+  const std::string requested =
+      restart_ckpt_path(ckpt_path.empty() ? config_.trainer.get_string("ckpt_path") : ckpt_path);
+  run_stage(Stage::fit, module, data, [&] {
+    check_manual_optimization(module);
+    TrainingEpochLoop& epoch_loop = fit_loop_.epoch_loop();
+    binding_.optimizer_step = [&epoch_loop](torch::optim::Optimizer& optimizer) {
+      return epoch_loop.step_optimizer(optimizer);
+    };
+    binding_.manual_backward = [&epoch_loop](const at::Tensor& loss) { epoch_loop.manual_backward(loss); };
+    const std::string resolved = requested.empty() ? std::string() : checkpoints_.resolve(requested, Stage::fit);
+    std::optional<CheckpointConnector::ReadCheckpoint> checkpoint;
+    if (!resolved.empty()) {
+      checkpoint = checkpoints_.read(resolved, /*with_optimizer_states=*/true);
+      checkpoints_.restore_model(*checkpoint);
+      checkpoints_.restore_callbacks(*checkpoint);
+    }
+    hooks_.call(Hook::fit_start, [&](Callback& c) { c.on_fit_start(*this); });
+    hooks_.module("on_fit_start", [&] { module.on_fit_start(); });
+    if (checkpoint) checkpoints_.restore_training_state(*checkpoint);
+    fit_loop_.run();
+    hooks_.call(Hook::fit_end, [&](Callback& c) { c.on_fit_end(*this); });
+    hooks_.module("on_fit_end", [&] { module.on_fit_end(); });
+  });
+}
+
+std::vector<MetricMap> Trainer::Impl::evaluate(Stage stage, Module& module, DataModule& data,
+                                               const std::string& ckpt_path) {
+  EvaluationLoop& loop = stage == Stage::test ? test_loop_ : validate_loop_;
+  MetricMap results;
+  run_stage(stage, module, data, [&] {
+    if (!ckpt_path.empty())
+      checkpoints_.restore_model(
+          checkpoints_.read(checkpoints_.resolve(ckpt_path, stage), /*with_optimizer_states=*/false));
+    int64_t num_batches = 0;
+    std::unique_ptr<BatchLoader> loader = evaluation_loader(stage, num_batches);
+    loop.set_num_batches(num_batches);
+    logging_.eval_metrics().clear();
+    results = loop.run(*loader, num_batches, /*sanity=*/false);
+  });
+  // Only the epoch-level keys, without the "_epoch" duplicates (Lightning's returned dict).
+  MetricMap clean;
+  for (const auto& [k, v] : results)
+    if (!k.ends_with("_epoch")) clean[k] = v;
+  return {clean};
+}
+
+std::vector<at::Tensor> Trainer::Impl::predict(Module& module, DataModule& data, const std::string& ckpt_path) {
+  std::vector<at::Tensor> predictions;
+  run_stage(Stage::predict, module, data, [&] {
+    if (!ckpt_path.empty())
+      checkpoints_.restore_model(
+          checkpoints_.read(checkpoints_.resolve(ckpt_path, Stage::predict), /*with_optimizer_states=*/false));
+    int64_t num_batches = 0;
+    std::unique_ptr<BatchLoader> loader = evaluation_loader(Stage::predict, num_batches);
+    predict_loop_.set_num_batches(num_batches);
+    predictions = predict_loop_.run(*loader);
+  });
+  return predictions;
+}
+
+void Trainer::Impl::check_manual_optimization(const Module& module) const {
+  if (module.automatic_optimization) return;
+  // The Trainer does not know when the gradients are final; training_step does.
+  if (settings_.gradient_clip_val > 0)
+    throw Error(ErrorKind::config,
+                fmt::format("[trainer] gradient_clip_val = {} is not supported with manual optimization "
+                            "(automatic_optimization = false); call clip_gradients(optimizer, value) in "
+                            "training_step before optimizer.step()",
+                            settings_.gradient_clip_val));
+  if (settings_.accumulate_grad_batches != 1)
+    throw Error(ErrorKind::config,
+                fmt::format("[trainer] accumulate_grad_batches = {} is not supported with manual optimization "
+                            "(automatic_optimization = false); step the optimizer every N batches in "
+                            "training_step instead",
+                            settings_.accumulate_grad_batches));
+}
+
+std::unique_ptr<BatchLoader> Trainer::Impl::evaluation_loader(Stage stage, int64_t& num_batches) {
+  std::unique_ptr<BatchLoader> loader = stage == Stage::test      ? data_->test_loader()
+                                        : stage == Stage::predict ? data_->predict_loader()
+                                                                  : data_->val_loader();
+  const char* name = stage == Stage::test ? "test" : stage == Stage::predict ? "predict" : "val";
+  if (!loader)
+    throw Error(ErrorKind::invalid_argument,
+                stage == Stage::predict
+                    ? std::string("the DataModule returned no predict_loader()")
+                    : fmt::format("the DataModule returned no {}_loader() for Trainer::{}", name, to_string(stage)));
+  loader->set_replica(plugins_.strategy->data_parallel_rank(), plugins_.strategy->data_parallel_size());
+  const OptionValue& limit = stage == Stage::test      ? settings_.limit_test_batches
+                             : stage == Stage::predict ? settings_.limit_predict_batches
+                                                       : settings_.limit_val_batches;
+  num_batches = apply_batch_limit(limit, loader->num_batches());
+  const int64_t fast = settings_.fast_dev_run;
+  if (fast > 0) num_batches = num_batches < 0 ? fast : std::min(num_batches, fast);
+  return loader;
+}
+
+// ---- shared by the loops ------------------------------------------------------------------------
+
+Batch Trainer::Impl::transfer(Batch batch) {
+  ProfileScope scope(plugins_.profiler.get(), "transfer_batch_to_device");
+  batch =
+      hooks_.module("on_before_batch_transfer", [&] { return module_->on_before_batch_transfer(std::move(batch)); });
+  batch = hooks_.module("transfer_batch_to_device", [&] {
+    return module_->transfer_batch_to_device(std::move(batch), plugins_.strategy->root_device());
+  });
+  batch = hooks_.module("on_after_batch_transfer", [&] { return module_->on_after_batch_transfer(std::move(batch)); });
+  plugins_.precision->convert_input(batch);
+  return batch;
+}
+
+void Trainer::Impl::step_schedulers(SchedulerInterval interval, bool skip_monitored) {
+  const RunPosition& position = fit_loop_.position();
+  const int64_t count = interval == SchedulerInterval::step ? position.global_step : position.epoch + 1;
+  for (auto& cfg : optimizer_configs_) {
+    if (!cfg.scheduler || cfg.interval != interval || count % cfg.frequency != 0) continue;
+    if (cfg.monitor.empty()) {
+      cfg.scheduler->step();
+      continue;
+    }
+    if (skip_monitored) continue;
+    const MetricMap& metrics = callback_metrics();
+    auto it = metrics.find(cfg.monitor);
+    if (it == metrics.end()) {
+      std::vector<std::string> keys;
+      for (const auto& [k, v] : metrics) keys.push_back(k);
+      throw Error(ErrorKind::config,
+                  fmt::format("the lr scheduler monitors '{}', which was never logged; logged metrics: {}", cfg.monitor,
+                              keys.empty() ? "none" : fmt::format("{}", fmt::join(keys, ", "))));
+    }
+    cfg.scheduler->step(it->second);
+  }
 }
 
 // ---- Trainer facade -----------------------------------------------------------------------------

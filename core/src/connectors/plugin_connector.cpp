@@ -7,7 +7,7 @@
 #include <fmt/format.h>
 #include <spdlog/spdlog.h>
 
-#include "trainer_impl.h"
+#include "../trainer_impl.h"
 
 namespace fulgur {
 

@@ -1,0 +1,47 @@
+// Internal: checkpoints of a run (Lightning's _CheckpointConnector): what a checkpoint holds
+// beyond the strategy's model and optimizer parts, where "last" and "best" are (asked of the
+// checkpoint-provider callbacks), and restoring a run from one.
+#pragma once
+
+#include <fulgur/trainer.h>
+#include <fulgur/types.h>
+
+#include <ATen/core/ivalue.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace fulgur {
+
+class CheckpointConnector {
+ public:
+  explicit CheckpointConnector(Trainer::Impl& trainer) : trainer_(trainer) {}
+
+  // A checkpoint as the strategy read it, in parts.
+  struct ReadCheckpoint {
+    std::string path;
+    std::shared_ptr<c10::IValue> model_state, metadata;  // metadata: a dict of the other keys
+    std::vector<c10::IValue> optimizer_states;           // empty: a weights-only checkpoint
+  };
+
+  // TrainerContext::save_checkpoint: the strategy's parts plus dump_metadata, written by the strategy.
+  void save(const std::string& path, bool weights_only);
+  // A path, "last" or "best" as a file. "" when ckpt_path is "last" in fit and no last
+  // checkpoint exists yet (a first run starts fresh, with a warning, as Lightning does).
+  std::string resolve(const std::string& ckpt_path, Stage stage);
+  ReadCheckpoint read(const std::string& path, bool with_optimizer_states);
+  void restore_model(const ReadCheckpoint& checkpoint);
+  // on_load_checkpoint of every callback, then each stateful callback's own state.
+  void restore_callbacks(const ReadCheckpoint& checkpoint);
+  // Optimizers, schedulers, precision, and every loop's state (exact resume).
+  void restore_training_state(const ReadCheckpoint& checkpoint);
+
+ private:
+  // Every top-level key but the model and optimizer states.
+  c10::IValue dump_metadata(bool weights_only);
+
+  Trainer::Impl& trainer_;
+};
+
+}  // namespace fulgur

@@ -1,0 +1,82 @@
+#include "evaluation_loop.h"
+
+#include <fulgur/profiler.h>
+
+#include "../ivalue_dict.h"
+#include "../trainer_impl.h"
+#include "loop_scopes.h"
+
+namespace fulgur {
+
+MetricMap EvaluationLoop::run(BatchLoader& loader, int64_t limit, bool sanity) {
+  Trainer::Impl& t = trainer_;
+  Profiler* profiler = t.plugins_.profiler.get();
+  HookDispatcher& hooks = t.hooks_;
+  Module& module = *t.module_;
+  MetricStore& store = t.logging_.eval_metrics();
+  const bool test = stage_ == Stage::test;
+  ProfileScope loop_scope(profiler, test ? "run_test_evaluation" : "run_validation_evaluation");
+  EvalMode eval_mode(module, t.settings_.inference_mode);
+  batches_done_ = 0;
+  hooks.call(test ? Hook::test_start : Hook::validation_start,
+             [&](Callback& c) { test ? c.on_test_start(t) : c.on_validation_start(t); });
+  {
+    LogContext log(t.binding_, &store, false, true);
+    hooks.call(test ? Hook::test_epoch_start : Hook::validation_epoch_start,
+               [&](Callback& c) { test ? c.on_test_epoch_start(t) : c.on_validation_epoch_start(t); });
+    hooks.module(test ? "on_test_epoch_start" : "on_validation_epoch_start",
+                 [&] { test ? module.on_test_epoch_start() : module.on_validation_epoch_start(); });
+  }
+  loader.start_epoch(0);
+  for (int64_t batch_idx = 0; limit < 0 || batch_idx < limit; ++batch_idx) {
+    std::optional<Batch> next;
+    {
+      ProfileScope scope(profiler, test ? "test_dataloader_next" : "val_dataloader_next");
+      next = loader.next();
+    }
+    if (!next) break;
+    Batch batch = t.transfer(std::move(*next));
+    t.binding_.batch_size = batch.size();
+    LogContext log(t.binding_, &store, false, true);
+    hooks.call(test ? Hook::test_batch_start : Hook::validation_batch_start, [&](Callback& c) {
+      test ? c.on_test_batch_start(t, batch, batch_idx) : c.on_validation_batch_start(t, batch, batch_idx);
+    });
+    StepOutput out;
+    {
+      PrecisionScope precision_scope(*t.plugins_.precision);
+      ProfileScope scope(profiler, test ? "test_step" : "validation_step");
+      out = test ? module.test_step(batch, batch_idx) : module.validation_step(batch, batch_idx);
+    }
+    hooks.call(test ? Hook::test_batch_end : Hook::validation_batch_end, [&](Callback& c) {
+      test ? c.on_test_batch_end(t, out, batch, batch_idx) : c.on_validation_batch_end(t, out, batch, batch_idx);
+    });
+    batches_done_ = batch_idx + 1;
+  }
+  {
+    LogContext log(t.binding_, &store, false, true);
+    hooks.call(test ? Hook::test_epoch_end : Hook::validation_epoch_end,
+               [&](Callback& c) { test ? c.on_test_epoch_end(t) : c.on_validation_epoch_end(t); });
+    hooks.module(test ? "on_test_epoch_end" : "on_validation_epoch_end",
+                 [&] { test ? module.on_test_epoch_end() : module.on_validation_epoch_end(); });
+  }
+  MetricMap all = t.logging_.log_evaluation_epoch(sanity);
+  hooks.call(test ? Hook::test_end : Hook::validation_end,
+             [&](Callback& c) { test ? c.on_test_end(t) : c.on_validation_end(t); });
+  if (!sanity) ++completed_passes_;
+  return all;
+}
+
+c10::IValue EvaluationLoop::state_dict() const {
+  auto state = string_dict();
+  state.insert("batches_done", batches_done_);
+  state.insert("completed_passes", completed_passes_);
+  return state;
+}
+
+void EvaluationLoop::load_state_dict(const c10::IValue& state, const std::string& path) {
+  const auto dict = as_dict(state, stage_ == Stage::test ? "test loop state" : "validation loop state", path);
+  batches_done_ = require_key(dict, "batches_done", path, "").toInt();
+  completed_passes_ = require_key(dict, "completed_passes", path, "").toInt();
+}
+
+}  // namespace fulgur

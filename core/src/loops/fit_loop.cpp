@@ -1,0 +1,162 @@
+#include "fit_loop.h"
+
+#include <fulgur/error.h>
+
+#include <ATen/CPUGeneratorImpl.h>
+#include <fmt/format.h>
+
+#include "../ivalue_dict.h"
+#include "../trainer_impl.h"
+#include "loop_scopes.h"
+
+namespace fulgur {
+
+namespace {
+
+at::Tensor cpu_rng_state() {
+  auto gen = at::detail::getDefaultCPUGenerator();
+  std::lock_guard<std::mutex> lock(gen.mutex());
+  return gen.get_state();
+}
+
+void set_cpu_rng_state(const at::Tensor& state) {
+  auto gen = at::detail::getDefaultCPUGenerator();
+  std::lock_guard<std::mutex> lock(gen.mutex());
+  gen.set_state(state);
+}
+
+}  // namespace
+
+void FitLoop::run() {
+  Trainer::Impl& t = trainer_;
+  start_time_ = std::chrono::steady_clock::now();
+  const SignalScope signals(t.config_, t.settings_.default_root_dir);  // SIGTERM & co.: safe points below
+  setup_data();
+  run_sanity_check();
+
+  t.module_->train();
+  t.hooks_.call(Hook::train_start, [&](Callback& c) { c.on_train_start(t); });
+  {
+    LogContext log(t.binding_, &t.logging_.train_metrics(), true, true);
+    t.hooks_.module("on_train_start", [&] { t.module_->on_train_start(); });
+  }
+  while (!done()) {
+    const int64_t steps_before = position_.global_step;
+    epoch_loop_.run(*train_loader_, val_loader_.get());
+    if (interrupt_due(t)) interrupt_at_safe_point(t);
+    // A loader that yields nothing would spin forever under max_steps alone.
+    if (t.settings_.max_epochs < 0 && position_.global_step == steps_before && epoch_loop_.last_epoch_was_empty() &&
+        epoch_loop_.num_batches() != 0)
+      throw Error(ErrorKind::invalid_argument,
+                  fmt::format("the train loader yielded no batch in epoch {}; with max_epochs = {} and max_steps = {} "
+                              "training cannot progress (check the dataset, batch_size and drop_last)",
+                              position_.epoch - 1, t.settings_.max_epochs, t.settings_.max_steps));
+  }
+  t.hooks_.call(Hook::train_end, [&](Callback& c) { c.on_train_end(t); });
+  t.hooks_.module("on_train_end", [&] { t.module_->on_train_end(); });
+}
+
+void FitLoop::setup_data() {
+  Trainer::Impl& t = trainer_;
+  const TrainerSettings& s = t.settings_;
+  Strategy& strategy = *t.plugins_.strategy;
+  train_loader_ = t.data_->train_loader();
+  if (!train_loader_) throw Error(ErrorKind::invalid_argument, "the DataModule returned no train_loader()");
+  train_loader_->set_replica(strategy.data_parallel_rank(), strategy.data_parallel_size());
+  const int64_t available = train_loader_->num_batches();
+  int64_t num_train =
+      s.overfit ? apply_batch_limit(s.overfit_batches, available) : apply_batch_limit(s.limit_train_batches, available);
+  if (s.fast_dev_run > 0) num_train = num_train < 0 ? s.fast_dev_run : std::min(num_train, s.fast_dev_run);
+
+  // overfit_batches validates on the training batches, as Lightning does.
+  val_loader_ = s.overfit ? t.data_->train_loader() : t.data_->val_loader();
+  int64_t num_val = 0;
+  if (val_loader_) {
+    val_loader_->set_replica(strategy.data_parallel_rank(), strategy.data_parallel_size());
+    num_val = s.overfit ? num_train : apply_batch_limit(s.limit_val_batches, val_loader_->num_batches());
+    if (s.fast_dev_run > 0) num_val = num_val < 0 ? s.fast_dev_run : std::min(num_val, s.fast_dev_run);
+  }
+  epoch_loop_.val_loop().set_num_batches(num_val);
+
+  int64_t val_check_batches = 0;
+  if (const auto* n = std::get_if<int64_t>(&s.val_check_interval)) {
+    val_check_batches = *n;
+  } else {
+    const double f = std::get<double>(s.val_check_interval);
+    if (f < 1.0 && num_train < 0)
+      throw Error(ErrorKind::config,
+                  fmt::format("[trainer] val_check_interval = {}: a fraction of an epoch needs a train loader of known "
+                              "length; this one does not know its length, so give a number of batches (an integer)",
+                              f));
+    val_check_batches = f >= 1.0 ? 0 : std::max<int64_t>(1, static_cast<int64_t>(f * static_cast<double>(num_train)));
+  }
+  epoch_loop_.configure(num_train, val_check_batches);
+}
+
+// A few validation batches before training so that a broken validation_step fails in seconds,
+// not after an epoch. Its metrics are thrown away.
+void FitLoop::run_sanity_check() {
+  Trainer::Impl& t = trainer_;
+  const int64_t num_val = epoch_loop_.val_loop().num_batches();
+  const int64_t steps = t.settings_.num_sanity_val_steps;
+  if (!val_loader_ || steps == 0 || num_val == 0) return;
+  t.sanity_checking_ = true;
+  t.hooks_.call(Hook::sanity_check_start, [&](Callback& c) { c.on_sanity_check_start(t); });
+  const int64_t limit = steps < 0 ? num_val : num_val < 0 ? steps : std::min(steps, num_val);
+  EvaluationLoop sanity_loop(t, Stage::validate);  // its progress is not the validation loop's
+  sanity_loop.set_num_batches(num_val);
+  sanity_loop.run(*val_loader_, limit, /*sanity=*/true);
+  t.hooks_.call(Hook::sanity_check_end, [&](Callback& c) { c.on_sanity_check_end(t); });
+  t.sanity_checking_ = false;
+  t.logging_.clear_after_sanity_check();
+}
+
+double FitLoop::elapsed_seconds() const {
+  return elapsed_before_resume_ + std::chrono::duration<double>(std::chrono::steady_clock::now() - start_time_).count();
+}
+
+bool FitLoop::time_exceeded() const {
+  const double limit = trainer_.settings_.max_time_seconds;
+  if (limit < 0) return false;  // no max_time
+  const bool over = elapsed_seconds() >= limit;
+  // Each rank has its own clock: ranks must leave the loop at the same batch, or they would wait
+  // in different collectives. Any rank over the limit stops them all.
+  Strategy& strategy = *trainer_.plugins_.strategy;
+  if (strategy.cluster().world_size > 1) return strategy.reduce_boolean_decision(over, /*all=*/false);
+  return over;
+}
+
+bool FitLoop::done() {
+  const TrainerSettings& s = trainer_.settings_;
+  if (s.max_steps >= 0 && position_.global_step >= s.max_steps) return true;
+  if (s.max_epochs >= 0 && position_.epoch >= s.max_epochs) return true;
+  // A requested stop, and max_time (Lightning's Timer requests one), are honoured once min_epochs
+  // and min_steps are met.
+  if (position_.epoch < s.min_epochs || position_.global_step < s.min_steps) return false;
+  const bool out_of_time = time_exceeded();  // a collective with several ranks: always asked
+  return trainer_.should_stop_ || out_of_time;
+}
+
+c10::IValue FitLoop::state_dict() const {
+  auto state = string_dict();
+  state.insert("epoch", position_.epoch);
+  state.insert("elapsed_seconds", elapsed_seconds());
+  state.insert("cpu_rng_state", cpu_rng_state());
+  epoch_loop_.state_dict(state);
+  return state;
+}
+
+void FitLoop::load_state_dict(const c10::IValue& state, const std::string& path) {
+  const auto dict = as_dict(state, "loops.fit_loop", path);
+  position_.epoch = require_key(dict, "epoch", path, "").toInt();
+  elapsed_before_resume_ = require_key(dict, "elapsed_seconds", path, "").toDouble();
+  set_cpu_rng_state(require_key(dict, "cpu_rng_state", path, "").toTensor());
+  if (epoch_loop_.load_state_dict(dict, path)) {
+    // Saved during the epoch-end work: that epoch is complete. Finish what comes after the
+    // callbacks (epoch schedulers; plateau ones need metrics that are not saved, as in Lightning).
+    trainer_.step_schedulers(SchedulerInterval::epoch, /*skip_monitored=*/true);
+    ++position_.epoch;
+  }
+}
+
+}  // namespace fulgur

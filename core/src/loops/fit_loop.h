@@ -1,0 +1,59 @@
+// Internal: the fit loop (Lightning's _FitLoop): the loaders and their sizes, the sanity check,
+// epochs until a limit or a stop, and the position (epoch, global step) the run is at.
+#pragma once
+
+#include <fulgur/data.h>
+#include <fulgur/trainer.h>
+
+#include <ATen/core/ivalue.h>
+
+#include <chrono>
+#include <memory>
+#include <string>
+
+#include "../hook_dispatcher.h"
+#include "training_epoch_loop.h"
+
+namespace fulgur {
+
+class FitLoop {
+ public:
+  explicit FitLoop(Trainer::Impl& trainer) : trainer_(trainer), epoch_loop_(trainer, *this, position_) {}
+
+  // From the loaders to on_fit_end's predecessor on_train_end: sets up the train and validation
+  // loaders, runs the sanity check, then epochs until done().
+  void run();
+  // Whether fit ends here: max_steps / max_epochs reached, or (once min_epochs and min_steps are
+  // met) a requested stop or max_time. With several ranks this is a collective: every rank asks.
+  bool done();
+
+  // After a signal stopped fit (the process exits next): no loader thread may outlive exit.
+  void release_loaders() {
+    train_loader_.reset();
+    val_loader_.reset();
+  }
+  const RunPosition& position() const { return position_; }
+  TrainingEpochLoop& epoch_loop() { return epoch_loop_; }
+  const TrainingEpochLoop& epoch_loop() const { return epoch_loop_; }
+
+  // The checkpoint's loops.fit_loop: epoch, elapsed time, the CPU RNG, and the epoch loop's state.
+  c10::IValue state_dict() const;
+  // Restores it. A checkpoint written during the epoch-end work counts that epoch as complete
+  // and runs what followed the callbacks (epoch schedulers that need no metric, as Lightning).
+  void load_state_dict(const c10::IValue& state, const std::string& path);
+
+ private:
+  void setup_data();
+  void run_sanity_check();
+  bool time_exceeded() const;
+  double elapsed_seconds() const;
+
+  Trainer::Impl& trainer_;
+  RunPosition position_;
+  TrainingEpochLoop epoch_loop_;
+  std::unique_ptr<BatchLoader> train_loader_, val_loader_;
+  std::chrono::steady_clock::time_point start_time_ = std::chrono::steady_clock::now();
+  double elapsed_before_resume_ = 0;
+};
+
+}  // namespace fulgur

@@ -1,0 +1,190 @@
+// Hot-path rules: a training batch does no host-device sync, allocation or virtual call beyond
+// what a hand-written loop does, unless a value is due (logging every log_every_n_steps, a
+// callback that declared a batch hook, a configured profiler).
+#include "training_epoch_loop.h"
+
+#include <fulgur/profiler.h>
+
+#include <torch/optim/optimizer.h>
+
+#include "../ivalue_dict.h"
+#include "../trainer_impl.h"
+#include "fit_loop.h"
+#include "loop_scopes.h"
+
+namespace fulgur {
+
+void TrainingEpochLoop::run(BatchLoader& train, BatchLoader* val) {
+  Trainer::Impl& t = trainer_;
+  HookDispatcher& hooks = t.hooks_;
+  Module& module = *t.module_;
+  MetricStore& store = t.logging_.train_metrics();
+  ProfileScope epoch_scope(t.plugins_.profiler.get(), "run_training_epoch");
+  {
+    LogContext log(t.binding_, &store, true, true);
+    hooks.call(Hook::train_epoch_start, [&](Callback& c) { c.on_train_epoch_start(t); });
+    hooks.module("on_train_epoch_start", [&] { module.on_train_epoch_start(); });
+  }
+  const int64_t skip = resume_skip_;
+  resume_skip_ = 0;
+  train.start_epoch(position_.epoch, skip);
+  batches_done_ = skip;
+  epoch_was_empty_ = skip == 0;
+  const bool validate_this_epoch =
+      val && val_loop_.num_batches() != 0 && (position_.epoch + 1) % t.settings_.check_val_every_n_epoch == 0;
+  // A loader of unknown length (num_batches() == -1) trains until it is exhausted: the batch
+  // after the current one is fetched ahead so that is_last_batch is known before the step.
+  std::optional<Batch> next;
+  auto fetch = [&] {
+    ProfileScope scope(t.plugins_.profiler.get(), "train_dataloader_next");
+    return train.next();
+  };
+  if (!batches_done(skip)) next = fetch();
+  for (int64_t batch_idx = skip; next; ++batch_idx) {
+    Batch batch = std::move(*next);
+    next.reset();
+    if (!batches_done(batch_idx + 1)) next = fetch();
+    is_last_batch_ = !next.has_value();
+    epoch_was_empty_ = false;
+    run_batch(batch, batch_idx);
+    if (validate_this_epoch && val_check_batches_ > 0 && (batch_idx + 1) % val_check_batches_ == 0 && !is_last_batch_)
+      val_loop_.run(*val, val_loop_.num_batches(), /*sanity=*/false);
+    if (interrupt_due(t)) interrupt_at_safe_point(t);  // after the step and its validation
+    // Mid-epoch, the fit loop's epoch limit cannot hold yet: this checks max_steps, max_time and
+    // a requested stop.
+    if (fit_.done()) break;
+  }
+  epoch_end_phase_ = true;
+  // End-of-epoch validation runs before on_train_epoch_end (Lightning).
+  if (validate_this_epoch) val_loop_.run(*val, val_loop_.num_batches(), /*sanity=*/false);
+  {
+    // Lightning: values logged at epoch end are epoch-level by default and land in this epoch.
+    LogContext log(t.binding_, &store, /*training=*/false, true);
+    hooks.call_where_monitor(Hook::train_epoch_end, false, [&](Callback& c) { c.on_train_epoch_end(t); });
+    hooks.module("on_train_epoch_end", [&] { module.on_train_epoch_end(); });
+    hooks.call_where_monitor(Hook::train_epoch_end, true, [&](Callback& c) { c.on_train_epoch_end(t); });
+  }
+  t.logging_.log_epoch_metrics(store, /*send_to_loggers=*/true);
+  t.step_schedulers(SchedulerInterval::epoch);
+  t.logging_.save();
+  ++position_.epoch;
+  batches_done_ = 0;
+  epoch_end_phase_ = false;
+}
+
+// Lightning's LightningOptimizer.step -> strategy.optimizer_step -> precision.optimizer_step.
+bool TrainingEpochLoop::step_optimizer(torch::optim::Optimizer& optimizer) {
+  Trainer::Impl& t = trainer_;
+  Precision& precision = *t.plugins_.precision;
+  // True gradients for callbacks and clipping (16-mixed unscales here).
+  precision.unscale_gradients(optimizer);
+  t.hooks_.call(Hook::before_optimizer_step, [&](Callback& c) { c.on_before_optimizer_step(t, optimizer); });
+  t.hooks_.module("on_before_optimizer_step", [&] { t.module_->on_before_optimizer_step(optimizer); });
+  if (t.settings_.gradient_clip_val > 0)
+    t.plugins_.strategy->clip_gradients(optimizer, precision, t.settings_.gradient_clip_val,
+                                        t.settings_.gradient_clip_algorithm);
+  ProfileScope scope(t.plugins_.profiler.get(), "optimizer_step");
+  return t.plugins_.strategy->optimizer_step(optimizer, precision);
+}
+
+void TrainingEpochLoop::manual_backward(const at::Tensor& loss) {
+  Trainer::Impl& t = trainer_;
+  t.hooks_.call(Hook::before_backward, [&](Callback& c) { c.on_before_backward(t, loss); });
+  t.hooks_.module("on_before_backward", [&] { t.module_->on_before_backward(loss); });
+  t.plugins_.strategy->backward(loss, *t.plugins_.precision, /*sync_gradients=*/true);
+  t.hooks_.call(Hook::after_backward, [&](Callback& c) { c.on_after_backward(t); });
+  t.hooks_.module("on_after_backward", [&] { t.module_->on_after_backward(); });
+}
+
+void TrainingEpochLoop::run_batch(Batch& batch, int64_t batch_idx) {
+  Trainer::Impl& t = trainer_;
+  HookDispatcher& hooks = t.hooks_;
+  Module& module = *t.module_;
+  Strategy& strategy = *t.plugins_.strategy;
+  Profiler* profiler = t.plugins_.profiler.get();
+  const int64_t accumulate = t.settings_.accumulate_grad_batches;
+  ProfileScope batch_scope(profiler, "run_training_batch");
+  const bool boundary = (batch_idx + 1) % accumulate == 0 || is_last_batch_;
+  const bool steps = !module.automatic_optimization || boundary;
+  // The row this batch's metrics go to: the optimizer steps before it (Lightning's
+  // _batches_that_stepped), due every log_every_n_steps steps and on the last batch.
+  row_step_ = position_.global_step;
+  step_row_due_ = (position_.global_step + (steps ? 1 : 0)) % t.settings_.log_every_n_steps == 0 || is_last_batch_;
+  batch = t.transfer(std::move(batch));
+  t.binding_.batch_size = batch.size();
+  LogContext log(t.binding_, &t.logging_.train_metrics(), /*training=*/true, /*allowed=*/true);
+  in_batch_ = true;
+  hooks.call(Hook::train_batch_start, [&](Callback& c) { c.on_train_batch_start(t, batch, batch_idx); });
+  hooks.module("on_train_batch_start", [&] { module.on_train_batch_start(batch, batch_idx); });
+  // Gradient accumulation: only the last micro-step of a window synchronizes (DDP's no_sync).
+  strategy.before_training_step(steps);
+
+  StepOutput output;
+  if (!module.automatic_optimization) {
+    PrecisionScope precision_scope(*t.plugins_.precision);
+    ProfileScope scope(profiler, "training_step");
+    output = module.training_step(batch, batch_idx);
+    // A batch counts as a step when any optimizer stepped; Lightning counts optimizer.step()
+    // calls. We count batches, which is what users of a single optimizer expect.
+    ++position_.global_step;
+  } else {
+    torch::optim::Optimizer& optimizer = *t.optimizer_ptrs_.front();
+    const bool window_start = batch_idx % accumulate == 0;
+    {
+      PrecisionScope precision_scope(*t.plugins_.precision);
+      ProfileScope scope(profiler, "training_step");
+      output = module.training_step(batch, batch_idx);
+    }
+    if (output.loss.defined()) {  // an undefined loss skips backward and the step (Lightning: None)
+      at::Tensor loss = accumulate > 1 ? output.loss / static_cast<double>(accumulate) : output.loss;
+      if (window_start) {
+        hooks.call(Hook::before_zero_grad, [&](Callback& c) { c.on_before_zero_grad(t, optimizer); });
+        hooks.module("on_before_zero_grad", [&] { module.on_before_zero_grad(optimizer); });
+        ProfileScope scope(profiler, "optimizer_zero_grad");
+        optimizer.zero_grad(/*set_to_none=*/true);
+      }
+      hooks.call(Hook::before_backward, [&](Callback& c) { c.on_before_backward(t, loss); });
+      hooks.module("on_before_backward", [&] { module.on_before_backward(loss); });
+      {
+        ProfileScope scope(profiler, "backward");
+        strategy.backward(loss, *t.plugins_.precision, /*sync_gradients=*/boundary);
+      }
+      hooks.call(Hook::after_backward, [&](Callback& c) { c.on_after_backward(t); });
+      hooks.module("on_after_backward", [&] { module.on_after_backward(); });
+      if (boundary) {
+        step_optimizer(optimizer);
+        ++position_.global_step;
+        t.step_schedulers(SchedulerInterval::step);
+      }
+    }
+  }
+  batches_done_ = batch_idx + 1;  // what a checkpoint written from the hooks below records
+  hooks.call(Hook::train_batch_end, [&](Callback& c) { c.on_train_batch_end(t, output, batch, batch_idx); });
+  hooks.module("on_train_batch_end", [&] { module.on_train_batch_end(output, batch, batch_idx); });
+  in_batch_ = false;
+  if (step_row_due_ || t.should_stop_) t.logging_.send_step_row(row_step_);
+  step_row_due_ = false;
+}
+
+void TrainingEpochLoop::state_dict(c10::impl::GenericDict& fit_loop_state) const {
+  fit_loop_state.insert("global_step", position_.global_step);
+  fit_loop_state.insert("batches_done_in_epoch", batches_done_);
+  fit_loop_state.insert("epoch_end_phase", epoch_end_phase_);
+  fit_loop_state.insert("val_loop", val_loop_.state_dict());
+}
+
+bool TrainingEpochLoop::load_state_dict(const c10::impl::GenericDict& fit_loop_state, const std::string& path) {
+  position_.global_step = require_key(fit_loop_state, "global_step", path, "").toInt();
+  resume_skip_ = require_key(fit_loop_state, "batches_done_in_epoch", path, "").toInt();
+  batches_done_ = resume_skip_;
+  // Checkpoints from before the loops kept their own state have no validation loop entry.
+  if (auto val = get(fit_loop_state, "val_loop")) val_loop_.load_state_dict(*val, path);
+  const bool at_epoch_end = require_key(fit_loop_state, "epoch_end_phase", path, "").toBool();
+  if (at_epoch_end) {
+    resume_skip_ = 0;
+    batches_done_ = 0;
+  }
+  return at_epoch_end;
+}
+
+}  // namespace fulgur

@@ -1,0 +1,86 @@
+// Internal: one training epoch (Lightning's _TrainingEpochLoop with its automatic optimization):
+// batches, optimizer steps, gradient accumulation, validation inside and at the end of the epoch.
+#pragma once
+
+#include <fulgur/data.h>
+#include <fulgur/trainer.h>
+#include <fulgur/types.h>
+
+#include <ATen/core/Dict.h>
+
+#include "../hook_dispatcher.h"
+#include "evaluation_loop.h"
+
+namespace torch::optim {
+class Optimizer;
+}
+
+namespace fulgur {
+
+class FitLoop;
+
+class TrainingEpochLoop {
+ public:
+  // `position` is the fit loop's: this loop counts global steps, the fit loop epochs.
+  TrainingEpochLoop(Trainer::Impl& trainer, FitLoop& fit, RunPosition& position)
+      : trainer_(trainer), fit_(fit), position_(position), val_loop_(trainer, Stage::validate) {}
+
+  // Batch counts for the coming epochs (-1: a loader of unknown length) and the validation
+  // cadence inside an epoch (0: only at its end).
+  void configure(int64_t num_batches, int64_t val_check_batches) {
+    num_batches_ = num_batches;
+    val_check_batches_ = val_check_batches;
+  }
+  // Runs the epoch `position.epoch` over `train`, validating on `val` when due (null: never).
+  // Ends with the epoch counted: position.epoch is one higher afterwards.
+  void run(BatchLoader& train, BatchLoader* val);
+
+  // One optimizer step through precision and strategy, with its hooks and clipping; also what
+  // OptimizerHandle::step runs under manual optimization. False: the step was skipped (inf grads).
+  bool step_optimizer(torch::optim::Optimizer& optimizer);
+
+  // Module::manual_backward: backward through strategy and precision with its hooks.
+  void manual_backward(const at::Tensor& loss);
+
+  EvaluationLoop& val_loop() { return val_loop_; }
+  const EvaluationLoop& val_loop() const { return val_loop_; }
+  int64_t num_batches() const { return num_batches_; }
+  bool is_last_batch() const { return is_last_batch_; }
+  // Between a training batch's start and the end of its hooks: values callbacks log join its row.
+  bool in_batch() const { return in_batch_; }
+  bool step_row_due() const { return step_row_due_; }
+  // The epoch's batches are done and its end-of-epoch work runs.
+  bool in_epoch_end_phase() const { return epoch_end_phase_; }
+  // The last epoch's loader yielded no batch at all.
+  bool last_epoch_was_empty() const { return epoch_was_empty_; }
+  // Batches the next epoch skips because a mid-epoch checkpoint was loaded.
+  int64_t batches_to_skip() const { return resume_skip_; }
+
+  // Progress inside the epoch (batches done, the end-of-epoch phase) and the global step, in the
+  // fit loop's checkpoint entry (flat, as Fulgur 0.1 wrote it) plus the validation loop's own.
+  void state_dict(c10::impl::GenericDict& fit_loop_state) const;
+  // Restores what state_dict wrote; returns whether the checkpoint was written at an epoch's end.
+  bool load_state_dict(const c10::impl::GenericDict& fit_loop_state, const std::string& path);
+
+ private:
+  void run_batch(Batch& batch, int64_t batch_idx);
+  bool batches_done(int64_t batch_idx) const { return num_batches_ >= 0 && batch_idx >= num_batches_; }
+
+  Trainer::Impl& trainer_;
+  FitLoop& fit_;
+  RunPosition& position_;
+  EvaluationLoop val_loop_;
+
+  int64_t num_batches_ = -1;
+  int64_t val_check_batches_ = 0;
+  int64_t batches_done_ = 0;  // in the current epoch: what a checkpoint written now records
+  int64_t resume_skip_ = 0;   // batches the next epoch skips (a mid-epoch checkpoint was loaded)
+  bool epoch_end_phase_ = false;
+  bool epoch_was_empty_ = false;
+  bool is_last_batch_ = false;
+  bool in_batch_ = false;
+  bool step_row_due_ = false;  // the current batch's metrics go to the loggers
+  int64_t row_step_ = 0;       // the step that row carries
+};
+
+}  // namespace fulgur

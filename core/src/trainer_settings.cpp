@@ -1,0 +1,146 @@
+#include "trainer_settings.h"
+
+#include "signal_connector.h"
+
+#include <fulgur/error.h>
+
+#include <fmt/format.h>
+#include <spdlog/spdlog.h>
+
+#include <cmath>
+
+namespace fulgur {
+
+namespace {
+
+double as_number(const OptionValue& v) {
+  return std::holds_alternative<int64_t>(v) ? static_cast<double>(std::get<int64_t>(v)) : std::get<double>(v);
+}
+
+}  // namespace
+
+double parse_max_time(const std::string& text) {
+  if (text.empty()) return 0;
+  const auto bad = [&] {
+    return Error(ErrorKind::config,
+                 fmt::format("[trainer] max_time = \"{}\": expected \"DD:HH:MM:SS\" (fewer fields count from the "
+                             "right, e.g. \"00:01:30:00\" or \"90:00\")",
+                             text));
+  };
+  std::vector<double> parts;
+  size_t start = 0;
+  while (true) {
+    size_t end = text.find(':', start);
+    std::string field = text.substr(start, end == std::string::npos ? std::string::npos : end - start);
+    try {
+      size_t used = 0;
+      parts.push_back(std::stod(field, &used));
+      if (used != field.size() || !std::isfinite(parts.back()) || parts.back() < 0) throw bad();
+    } catch (const std::exception&) {
+      throw bad();
+    }
+    if (end == std::string::npos) break;
+    start = end + 1;
+  }
+  if (parts.size() > 4) throw bad();
+  const double scale[] = {1, 60, 3600, 86400};
+  double seconds = 0;
+  for (size_t i = 0; i < parts.size(); ++i) seconds += parts[parts.size() - 1 - i] * scale[i];
+  return seconds;
+}
+
+int64_t apply_batch_limit(const OptionValue& limit, int64_t available) {
+  if (const auto* count = std::get_if<int64_t>(&limit)) return available < 0 ? *count : std::min(*count, available);
+  if (available < 0) return std::get<double>(limit) > 0 ? -1 : 0;
+  const double fraction = std::get<double>(limit);
+  return static_cast<int64_t>(static_cast<double>(available) * fraction);
+}
+
+void validate_trainer_values(const Config& config) {
+  const Options& t = config.trainer;
+  auto where = [&](std::string_view key) {
+    auto it = config.trainer_locations.find(key);
+    return it == config.trainer_locations.end() ? std::string("[trainer]") : it->second.str() + ": [trainer]";
+  };
+  auto require = [&](bool ok, std::string_view key, const std::string& message) {
+    if (!ok) throw Error(ErrorKind::config, fmt::format("{} {}", where(key), message));
+  };
+  const std::string& algorithm = t.get_string("gradient_clip_algorithm");
+  require(algorithm == "norm" || algorithm == "value", "gradient_clip_algorithm",
+          fmt::format("gradient_clip_algorithm = \"{}\": use \"norm\" or \"value\"", algorithm));
+  for (const char* key : {"accumulate_grad_batches", "log_every_n_steps", "check_val_every_n_epoch", "num_nodes"})
+    require(t.get_int(key) >= 1, key, fmt::format("{} = {}: must be >= 1", key, t.get_int(key)));
+  for (const char* key : {"fast_dev_run", "min_epochs", "min_steps"})
+    require(t.get_int(key) >= 0, key, fmt::format("{} = {}: must be >= 0", key, t.get_int(key)));
+  for (const char* key : {"max_epochs", "max_steps"})
+    require(t.get_int(key) >= -1, key, fmt::format("{} = {}: must be >= 0, or -1 for no limit", key, t.get_int(key)));
+  require(t.get_int("num_sanity_val_steps") >= -1, "num_sanity_val_steps",
+          fmt::format("num_sanity_val_steps = {}: must be >= 0, or -1 for all", t.get_int("num_sanity_val_steps")));
+  require(t.get_float("gradient_clip_val") >= 0 && std::isfinite(t.get_float("gradient_clip_val")), "gradient_clip_val",
+          fmt::format("gradient_clip_val = {}: must be a finite number >= 0", t.get_float("gradient_clip_val")));
+  for (const char* key : {"limit_train_batches", "limit_val_batches", "limit_test_batches", "limit_predict_batches",
+                          "overfit_batches", "val_check_interval"}) {
+    const OptionValue& v = t.values().at(key);
+    const double x = as_number(v);
+    require(x >= 0, key, fmt::format("{} = {}: must be >= 0", key, x));
+    if (std::holds_alternative<double>(v) && std::string_view(key) != "val_check_interval")
+      require(x <= 1.0, key,
+              fmt::format("{} = {}: a float is a fraction in [0, 1]; use an integer for a count", key, x));
+  }
+  {
+    const OptionValue& v = t.values().at("val_check_interval");
+    require(as_number(v) > 0, "val_check_interval", "val_check_interval must be > 0");
+  }
+  try {
+    parse_max_time(t.get_string("max_time"));
+  } catch (const Error& e) {
+    auto it = config.trainer_locations.find("max_time");
+    throw Error(ErrorKind::config,
+                it == config.trainer_locations.end() ? std::string(e.what()) : it->second.str() + ": " + e.what());
+  }
+  const std::string& devices = t.get_string("devices");
+  require(!devices.empty(), "devices", "devices = \"\": give a count, \"auto\", -1 or indices such as \"0,1\"");
+  validate_signal_options(config);
+  const std::string& level = config.log_level;
+  if (!level.empty() && spdlog::level::from_str(level) == spdlog::level::off && level != "off")
+    throw Error(ErrorKind::config,
+                fmt::format("[logging] level = \"{}\": use trace, debug, info, warn, error, critical or off", level));
+}
+
+TrainerSettings TrainerSettings::from_config(const Config& config) {
+  validate_trainer_values(config);
+  const Options& t = config.trainer;
+  TrainerSettings s;
+  s.default_root_dir = t.get_string("default_root_dir");
+  s.max_epochs = t.get_int("max_epochs");
+  s.max_steps = t.get_int("max_steps");
+  s.min_epochs = t.get_int("min_epochs");
+  s.min_steps = t.get_int("min_steps");
+  if (s.max_epochs < 0 && s.max_steps < 0) s.max_epochs = 1000;  // Lightning's default
+  s.max_time_seconds = t.get_string("max_time").empty() ? -1.0 : parse_max_time(t.get_string("max_time"));
+  s.check_val_every_n_epoch = t.get_int("check_val_every_n_epoch");
+  s.num_sanity_val_steps = t.get_int("num_sanity_val_steps");
+  s.log_every_n_steps = t.get_int("log_every_n_steps");
+  s.accumulate_grad_batches = t.get_int("accumulate_grad_batches");
+  s.fast_dev_run = t.get_int("fast_dev_run");
+  s.gradient_clip_val = t.get_float("gradient_clip_val");
+  s.gradient_clip_algorithm =
+      t.get_string("gradient_clip_algorithm") == "norm" ? GradClipAlgorithm::norm : GradClipAlgorithm::value;
+  s.inference_mode = t.get_bool("inference_mode");
+  s.detect_anomaly = t.get_bool("detect_anomaly");
+  s.limit_train_batches = t.values().at("limit_train_batches");
+  s.limit_val_batches = t.values().at("limit_val_batches");
+  s.limit_test_batches = t.values().at("limit_test_batches");
+  s.limit_predict_batches = t.values().at("limit_predict_batches");
+  s.overfit_batches = t.values().at("overfit_batches");
+  s.overfit = as_number(s.overfit_batches) > 0;
+  s.val_check_interval = t.values().at("val_check_interval");
+  if (s.fast_dev_run > 0) {
+    s.max_epochs = 1;
+    s.max_steps = s.fast_dev_run;
+    s.num_sanity_val_steps = 0;
+  }
+  return s;
+}
+
+}  // namespace fulgur

@@ -1,0 +1,40 @@
+// Internal: the [trainer] table, checked and resolved once into the values the loops read.
+#pragma once
+
+#include <fulgur/config.h>
+#include <fulgur/options.h>
+#include <fulgur/types.h>
+
+#include <cstdint>
+#include <string>
+
+namespace fulgur {
+
+// Batch limits from limit_*_batches: an integer is a count, a float a fraction of the loader.
+// Unknown lengths (-1) stay unknown unless the limit is a count.
+int64_t apply_batch_limit(const OptionValue& limit, int64_t available);
+// "DD:HH:MM:SS" (fewer fields count from the right) in seconds; throws fulgur::Error(config).
+double parse_max_time(const std::string& text);
+// Every [trainer] value check the Trainer makes, without building anything (config check uses it).
+void validate_trainer_values(const Config& config);
+
+struct TrainerSettings {
+  // Checks `config` (validate_trainer_values) and resolves it: Lightning's defaults (max_epochs
+  // 1000 when neither limit is set) and fast_dev_run's overrides applied.
+  static TrainerSettings from_config(const Config& config);
+
+  std::string default_root_dir;
+  int64_t max_epochs = -1, max_steps = -1, min_epochs = 0, min_steps = 0;
+  double max_time_seconds = -1;  // -1: no limit (""); "00:00:00:00" stops at the first check
+  int64_t check_val_every_n_epoch = 1, num_sanity_val_steps = 2, log_every_n_steps = 50;
+  int64_t accumulate_grad_batches = 1, fast_dev_run = 0;
+  double gradient_clip_val = 0;
+  GradClipAlgorithm gradient_clip_algorithm = GradClipAlgorithm::norm;
+  bool inference_mode = true, detect_anomaly = false;
+  // An integer is a count of batches, a float a fraction (apply_batch_limit).
+  OptionValue limit_train_batches, limit_val_batches, limit_test_batches, limit_predict_batches, overfit_batches;
+  bool overfit = false;  // overfit_batches > 0: train and validate on the same few batches
+  OptionValue val_check_interval;
+};
+
+}  // namespace fulgur
