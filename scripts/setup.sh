@@ -9,9 +9,12 @@ source "$here/env.sh"
 
 # nlohmann-json3-dev: the JSON header of .safetensors files (fulgur/weights.h) is parsed with it
 # rather than by hand: header-only, well kept in Debian, and strict about malformed input.
+# libjpeg62-turbo-dev, libpng-dev: the image-folder reader (fulgur/data/image_folder.h) decodes
+# JPEG with libjpeg-turbo (SIMD, the decoder Pillow and torchvision use, security-maintained in
+# Debian) and PNG with libpng's simplified API (handles every colour type and bit depth).
 apt_packages=(build-essential cmake ninja-build ccache libboost-dev libgloo-dev libtomlplusplus-dev
   libspdlog-dev libfmt-dev doctest-dev zlib1g-dev dataset-fashion-mnist python3-venv binutils file
-  nlohmann-json3-dev)
+  nlohmann-json3-dev libjpeg62-turbo-dev libpng-dev)
 missing=()
 for p in "${apt_packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -209,6 +209,7 @@ struct SyntheticData : fulgur::DataModule {
     y = (x.slice(1, 0, 1).squeeze(1) > 0).to(at::kLong) + (x.slice(1, 1, 2).squeeze(1) > 0.5).to(at::kLong);
   }
   std::unique_ptr<fulgur::BatchLoader> train_loader() override {
+    ++train_loader_calls;
     return fulgur::make_tensor_loader(x, y, fulgur::TensorLoaderOptions().batch_size(batch).shuffle(true).seed(7));
   }
   std::unique_ptr<fulgur::BatchLoader> val_loader() override {
@@ -218,6 +219,7 @@ struct SyntheticData : fulgur::DataModule {
   std::unique_ptr<fulgur::BatchLoader> predict_loader() override { return val_loader(); }
   int64_t batch;
   at::Tensor x, y;
+  int train_loader_calls = 0;
 };
 
 fulgur::Config config_from(const TempDir& dir, const std::string& trainer_keys, const std::string& extra = "") {
@@ -488,9 +490,9 @@ loops = torch.load(sys.argv[1], weights_only=True)["loops"]
 assert sorted(loops) == ["fit_loop", "predict_loop", "test_loop", "validate_loop"], sorted(loops)
 fit = loops["fit_loop"]
 assert fit["epoch"] == 2 and fit["global_step"] == 8 and fit["batches_done_in_epoch"] == 0, fit
-assert fit["val_loop"] == {"batches_done": 2, "completed_passes": 2}, fit["val_loop"]
-assert loops["validate_loop"] == {"batches_done": 2, "completed_passes": 1}, loops["validate_loop"]
-assert loops["test_loop"] == {"batches_done": 4, "completed_passes": 2}, loops["test_loop"]
+assert fit["val_loop"] == {"dataloader_idx": 0, "batches_done": 2, "completed_passes": 2}, fit["val_loop"]
+assert loops["validate_loop"] == {"dataloader_idx": 0, "batches_done": 2, "completed_passes": 1}, loops["validate_loop"]
+assert loops["test_loop"] == {"dataloader_idx": 0, "batches_done": 4, "completed_passes": 2}, loops["test_loop"]
 assert loops["predict_loop"] == {"batches_done": 4, "completed_passes": 1}, loops["predict_loop"]
 print("python-ok")
 )",
@@ -516,6 +518,100 @@ assert loops["predict_loop"]["completed_passes"] == 1, loops["predict_loop"]
 print("python-ok")
 )",
                                  second));
+}
+
+namespace {
+
+// Two validation sets of different sizes (4 and 2 batches); test uses the same two.
+struct TwoValidationSets : SyntheticData {
+  std::vector<std::unique_ptr<fulgur::BatchLoader>> val_loaders() override {
+    std::vector<std::unique_ptr<fulgur::BatchLoader>> loaders;
+    loaders.push_back(fulgur::make_tensor_loader(x, y, fulgur::TensorLoaderOptions().batch_size(batch)));
+    loaders.push_back(fulgur::make_tensor_loader(x.slice(0, 0, 32), y.slice(0, 0, 32),
+                                                 fulgur::TensorLoaderOptions().batch_size(batch)));
+    return loaders;
+  }
+  std::vector<std::unique_ptr<fulgur::BatchLoader>> test_loaders() override { return val_loaders(); }
+};
+
+// Records (dataloader_idx, batch_idx) of every validation step; logs one value per loader.
+struct PerLoaderModule : RecordingModule {
+  PerLoaderModule() : RecordingModule(nullptr) {}
+  fulgur::StepOutput validation_step(const fulgur::Batch& b, int64_t batch_idx, int64_t dataloader_idx) override {
+    steps.emplace_back(dataloader_idx, batch_idx);
+    log("val/loss", torch::nn::functional::cross_entropy(forward(b.input), b.target));
+    return {};
+  }
+  fulgur::StepOutput test_step(const fulgur::Batch& b, int64_t, int64_t dataloader_idx) override {
+    log("test/acc", forward(b.input).argmax(1).eq(b.target).to(at::kFloat).mean() + double(dataloader_idx));
+    return {};
+  }
+  std::vector<std::pair<int64_t, int64_t>> steps;
+};
+
+// What a callback sees of the loader index through TrainerContext.
+struct LoaderIndexProbe : fulgur::Callback {
+  fulgur::HookSet hooks() const override { return static_cast<fulgur::HookSet>(fulgur::Hook::validation_batch_start); }
+  void on_validation_batch_start(fulgur::TrainerContext& t, const fulgur::Batch&, int64_t) override {
+    seen.push_back(t.dataloader_idx());
+  }
+  std::vector<int64_t> seen;
+};
+
+}  // namespace
+
+TEST_CASE("several validation and test loaders: dataloader_idx reaches steps and callbacks, names get suffixes") {
+  TempDir dir;
+  fulgur::Trainer trainer(config_from(dir, "max_epochs = 1\nnum_sanity_val_steps = 1\nenable_checkpointing = false\n",
+                                      "[[loggers]]\nname = \"csv\"\n"));
+  auto probe = std::make_shared<LoaderIndexProbe>();
+  trainer.add_callback(probe, "probe");
+  PerLoaderModule module;
+  TwoValidationSets data;
+  trainer.fit(module, data);
+  // Sanity check: one batch of each loader; then the epoch's validation: 4 + 2 batches.
+  const std::vector<std::pair<int64_t, int64_t>> expected = {{0, 0}, {1, 0}, {0, 0}, {0, 1},
+                                                             {0, 2}, {0, 3}, {1, 0}, {1, 1}};
+  CHECK(module.steps == expected);
+  CHECK(probe->seen == std::vector<int64_t>{0, 1, 0, 0, 0, 0, 1, 1});
+  const auto& logged = trainer.logged_metrics();
+  CHECK(logged.count("val/loss/dataloader_idx_0") == 1);
+  CHECK(logged.count("val/loss/dataloader_idx_1") == 1);
+  CHECK(logged.count("val/loss") == 0);
+  CHECK(logged.at("val/loss/dataloader_idx_0") != logged.at("val/loss/dataloader_idx_1"));
+
+  // Trainer::test returns one dict per loader, each with its own values.
+  const std::vector<fulgur::MetricMap> results = trainer.test(module, data);
+  REQUIRE(results.size() == 2);
+  CHECK(results[0].count("test/acc/dataloader_idx_0") == 1);
+  CHECK(results[0].count("test/acc/dataloader_idx_1") == 0);
+  CHECK(results[1].count("test/acc/dataloader_idx_1") == 1);
+  CHECK(results[1].at("test/acc/dataloader_idx_1") >= 1.0);  // its step added its index
+  CHECK(results[0].at("test/acc/dataloader_idx_0") <= 1.0);
+  // The CSV logger's file has a column per loader.
+  std::string csv;
+  for (const auto& e : fs::recursive_directory_iterator(dir.path()))
+    if (e.path().filename() == "metrics.csv") csv = fulgur::test::read_bytes(e.path());
+  FULGUR_CHECK_CONTAINS(csv, "val/loss/dataloader_idx_1");
+}
+
+TEST_CASE("reload_dataloaders_every_n_epochs asks the DataModule for new loaders every N epochs, from TOML") {
+  for (const auto& [every, calls] : std::vector<std::pair<int, int>>{{0, 1}, {1, 4}, {2, 2}, {3, 2}}) {
+    INFO("reload_dataloaders_every_n_epochs = " << every);
+    TempDir dir;
+    fulgur::Trainer trainer(config_from(
+        dir, fmt::format(
+                 "max_epochs = 4\nreload_dataloaders_every_n_epochs = {}\nenable_checkpointing = false\nlogger = false",
+                 every)));
+    RecordingModule module(nullptr);
+    SyntheticData data;
+    trainer.fit(module, data);
+    CHECK(data.train_loader_calls == calls);
+    CHECK(trainer.global_step() == 16);
+  }
+  TempDir dir;
+  CHECK_THROWS_WITH_AS(fulgur::Trainer(config_from(dir, "reload_dataloaders_every_n_epochs = -1")),
+                       doctest::Contains("reload_dataloaders_every_n_epochs = -1: must be >= 0"), fulgur::Error);
 }
 
 TEST_CASE("bad checkpoints fail clearly and lose nothing") {
@@ -794,10 +890,11 @@ Outcome run_with(const std::string& keys) {
     std::string weights_text;
     for (const auto& [name, w] : weights(module))
       weights_text += fmt::format("{}={:.9g};", name, w.sum().item<double>());
-    outcome.fingerprint = fmt::format("{}\nweights {}\nstep {} epoch {}\ntest {}\npredicted {}\nfiles\n{}", show(trace),
-                                      weights_text, trainer.global_step(), trainer.current_epoch(),
-                                      tested.empty() ? std::string() : fmt::format("{}", tested[0]), predicted.size(),
-                                      files_below(dir.path()));
+    outcome.fingerprint =
+        fmt::format("{}\nweights {}\nstep {} epoch {}\ntest {}\npredicted {}\ntrain loaders {}\nfiles\n{}", show(trace),
+                    weights_text, trainer.global_step(), trainer.current_epoch(),
+                    tested.empty() ? std::string() : fmt::format("{}", tested[0]), predicted.size(),
+                    data.train_loader_calls, files_below(dir.path()));
   } catch (const std::exception& e) {
     outcome.error = e.what();
   }
@@ -860,6 +957,7 @@ TEST_CASE("every [trainer] key changes what a run does, or its value is rejected
       {"overfit_batches", "1", ""},
       {"val_check_interval", "2", ""},
       {"check_val_every_n_epoch", "2", ""},
+      {"reload_dataloaders_every_n_epochs", "1", ""},
       {"num_sanity_val_steps", "0", ""},
       {"log_every_n_steps", "1", ""},
       {"accumulate_grad_batches", "2", ""},

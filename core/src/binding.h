@@ -4,6 +4,7 @@
 #include <fulgur/module.h>
 
 #include <functional>
+#include <string>
 
 #include "metrics.h"
 
@@ -17,6 +18,7 @@ struct Module::Binding {
   bool training_context = false;   // defaults for log(): on_step in training, on_epoch otherwise
   bool logging_allowed = false;    // false in hooks where Lightning forbids self.log
   int64_t batch_size = 0;          // of the current batch (weights epoch means)
+  std::string name_suffix;         // appended to logged names ("/dataloader_idx_1" with several loaders)
   std::vector<torch::optim::Optimizer*> optimizers;
   Strategy* strategy = nullptr;
   Precision* precision = nullptr;

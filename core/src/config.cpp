@@ -67,6 +67,8 @@ const std::vector<OptionSchema>& trainer_option_schema() {
         {"val_check_interval", T::floating, "1.0",
          "Validate every fraction of an epoch (float) or N batches (integer)"},
         {"check_val_every_n_epoch", T::integer, "1", "Validate every N epochs"},
+        {"reload_dataloaders_every_n_epochs", T::integer, "0",
+         "Ask the DataModule for new train and val loaders every N epochs (0: once per fit)"},
         {"num_sanity_val_steps", T::integer, "2", "Validation batches run before training (-1: all)"},
         {"log_every_n_steps", T::integer, "50", "Send step-level metrics to loggers every N steps"},
         {"accumulate_grad_batches", T::integer, "1", "Accumulate gradients over N batches per optimizer step"},

@@ -1,4 +1,5 @@
 #include <fulgur/data.h>
+#include <fulgur/data/data_loader.h>
 #include <fulgur/error.h>
 
 #include <ATen/ATen.h>
@@ -13,6 +14,18 @@ namespace fulgur {
 
 BatchLoader::~BatchLoader() = default;
 DataModule::~DataModule() = default;
+
+std::vector<std::unique_ptr<BatchLoader>> DataModule::val_loaders() {
+  std::vector<std::unique_ptr<BatchLoader>> loaders;
+  if (auto loader = val_loader()) loaders.push_back(std::move(loader));
+  return loaders;
+}
+
+std::vector<std::unique_ptr<BatchLoader>> DataModule::test_loaders() {
+  std::vector<std::unique_ptr<BatchLoader>> loaders;
+  if (auto loader = test_loader()) loaders.push_back(std::move(loader));
+  return loaders;
+}
 
 namespace {
 
@@ -110,6 +123,9 @@ class TensorLoader final : public BatchLoader {
     const int64_t end = num_batches();
     for (int64_t w = 0; w < options_.num_workers_; ++w) {
       workers_.emplace_back([this, end] {
+        // index_select runs parallel regions: one thread here, or each worker opens an OpenMP team
+        // as large as the training step's on the same cores (issue #16).
+        data::limit_intra_op_threads_for_this_thread(1);
         while (true) {
           int64_t index;
           {

@@ -17,6 +17,10 @@ Module::~Module() = default;
 
 StepOutput Module::validation_step(const Batch&, int64_t) { return {}; }
 StepOutput Module::test_step(const Batch&, int64_t) { return {}; }
+StepOutput Module::validation_step(const Batch& batch, int64_t batch_idx, int64_t) {
+  return validation_step(batch, batch_idx);
+}
+StepOutput Module::test_step(const Batch& batch, int64_t batch_idx, int64_t) { return test_step(batch, batch_idx); }
 at::Tensor Module::predict_step(const Batch&, int64_t) {
   throw Error(ErrorKind::invalid_argument,
               fmt::format("{} does not override predict_step(); implement it to use Trainer::predict", name()));
@@ -39,7 +43,8 @@ void Module::log(const std::string& name, const at::Tensor& value, const LogOpti
                 fmt::format("log('{}') was called from a hook where logging is not allowed (as in Lightning: only "
                             "steps, batch/epoch hooks and backward/optimizer hooks may log)",
                             name));
-  binding_->metrics->log(name, value, options, binding_->training_context, binding_->batch_size);
+  binding_->metrics->log(binding_->name_suffix.empty() ? name : name + binding_->name_suffix, value, options,
+                         binding_->training_context, binding_->batch_size);
 }
 
 void Module::log(const std::string& name, double value, const LogOptions& options) {
@@ -59,7 +64,7 @@ void Module::log(const std::string& name, metrics::Metric& metric, const LogOpti
                             "per-step value log a tensor, e.g. the batch's own value",
                             name));
   if (!metric.synced()) metric.sync_with(*this);
-  binding_->metrics->log_metric(name, metric, options);
+  binding_->metrics->log_metric(binding_->name_suffix.empty() ? name : name + binding_->name_suffix, metric, options);
 }
 
 void Module::log_dict(const std::map<std::string, at::Tensor>& values, const LogOptions& options) {

@@ -61,6 +61,11 @@ void Trainer::Impl::add_callback(std::shared_ptr<Callback> callback, std::string
 
 // ---- TrainerContext capabilities ---------------------------------------------------------------
 
+int64_t Trainer::Impl::dataloader_idx() const {
+  if (stage_ == Stage::fit) return fit_loop_.epoch_loop().val_loop().dataloader_idx();
+  return stage_ == Stage::test ? test_loop_.dataloader_idx() : validate_loop_.dataloader_idx();
+}
+
 int64_t Trainer::Impl::num_batches(Stage stage) const {
   switch (stage) {
     case Stage::fit:
@@ -354,21 +359,35 @@ std::vector<MetricMap> Trainer::Impl::evaluate(Stage stage, Module& module, Data
                                                const std::string& ckpt_path) {
   EvaluationLoop& loop = stage == Stage::test ? test_loop_ : validate_loop_;
   MetricMap results;
+  size_t num_loaders = 0;
   run_stage(stage, module, data, [&] {
     if (!ckpt_path.empty())
       checkpoints_.restore_model(
           checkpoints_.read(checkpoints_.resolve(ckpt_path, stage), /*with_optimizer_states=*/false));
-    int64_t num_batches = 0;
-    std::unique_ptr<BatchLoader> loader = evaluation_loader(stage, num_batches);
-    loop.set_num_batches(num_batches);
+    std::vector<int64_t> limits;
+    std::vector<std::unique_ptr<BatchLoader>> loaders = stage_loaders(stage, limits);
+    std::vector<BatchLoader*> views;
+    for (auto& l : loaders) views.push_back(l.get());
+    num_loaders = loaders.size();
+    loop.set_loaders(std::move(views), std::move(limits));
     logging_.eval_metrics().clear();
-    results = loop.run(*loader, num_batches, /*sanity=*/false);
+    results = loop.run(/*sanity=*/false);
   });
-  // Only the epoch-level keys, without the "_epoch" duplicates (Lightning's returned dict).
-  MetricMap clean;
-  for (const auto& [k, v] : results)
-    if (!k.ends_with("_epoch")) clean[k] = v;
-  return {clean};
+  // Lightning's returned list: one dict per loader with its epoch-level values (no "_epoch"
+  // duplicates); with several loaders, each dict holds the values suffixed with its index and
+  // those logged outside any loader's batches.
+  std::vector<MetricMap> per_loader(std::max<size_t>(1, num_loaders));
+  for (const auto& [k, v] : results) {
+    if (k.ends_with("_epoch")) continue;
+    const size_t at = k.rfind("/dataloader_idx_");
+    if (num_loaders > 1 && at != std::string::npos) {
+      const size_t index = std::stoul(k.substr(at + 16));
+      if (index < per_loader.size()) per_loader[index][k] = v;
+    } else {
+      for (auto& m : per_loader) m[k] = v;
+    }
+  }
+  return per_loader;
 }
 
 std::vector<at::Tensor> Trainer::Impl::predict(Module& module, DataModule& data, const std::string& ckpt_path) {
@@ -377,10 +396,10 @@ std::vector<at::Tensor> Trainer::Impl::predict(Module& module, DataModule& data,
     if (!ckpt_path.empty())
       checkpoints_.restore_model(
           checkpoints_.read(checkpoints_.resolve(ckpt_path, Stage::predict), /*with_optimizer_states=*/false));
-    int64_t num_batches = 0;
-    std::unique_ptr<BatchLoader> loader = evaluation_loader(Stage::predict, num_batches);
-    predict_loop_.set_num_batches(num_batches);
-    predictions = predict_loop_.run(*loader);
+    std::vector<int64_t> limits;
+    std::vector<std::unique_ptr<BatchLoader>> loaders = stage_loaders(Stage::predict, limits);
+    predict_loop_.set_num_batches(limits.front());
+    predictions = predict_loop_.run(*loaders.front());
   });
   return predictions;
 }
@@ -402,24 +421,34 @@ void Trainer::Impl::check_manual_optimization(const Module& module) const {
                             settings_.accumulate_grad_batches));
 }
 
-std::unique_ptr<BatchLoader> Trainer::Impl::evaluation_loader(Stage stage, int64_t& num_batches) {
-  std::unique_ptr<BatchLoader> loader = stage == Stage::test      ? data_->test_loader()
-                                        : stage == Stage::predict ? data_->predict_loader()
-                                                                  : data_->val_loader();
+std::vector<std::unique_ptr<BatchLoader>> Trainer::Impl::stage_loaders(Stage stage, std::vector<int64_t>& limits) {
+  std::vector<std::unique_ptr<BatchLoader>> loaders;
+  if (stage == Stage::test)
+    loaders = data_->test_loaders();
+  else if (stage == Stage::validate)
+    loaders = data_->val_loaders();
+  else if (auto loader = data_->predict_loader())
+    loaders.push_back(std::move(loader));
   const char* name = stage == Stage::test ? "test" : stage == Stage::predict ? "predict" : "val";
-  if (!loader)
+  if (loaders.empty())
     throw Error(ErrorKind::invalid_argument,
                 stage == Stage::predict
                     ? std::string("the DataModule returned no predict_loader()")
                     : fmt::format("the DataModule returned no {}_loader() for Trainer::{}", name, to_string(stage)));
-  loader->set_replica(plugins_.strategy->data_parallel_rank(), plugins_.strategy->data_parallel_size());
   const OptionValue& limit = stage == Stage::test      ? settings_.limit_test_batches
                              : stage == Stage::predict ? settings_.limit_predict_batches
                                                        : settings_.limit_val_batches;
-  num_batches = apply_batch_limit(limit, loader->num_batches());
-  const int64_t fast = settings_.fast_dev_run;
-  if (fast > 0) num_batches = num_batches < 0 ? fast : std::min(num_batches, fast);
-  return loader;
+  limits.clear();
+  for (auto& loader : loaders) {
+    if (!loader)
+      throw Error(ErrorKind::invalid_argument,
+                  fmt::format("the DataModule returned a null loader in {}_loaders()", name));
+    loader->set_replica(plugins_.strategy->data_parallel_rank(), plugins_.strategy->data_parallel_size());
+    int64_t n = apply_batch_limit(limit, loader->num_batches());
+    if (settings_.fast_dev_run > 0) n = n < 0 ? settings_.fast_dev_run : std::min(n, settings_.fast_dev_run);
+    limits.push_back(n);
+  }
+  return loaders;
 }
 
 // ---- shared by the loops ------------------------------------------------------------------------

@@ -46,6 +46,7 @@ class Trainer::Impl final : public TrainerContext {
   int64_t max_steps() const override { return settings_.max_steps; }
   int64_t num_batches(Stage stage) const override;
   bool is_last_batch() const override { return fit_loop_.epoch_loop().is_last_batch(); }
+  int64_t dataloader_idx() const override;
   const MetricMap& callback_metrics() const override { return logging_.callback_metrics(); }
   const MetricMap& progress_bar_metrics() const override { return logging_.progress_bar_metrics(); }
   bool step_logging_due() const override { return fit_loop_.epoch_loop().step_row_due() || should_stop_; }
@@ -104,8 +105,9 @@ class Trainer::Impl final : public TrainerContext {
   void finish_stage(Stage stage, RunStatus status);
   // Lightning refuses Trainer-level clipping and accumulation under manual optimization.
   void check_manual_optimization(const Module& module) const;
-  // The evaluation loader of `stage` with its batch limit applied, for validate / test / predict.
-  std::unique_ptr<BatchLoader> evaluation_loader(Stage stage, int64_t& num_batches);
+  // The loaders of `stage` (validate and test: every one of the DataModule's; predict: one), set
+  // up for this rank, and each one's batch limit.
+  std::vector<std::unique_ptr<BatchLoader>> stage_loaders(Stage stage, std::vector<int64_t>& limits);
 
   // Shared by the loops: a batch through the module's transfer hooks and the precision's input
   // conversion; the LR schedulers of `interval` that are due.

@@ -70,7 +70,7 @@ void validate_trainer_values(const Config& config) {
           fmt::format("gradient_clip_algorithm = \"{}\": use \"norm\" or \"value\"", algorithm));
   for (const char* key : {"accumulate_grad_batches", "log_every_n_steps", "check_val_every_n_epoch", "num_nodes"})
     require(t.get_int(key) >= 1, key, fmt::format("{} = {}: must be >= 1", key, t.get_int(key)));
-  for (const char* key : {"fast_dev_run", "min_epochs", "min_steps"})
+  for (const char* key : {"fast_dev_run", "min_epochs", "min_steps", "reload_dataloaders_every_n_epochs"})
     require(t.get_int(key) >= 0, key, fmt::format("{} = {}: must be >= 0", key, t.get_int(key)));
   for (const char* key : {"max_epochs", "max_steps"})
     require(t.get_int(key) >= -1, key, fmt::format("{} = {}: must be >= 0, or -1 for no limit", key, t.get_int(key)));
@@ -119,6 +119,7 @@ TrainerSettings TrainerSettings::from_config(const Config& config) {
   if (s.max_epochs < 0 && s.max_steps < 0) s.max_epochs = 1000;  // Lightning's default
   s.max_time_seconds = t.get_string("max_time").empty() ? -1.0 : parse_max_time(t.get_string("max_time"));
   s.check_val_every_n_epoch = t.get_int("check_val_every_n_epoch");
+  s.reload_dataloaders_every_n_epochs = t.get_int("reload_dataloaders_every_n_epochs");
   s.num_sanity_val_steps = t.get_int("num_sanity_val_steps");
   s.log_every_n_steps = t.get_int("log_every_n_steps");
   s.accumulate_grad_batches = t.get_int("accumulate_grad_batches");

@@ -26,6 +26,7 @@ struct TrainerSettings {
   std::string default_root_dir;
   int64_t max_epochs = -1, max_steps = -1, min_epochs = 0, min_steps = 0;
   double max_time_seconds = -1;  // -1: no limit (""); "00:00:00:00" stops at the first check
+  int64_t reload_dataloaders_every_n_epochs = 0;
   int64_t check_val_every_n_epoch = 1, num_sanity_val_steps = 2, log_every_n_steps = 50;
   int64_t accumulate_grad_batches = 1, fast_dev_run = 0;
   double gradient_clip_val = 0;

@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <memory>
 #include <optional>
+#include <vector>
 
 namespace fulgur {
 
@@ -75,6 +76,11 @@ class DataModule {
   virtual std::unique_ptr<BatchLoader> train_loader() = 0;
   virtual std::unique_ptr<BatchLoader> val_loader() { return nullptr; }
   virtual std::unique_ptr<BatchLoader> test_loader() { return nullptr; }
+  // Several validation or test sets (Lightning's list of loaders): each batch's step gets the
+  // loader's index (dataloader_idx) and, with more than one loader, values logged during its pass
+  // get the suffix "/dataloader_idx_N". By default the single val_loader() / test_loader().
+  virtual std::vector<std::unique_ptr<BatchLoader>> val_loaders();
+  virtual std::vector<std::unique_ptr<BatchLoader>> test_loaders();
   virtual std::unique_ptr<BatchLoader> predict_loader() { return nullptr; }
 
   // Hyperparameters from the TOML [data] table.

@@ -146,6 +146,10 @@ class Module : public torch::nn::Module {
   virtual StepOutput training_step(const Batch& batch, int64_t batch_idx) = 0;
   virtual StepOutput validation_step(const Batch& batch, int64_t batch_idx);
   virtual StepOutput test_step(const Batch& batch, int64_t batch_idx);
+  // With several validation/test loaders (DataModule::val_loaders): the loader's index too. By
+  // default these call the two-argument steps, so a module with one loader overrides those.
+  virtual StepOutput validation_step(const Batch& batch, int64_t batch_idx, int64_t dataloader_idx);
+  virtual StepOutput test_step(const Batch& batch, int64_t batch_idx, int64_t dataloader_idx);
   virtual at::Tensor predict_step(const Batch& batch, int64_t batch_idx);
   virtual std::vector<OptimizerConfig> configure_optimizers() = 0;
   // Lightning's configure_model: create layers here instead of in the constructor to let the

@@ -53,6 +53,9 @@ class TrainerOptions {
   TrainerOptions& limit_predict_batches(OptionValue v) { return set("limit_predict_batches", std::move(v)); }
   TrainerOptions& val_check_interval(OptionValue v) { return set("val_check_interval", std::move(v)); }
   TrainerOptions& check_val_every_n_epoch(int64_t v) { return set("check_val_every_n_epoch", v); }
+  TrainerOptions& reload_dataloaders_every_n_epochs(int64_t v) {
+    return set("reload_dataloaders_every_n_epochs", v);
+  }
   TrainerOptions& num_sanity_val_steps(int64_t v) { return set("num_sanity_val_steps", v); }
   TrainerOptions& log_every_n_steps(int64_t v) { return set("log_every_n_steps", v); }
   TrainerOptions& accumulate_grad_batches(int64_t v) { return set("accumulate_grad_batches", v); }

@@ -8,6 +8,7 @@
 #include <ATen/core/ivalue.h>
 
 #include <string>
+#include <vector>
 
 namespace fulgur {
 
@@ -16,13 +17,18 @@ class EvaluationLoop {
   // `stage` is Stage::validate or Stage::test.
   EvaluationLoop(Trainer::Impl& trainer, Stage stage) : trainer_(trainer), stage_(stage) {}
 
-  // Runs the stage's hooks and steps over at most `limit` batches of `loader` (-1: until it is
-  // exhausted) and returns every epoch-level value. A sanity pass logs nothing anywhere.
-  MetricMap run(BatchLoader& loader, int64_t limit, bool sanity);
+  // The loaders of a pass and their batch limits (-1: until the loader is exhausted).
+  void set_loaders(std::vector<BatchLoader*> loaders, std::vector<int64_t> limits);
+  bool has_batches() const;
 
-  // Batches of this stage per pass, as TrainerContext::num_batches reports them (-1: unknown).
-  int64_t num_batches() const { return num_batches_; }
-  void set_num_batches(int64_t n) { num_batches_ = n; }
+  // Runs the stage's hooks once and the steps over every loader in turn (at most `max_batches`
+  // of each when >= 0, as the sanity check asks) and returns every epoch-level value. A sanity
+  // pass logs nothing anywhere.
+  MetricMap run(bool sanity, int64_t max_batches = -1);
+
+  // Batches of the current loader, as TrainerContext::num_batches reports them (-1: unknown).
+  int64_t num_batches() const;
+  int64_t dataloader_idx() const { return dataloader_idx_; }
 
   // Progress, as Lightning keeps it for its evaluation loops: batches of the current (or last)
   // pass and completed passes. A run resumed mid-validation starts that validation again.
@@ -32,7 +38,9 @@ class EvaluationLoop {
  private:
   Trainer::Impl& trainer_;
   Stage stage_;
-  int64_t num_batches_ = -1;
+  std::vector<BatchLoader*> loaders_;
+  std::vector<int64_t> limits_;
+  int64_t dataloader_idx_ = 0;
   int64_t batches_done_ = 0;
   int64_t completed_passes_ = 0;
 };

@@ -40,9 +40,11 @@ void FitLoop::run() {
     LogContext log(t.binding_, &t.logging_.train_metrics(), true, true);
     t.hooks_.module("on_train_start", [&] { t.module_->on_train_start(); });
   }
+  const int64_t reload = t.settings_.reload_dataloaders_every_n_epochs;
   while (!done()) {
     const int64_t steps_before = position_.global_step;
-    epoch_loop_.run(*train_loader_, val_loader_.get());
+    if (reload > 0 && position_.epoch - loaders_epoch_ >= reload) setup_data();
+    epoch_loop_.run(*train_loader_);
     if (interrupt_due(t)) interrupt_at_safe_point(t);
     // A loader that yields nothing would spin forever under max_steps alone.
     if (t.settings_.max_epochs < 0 && position_.global_step == steps_before && epoch_loop_.last_epoch_was_empty() &&
@@ -69,14 +71,23 @@ void FitLoop::setup_data() {
   if (s.fast_dev_run > 0) num_train = num_train < 0 ? s.fast_dev_run : std::min(num_train, s.fast_dev_run);
 
   // overfit_batches validates on the training batches, as Lightning does.
-  val_loader_ = s.overfit ? t.data_->train_loader() : t.data_->val_loader();
-  int64_t num_val = 0;
-  if (val_loader_) {
-    val_loader_->set_replica(strategy.data_parallel_rank(), strategy.data_parallel_size());
-    num_val = s.overfit ? num_train : apply_batch_limit(s.limit_val_batches, val_loader_->num_batches());
+  val_loaders_.clear();
+  if (s.overfit)
+    val_loaders_.push_back(t.data_->train_loader());
+  else
+    val_loaders_ = t.data_->val_loaders();
+  std::vector<BatchLoader*> loaders;
+  std::vector<int64_t> limits;
+  for (auto& loader : val_loaders_) {
+    if (!loader) throw Error(ErrorKind::invalid_argument, "the DataModule returned a null loader in val_loaders()");
+    loader->set_replica(strategy.data_parallel_rank(), strategy.data_parallel_size());
+    int64_t num_val = s.overfit ? num_train : apply_batch_limit(s.limit_val_batches, loader->num_batches());
     if (s.fast_dev_run > 0) num_val = num_val < 0 ? s.fast_dev_run : std::min(num_val, s.fast_dev_run);
+    loaders.push_back(loader.get());
+    limits.push_back(num_val);
   }
-  epoch_loop_.val_loop().set_num_batches(num_val);
+  epoch_loop_.val_loop().set_loaders(std::move(loaders), std::move(limits));
+  loaders_epoch_ = position_.epoch;
 
   int64_t val_check_batches = 0;
   if (const auto* n = std::get_if<int64_t>(&s.val_check_interval)) {
@@ -97,15 +108,16 @@ void FitLoop::setup_data() {
 // not after an epoch. Its metrics are thrown away.
 void FitLoop::run_sanity_check() {
   Trainer::Impl& t = trainer_;
-  const int64_t num_val = epoch_loop_.val_loop().num_batches();
   const int64_t steps = t.settings_.num_sanity_val_steps;
-  if (!val_loader_ || steps == 0 || num_val == 0) return;
+  EvaluationLoop& val_loop = epoch_loop_.val_loop();
+  if (steps == 0 || !val_loop.has_batches()) return;
   t.sanity_checking_ = true;
   t.hooks_.call(Hook::sanity_check_start, [&](Callback& c) { c.on_sanity_check_start(t); });
-  const int64_t limit = steps < 0 ? num_val : num_val < 0 ? steps : std::min(steps, num_val);
-  EvaluationLoop sanity_loop(t, Stage::validate);  // its progress is not the validation loop's
-  sanity_loop.set_num_batches(num_val);
-  sanity_loop.run(*val_loader_, limit, /*sanity=*/true);
+  // num_sanity_val_steps batches of each loader (-1: all of them). The sanity pass leaves the
+  // validation loop's progress as it was.
+  const c10::IValue progress = val_loop.state_dict();
+  val_loop.run(/*sanity=*/true, steps < 0 ? -1 : steps);
+  val_loop.load_state_dict(progress, "<sanity check>");
   t.hooks_.call(Hook::sanity_check_end, [&](Callback& c) { c.on_sanity_check_end(t); });
   t.sanity_checking_ = false;
   t.logging_.clear_after_sanity_check();

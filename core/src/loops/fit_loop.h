@@ -10,6 +10,7 @@
 #include <chrono>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "../hook_dispatcher.h"
 #include "training_epoch_loop.h"
@@ -30,7 +31,7 @@ class FitLoop {
   // After a signal stopped fit (the process exits next): no loader thread may outlive exit.
   void release_loaders() {
     train_loader_.reset();
-    val_loader_.reset();
+    val_loaders_.clear();
   }
   const RunPosition& position() const { return position_; }
   TrainingEpochLoop& epoch_loop() { return epoch_loop_; }
@@ -43,6 +44,7 @@ class FitLoop {
   void load_state_dict(const c10::IValue& state, const std::string& path);
 
  private:
+  // Asks the DataModule for the loaders (at the start, and every reload_dataloaders_every_n_epochs).
   void setup_data();
   void run_sanity_check();
   bool time_exceeded() const;
@@ -51,7 +53,9 @@ class FitLoop {
   Trainer::Impl& trainer_;
   RunPosition position_;
   TrainingEpochLoop epoch_loop_;
-  std::unique_ptr<BatchLoader> train_loader_, val_loader_;
+  std::unique_ptr<BatchLoader> train_loader_;
+  std::vector<std::unique_ptr<BatchLoader>> val_loaders_;
+  int64_t loaders_epoch_ = -1;  // the epoch the loaders were last asked for
   std::chrono::steady_clock::time_point start_time_ = std::chrono::steady_clock::now();
   double elapsed_before_resume_ = 0;
 };

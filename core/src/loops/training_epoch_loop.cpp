@@ -14,7 +14,7 @@
 
 namespace fulgur {
 
-void TrainingEpochLoop::run(BatchLoader& train, BatchLoader* val) {
+void TrainingEpochLoop::run(BatchLoader& train) {
   Trainer::Impl& t = trainer_;
   HookDispatcher& hooks = t.hooks_;
   Module& module = *t.module_;
@@ -31,7 +31,7 @@ void TrainingEpochLoop::run(BatchLoader& train, BatchLoader* val) {
   batches_done_ = skip;
   epoch_was_empty_ = skip == 0;
   const bool validate_this_epoch =
-      val && val_loop_.num_batches() != 0 && (position_.epoch + 1) % t.settings_.check_val_every_n_epoch == 0;
+      val_loop_.has_batches() && (position_.epoch + 1) % t.settings_.check_val_every_n_epoch == 0;
   // A loader of unknown length (num_batches() == -1) trains until it is exhausted: the batch
   // after the current one is fetched ahead so that is_last_batch is known before the step.
   std::optional<Batch> next;
@@ -48,7 +48,7 @@ void TrainingEpochLoop::run(BatchLoader& train, BatchLoader* val) {
     epoch_was_empty_ = false;
     run_batch(batch, batch_idx);
     if (validate_this_epoch && val_check_batches_ > 0 && (batch_idx + 1) % val_check_batches_ == 0 && !is_last_batch_)
-      val_loop_.run(*val, val_loop_.num_batches(), /*sanity=*/false);
+      val_loop_.run(/*sanity=*/false);
     if (interrupt_due(t)) interrupt_at_safe_point(t);  // after the step and its validation
     // Mid-epoch, the fit loop's epoch limit cannot hold yet: this checks max_steps, max_time and
     // a requested stop.
@@ -56,7 +56,7 @@ void TrainingEpochLoop::run(BatchLoader& train, BatchLoader* val) {
   }
   epoch_end_phase_ = true;
   // End-of-epoch validation runs before on_train_epoch_end (Lightning).
-  if (validate_this_epoch) val_loop_.run(*val, val_loop_.num_batches(), /*sanity=*/false);
+  if (validate_this_epoch) val_loop_.run(/*sanity=*/false);
   {
     // Lightning: values logged at epoch end are epoch-level by default and land in this epoch.
     LogContext log(t.binding_, &store, /*training=*/false, true);

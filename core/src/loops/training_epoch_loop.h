@@ -31,9 +31,9 @@ class TrainingEpochLoop {
     num_batches_ = num_batches;
     val_check_batches_ = val_check_batches;
   }
-  // Runs the epoch `position.epoch` over `train`, validating on `val` when due (null: never).
+  // Runs the epoch `position.epoch` over `train`, validating with val_loop() when due.
   // Ends with the epoch counted: position.epoch is one higher afterwards.
-  void run(BatchLoader& train, BatchLoader* val);
+  void run(BatchLoader& train);
 
   // One optimizer step through precision and strategy, with its hooks and clipping; also what
   // OptimizerHandle::step runs under manual optimization. False: the step was skipped (inf grads).

@@ -29,6 +29,9 @@ class FULGUR_SDK_API TrainerContext {
   // Batches per epoch of the running stage's loader after limits (-1 when unknown).
   virtual int64_t num_batches(Stage stage) const = 0;
   virtual bool is_last_batch() const = 0;
+  // Which of the stage's loaders the current validation/test batch comes from (0 with one loader;
+  // Lightning's dataloader_idx).
+  virtual int64_t dataloader_idx() const { return 0; }
 
   // ---- metrics -----------------------------------------------------------------------------------
   // Latest epoch- or step-level values of everything logged (what monitors read).

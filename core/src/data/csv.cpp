@@ -1,0 +1,207 @@
+#include <fulgur/data/csv.h>
+#include <fulgur/error.h>
+
+#include <ATen/ATen.h>
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdlib>
+#include <fstream>
+#include <sstream>
+#include <unordered_map>
+
+namespace fulgur::data {
+
+namespace {
+
+// One record; RFC 4180 quoting ("a, b", "" for a quote) within a line. Returns false for an
+// unterminated quote.
+bool split_record(const std::string& line, char delim, std::vector<std::string>& fields) {
+  fields.clear();
+  std::string field;
+  bool quoted = false;
+  for (size_t i = 0; i < line.size(); ++i) {
+    const char c = line[i];
+    if (quoted) {
+      if (c == '"' && i + 1 < line.size() && line[i + 1] == '"') {
+        field += '"';
+        ++i;
+      } else if (c == '"') {
+        quoted = false;
+      } else {
+        field += c;
+      }
+    } else if (c == '"' && field.empty()) {
+      quoted = true;
+    } else if (c == delim) {
+      fields.push_back(std::move(field));
+      field.clear();
+    } else {
+      field += c;
+    }
+  }
+  fields.push_back(std::move(field));
+  return !quoted;
+}
+
+std::string trim(const std::string& s) {
+  const auto b = s.find_first_not_of(" \t\r");
+  if (b == std::string::npos) return "";
+  return s.substr(b, s.find_last_not_of(" \t\r") - b + 1);
+}
+
+bool parse_number(const std::string& text, float& out) {
+  const std::string t = trim(text);
+  if (t.empty()) return false;
+  errno = 0;
+  char* end = nullptr;
+  const double v = std::strtod(t.c_str(), &end);
+  if (end != t.c_str() + t.size() || errno == ERANGE) return false;
+  out = static_cast<float>(v);
+  return true;
+}
+
+}  // namespace
+
+CsvDataset::CsvDataset(std::filesystem::path file, CsvOptions options) : file_(std::move(file)) {
+  std::ifstream in(file_, std::ios::binary);
+  if (!in) throw Error(ErrorKind::io, fmt::format("{}: cannot open the CSV file", file_.string()));
+  const char delim = options.delimiter_ != 0 ? options.delimiter_ : (file_.extension() == ".tsv" ? '\t' : ',');
+  const std::string where = file_.string();
+
+  std::string line;
+  std::vector<std::string> header, fields;
+  if (!std::getline(in, line) || !split_record(line, delim, header))
+    throw Error(ErrorKind::io, fmt::format("{}:1: no header row (the first line must name the columns)", where));
+  for (auto& h : header) h = trim(h);
+  std::unordered_map<std::string, size_t> column;
+  for (size_t i = 0; i < header.size(); ++i) {
+    if (header[i].empty()) throw Error(ErrorKind::io, fmt::format("{}:1: column {} has no name", where, i + 1));
+    if (!column.emplace(header[i], i).second)
+      throw Error(ErrorKind::io, fmt::format("{}:1: column '{}' appears twice", where, header[i]));
+  }
+  auto index_of = [&](const std::string& name, const char* what) {
+    auto it = column.find(name);
+    if (it == column.end())
+      throw Error(ErrorKind::invalid_argument,
+                  fmt::format("{}: no {} column '{}' (columns: {})", where, what, name, fmt::join(header, ", ")));
+    return it->second;
+  };
+  const bool has_target = !options.target_.empty();
+  const size_t target_col = has_target ? index_of(options.target_, "target") : 0;
+  const bool target_categorical = has_target && std::find(options.categorical_.begin(), options.categorical_.end(),
+                                                          options.target_) != options.categorical_.end();
+  std::vector<std::string> features = options.columns_;
+  if (features.empty())
+    for (const auto& h : header)
+      if (!has_target || h != options.target_) features.push_back(h);
+  std::vector<size_t> num_cols, cat_cols;
+  for (const auto& f : features) {
+    const size_t c = index_of(f, "feature");
+    const bool cat =
+        std::find(options.categorical_.begin(), options.categorical_.end(), f) != options.categorical_.end();
+    (cat ? cat_cols : num_cols).push_back(c);
+    (cat ? categorical_ : numeric_).push_back(f);
+  }
+  for (const auto& c : options.categorical_) index_of(c, "categorical");
+
+  // Vocabularies: fixed ones from the options, the others grow in order of first appearance.
+  std::vector<std::unordered_map<std::string, int64_t>> lookup(header.size());
+  std::vector<bool> fixed(header.size(), false);
+  for (const auto& [name, values] : options.categories_) {
+    const size_t c = index_of(name, "categorical");
+    fixed[c] = true;
+    for (const auto& v : values) lookup[c].emplace(v, static_cast<int64_t>(lookup[c].size()));
+    vocab_[name] = values;
+  }
+  auto category = [&](size_t c, const std::string& raw, int64_t& out) {
+    const std::string v = trim(raw);
+    auto it = lookup[c].find(v);
+    if (it != lookup[c].end()) {
+      out = it->second;
+      return true;
+    }
+    if (fixed[c]) return false;
+    out = static_cast<int64_t>(lookup[c].size());
+    lookup[c].emplace(v, out);
+    vocab_[header[c]].push_back(v);
+    return true;
+  };
+
+  std::vector<float> nums;
+  std::vector<int64_t> cats, cat_targets;
+  std::vector<float> num_targets;
+  int64_t line_no = 1;
+  std::vector<float> row_nums(num_cols.size());
+  std::vector<int64_t> row_cats(cat_cols.size());
+  while (std::getline(in, line)) {
+    ++line_no;
+    if (!line.empty() && line.back() == '\r') line.pop_back();
+    if (trim(line).empty()) continue;
+    // Everything about a row is checked before any of it is kept, so a skipped row leaves nothing.
+    std::string problem;
+    int64_t cat_target = 0;
+    float num_target = 0;
+    if (!split_record(line, delim, fields)) {
+      problem = "unterminated quote";
+    } else if (fields.size() != header.size()) {
+      problem = fmt::format("{} fields, the header has {}", fields.size(), header.size());
+    } else {
+      for (size_t k = 0; k < num_cols.size() && problem.empty(); ++k)
+        if (!parse_number(fields[num_cols[k]], row_nums[k]))
+          problem = fmt::format("column '{}': '{}' is not a number", header[num_cols[k]], fields[num_cols[k]]);
+      for (size_t k = 0; k < cat_cols.size() && problem.empty(); ++k)
+        if (!category(cat_cols[k], fields[cat_cols[k]], row_cats[k]))
+          problem = fmt::format("column '{}': '{}' is not one of its categories", header[cat_cols[k]],
+                                trim(fields[cat_cols[k]]));
+      if (has_target && problem.empty()) {
+        if (target_categorical ? !category(target_col, fields[target_col], cat_target)
+                               : !parse_number(fields[target_col], num_target))
+          problem = fmt::format("target column '{}': '{}' is {}", options.target_, fields[target_col],
+                                target_categorical ? "not one of its categories" : "not a number");
+      }
+    }
+    if (!problem.empty()) {
+      if (options.skip_corrupt_) {
+        ++skipped_;
+        continue;
+      }
+      throw Error(ErrorKind::io, fmt::format("{}:{}: row {}: {}", where, line_no, rows_ + skipped_, problem));
+    }
+    nums.insert(nums.end(), row_nums.begin(), row_nums.end());
+    cats.insert(cats.end(), row_cats.begin(), row_cats.end());
+    if (has_target) target_categorical ? cat_targets.push_back(cat_target) : num_targets.push_back(num_target);
+    ++rows_;
+  }
+  if (in.bad()) throw Error(ErrorKind::io, fmt::format("{}: read error after line {}", where, line_no));
+
+  numeric_values_ = at::tensor(nums, at::kFloat).reshape({rows_, static_cast<int64_t>(num_cols.size())});
+  if (!cat_cols.empty())
+    categorical_values_ = at::tensor(cats, at::kLong).reshape({rows_, static_cast<int64_t>(cat_cols.size())});
+  if (has_target)
+    targets_ = target_categorical ? at::tensor(cat_targets, at::kLong) : at::tensor(num_targets, at::kFloat);
+}
+
+int64_t CsvDataset::size() const { return rows_; }
+
+Sample CsvDataset::get(int64_t index) const {
+  if (index < 0 || index >= rows_)
+    throw Error(ErrorKind::invalid_argument,
+                fmt::format("{}: row {} out of range ({} rows)", file_.string(), index, rows_));
+  Sample s;
+  s.input = numeric_values_[index];
+  if (categorical_values_.defined()) s.extra.push_back(categorical_values_[index]);
+  if (targets_.defined()) s.target = targets_[index];
+  return s;
+}
+
+const std::vector<std::string>& CsvDataset::categories(const std::string& column) const {
+  auto it = vocab_.find(column);
+  if (it == vocab_.end())
+    throw Error(ErrorKind::invalid_argument,
+                fmt::format("{}: '{}' is not a categorical column", file_.string(), column));
+  return it->second;
+}
+
+}  // namespace fulgur::data
