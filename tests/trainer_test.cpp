@@ -975,6 +975,9 @@ TEST_CASE("every [trainer] key changes what a run does, or its value is rejected
       {"logger", "false", ""},
       {"barebones", "true", ""},
       {"ckpt_path", "\"no/such/file.ckpt\"", "", "no/such/file.ckpt"},
+      // What they change needs a signal: signal_test.cpp drives that in real processes.
+      {"interrupt_checkpoint", "\"ckpt/..\"", "", "interrupt_checkpoint"},
+      {"requeue_signal", "\"SIGNOPE\"", "", "requeue_signal = \"SIGNOPE\""},
   };
   // The walk: a key added to the schema without a probe here fails this test.
   for (const fulgur::OptionSchema& schema : fulgur::trainer_option_schema()) {

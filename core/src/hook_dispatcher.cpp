@@ -23,6 +23,11 @@ std::string describe(const PluginIdentity& who) {
   return text;
 }
 
+std::string crash_description(const PluginIdentity& who, std::string_view hook) {
+  return fmt::format("{} '{}' ({}), hook {}", who.kind, who.name,
+                     who.file.empty() ? "built into the program" : who.file, hook);
+}
+
 }  // namespace
 
 void rethrow_attributed(const PluginIdentity& who, std::string_view hook, const RunPosition& where) {
@@ -49,9 +54,11 @@ void HookDispatcher::add(std::shared_ptr<Callback> callback, PluginIdentity iden
   slot.roles = callback->roles();
   slot.callback = std::move(callback);
   slot.identity = std::move(identity);
-  for (int bit = 0; bit < kHookCount; ++bit)
-    slot.scope_names[bit] =
-        fmt::format("[Callback]{}.{}", slot.identity.name, hook_name(static_cast<Hook>(uint64_t{1} << bit)));
+  for (int bit = 0; bit < kHookCount; ++bit) {
+    const auto hook = static_cast<Hook>(uint64_t{1} << bit);
+    slot.scope_names[bit] = fmt::format("[Callback]{}.{}", slot.identity.name, hook_name(hook));
+    slot.crash_texts[bit] = crash_description(slot.identity, hook_name(hook));
+  }
   if (has_role(slot.roles, CallbackRole::checkpoint)) {
     slots_.push_back(std::move(slot));
   } else {
@@ -79,6 +86,13 @@ void HookDispatcher::call_on_exception(const std::function<void(Callback&)>& fn)
       spdlog::error("{} failed in on_exception while handling another error", describe(slot->identity));
     }
   }
+}
+
+const char* HookDispatcher::crash_text(const PluginIdentity& who, const char* hook) {
+  for (const CrashText& t : crash_texts_)
+    if (t.who == &who && t.hook == hook) return t.text.c_str();
+  crash_texts_.push_back({&who, hook, crash_description(who, hook)});
+  return crash_texts_.back().text.c_str();
 }
 
 std::string_view HookDispatcher::module_scope(const char* hook) {

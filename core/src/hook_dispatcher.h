@@ -8,6 +8,7 @@
 #include <fulgur/error.h>
 #include <fulgur/logger.h>
 #include <fulgur/profiler.h>
+#include <fulgur/registry/crash_report.h>
 
 #include <array>
 #include <bit>
@@ -45,10 +46,13 @@ class HookDispatcher {
     CallbackRoles roles = 0;
     HookSet hooks = 0;
     std::array<std::string, kHookCount> scope_names;  // built once: ProfileScope keeps a view
+    std::array<std::string, kHookCount> crash_texts;  // built once: a fatal signal names them
   };
 
   HookDispatcher(const Profiler* const& profiler, const RunPosition& position)
-      : profiler_(profiler), position_(position) {}
+      : profiler_(profiler), position_(position) {
+    install_crash_reporter();
+  }
 
   // Checkpoint-role callbacks run after all others (Lightning runs ModelCheckpoint last, so it
   // saves what every other callback did); otherwise insertion order.
@@ -75,17 +79,22 @@ class HookDispatcher {
   template <class Fn>
   decltype(auto) module(const char* hook, Fn&& fn) {
     ProfileScope scope(profiler(), profiler_ ? module_scope(hook) : std::string_view());
+    const CrashScope crash(crash_text(module_identity_, hook), &position_.epoch, &position_.global_step);
     try {
       return fn();
     } catch (...) {
       rethrow_attributed(module_identity_, hook, position_);
     }
   }
-  void set_module_name(std::string name) { module_identity_ = {"module", std::move(name), {}}; }
+  void set_module_name(std::string name) {
+    module_identity_ = {"module", std::move(name), {}};
+    crash_texts_.clear();  // between stages, when no hook runs: they name the module
+  }
 
   // A logger method, attributed on failure to the logger.
   template <class Fn>
   void logger(const PluginIdentity& who, const char* method, Fn&& fn) {
+    const CrashScope crash(crash_text(who, method), &position_.epoch, &position_.global_step);
     try {
       fn();
     } catch (...) {
@@ -97,10 +106,14 @@ class HookDispatcher {
   static int index(Hook hook) { return std::countr_zero(static_cast<uint64_t>(hook)); }
   Profiler* profiler() const { return const_cast<Profiler*>(profiler_); }
   std::string_view module_scope(const char* hook);
+  // "logger 'csv' (/path/libcsv.so), hook log_metrics", formatted on first use and kept (keyed by
+  // the identity's and the hook literal's addresses: a pointer comparison per call).
+  const char* crash_text(const PluginIdentity& who, const char* hook);
 
   template <class Fn>
   void invoke(Slot& slot, Hook hook, Fn& fn) {
     ProfileScope scope(profiler(), profiler_ ? std::string_view(slot.scope_names[index(hook)]) : std::string_view());
+    const CrashScope crash(slot.crash_texts[index(hook)].c_str(), &position_.epoch, &position_.global_step);
     try {
       fn(*slot.callback);
     } catch (...) {
@@ -115,6 +128,12 @@ class HookDispatcher {
   std::array<std::vector<Slot*>, 64> by_hook_;
   PluginIdentity module_identity_{"module", "Module", {}};
   std::deque<std::pair<std::string, std::string>> module_scopes_;  // hook -> scope (stable addresses)
+  struct CrashText {
+    const PluginIdentity* who;
+    const char* hook;
+    std::string text;
+  };
+  std::deque<CrashText> crash_texts_;  // stable addresses
 };
 
 }  // namespace fulgur

@@ -290,6 +290,15 @@ void Trainer::Impl::run_stage(Stage stage, Module& module, DataModule& data, con
     logging_.setup_once();
     if (plugins_.profiler) plugins_.profiler->setup(stage, log_dir(), strategy.cluster().global_rank);
     body();
+  } catch (const TrainingInterrupted& stop) {
+    // A signal, turned into a checkpoint at a safe point (signal_connector.h): not a failure.
+    try {
+      finish_stage(stage, RunStatus::interrupted);
+    } catch (const std::exception& cleanup) {
+      spdlog::error("while stopping on a signal, finishing the {} stage failed: {}", to_string(stage), cleanup.what());
+    }
+    fit_loop_.release_loaders();  // no loader thread may outlive exit's static destructors
+    exit_interrupted(stop);
   } catch (const std::exception& e) {
     status = RunStatus::failed;
     detail::note_local_run_failed();  // ranks this process launched stop instead of being awaited
@@ -334,7 +343,8 @@ void Trainer::Impl::finish_stage(Stage stage, RunStatus status) {
 
 void Trainer::Impl::fit(Module& module, DataModule& data, const std::string& ckpt_path) {
   // The argument wins; otherwise [trainer] ckpt_path (TOML or TrainerOptions) applies to fit.
-  const std::string requested = ckpt_path.empty() ? config_.trainer.get_string("ckpt_path") : ckpt_path;
+  const std::string requested =
+      restart_ckpt_path(ckpt_path.empty() ? config_.trainer.get_string("ckpt_path") : ckpt_path);
   run_stage(Stage::fit, module, data, [&] {
     check_manual_optimization(module);
     TrainingEpochLoop& epoch_loop = fit_loop_.epoch_loop();

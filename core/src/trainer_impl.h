@@ -27,6 +27,7 @@
 #include "loops/evaluation_loop.h"
 #include "loops/fit_loop.h"
 #include "loops/prediction_loop.h"
+#include "signal_connector.h"
 #include "trainer_settings.h"
 
 namespace fulgur {

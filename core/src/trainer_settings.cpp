@@ -1,5 +1,7 @@
 #include "trainer_settings.h"
 
+#include "signal_connector.h"
+
 #include <fulgur/error.h>
 
 #include <fmt/format.h>
@@ -98,6 +100,7 @@ void validate_trainer_values(const Config& config) {
   }
   const std::string& devices = t.get_string("devices");
   require(!devices.empty(), "devices", "devices = \"\": give a count, \"auto\", -1 or indices such as \"0,1\"");
+  validate_signal_options(config);
   const std::string& level = config.log_level;
   if (!level.empty() && spdlog::level::from_str(level) == spdlog::level::off && level != "off")
     throw Error(ErrorKind::config,

@@ -1,6 +1,7 @@
 // Discovery (metadata only), checks, selection and loading of plugin libraries.
 #include <fulgur/builtin_plugins.h>
 #include <fulgur/host.h>
+#include <fulgur/registry/crash_report.h>
 #include <fulgur/registry/registry.h>
 #include <fulgur/registry/verdicts.h>
 
@@ -356,6 +357,11 @@ const LoadedLibrary& load_library(const PluginCandidate& candidate) {
   if (auto it = libraries.find(key); it != libraries.end()) return it->second;
 
   LoadedLibrary loaded;
+  // Its static initializers run now: a crash in them names the file.
+  install_crash_reporter();
+  const std::string loading = fmt::format("{} ({}), while loading its library",
+                                          describe(candidate.metadata.kind, candidate.metadata.name), key);
+  const CrashScope crash_scope(loading.c_str());
   try {
     // rtld_now: an unresolved symbol fails here with its name, not later with a dead process.
     // rtld_local: two plugins' private helpers never bind to each other.
@@ -431,7 +437,10 @@ PluginObject PluginRegistry::create(const PluginCandidate& candidate, const Opti
   std::array<char, 4096> error{};
   fulgur_create_args args{static_cast<uint32_t>(sizeof(fulgur_create_args)), &options, error.data(), error.size()};
   void* object = nullptr;
+  install_crash_reporter();
+  const std::string creating = fmt::format("{} ({}), while creating it", describe(kind, name), candidate.file.string());
   try {
+    const CrashScope crash_scope(creating.c_str());
     object = desc.create(&args);  // the contract says it never throws; enforce it anyway
   } catch (const std::exception& e) {
     std::snprintf(error.data(), error.size(), "%s", e.what());

@@ -26,6 +26,9 @@
 #include <atomic>
 #include <cerrno>
 #include <chrono>
+#include <csignal>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <system_error>
@@ -45,6 +48,49 @@ std::string os_reason(int error_number) { return std::system_category().message(
 std::string parent_directory(const std::string& path) {
   std::string parent = std::filesystem::path(path).parent_path().string();
   return parent.empty() ? std::string(".") : parent;
+}
+
+// Test-only fault injection, read once from the environment: FULGUR_FAULT_INJECT =
+// "checkpoint_write:N:PHASE" kills this process with SIGKILL during its N-th checkpoint write
+// (1-based), at PHASE: "partial" (some bytes of the temporary file written), "before_rename" (the
+// temporary file complete and fsynced) or "after_rename" (renamed, directory not yet fsynced).
+// The crash-resume test (tests/kill_resume_test.cpp) uses it to land a SIGKILL inside a write
+// deterministically. Unset, it costs a comparison per checkpoint write and per chunk written.
+enum class FaultPhase { none, partial, before_rename, after_rename };
+
+struct FaultInjection {
+  long write_number = 0;
+  FaultPhase phase = FaultPhase::none;
+};
+
+const FaultInjection& fault_injection() {
+  static const FaultInjection injection = [] {
+    FaultInjection f;
+    const char* spec = std::getenv("FULGUR_FAULT_INJECT");
+    char phase[32] = {};
+    if (spec && std::sscanf(spec, "checkpoint_write:%ld:%31s", &f.write_number, phase) == 2) {
+      const std::string_view p(phase);
+      f.phase = p == "partial"         ? FaultPhase::partial
+                : p == "before_rename" ? FaultPhase::before_rename
+                : p == "after_rename"  ? FaultPhase::after_rename
+                                       : FaultPhase::none;
+    }
+    return f;
+  }();
+  return injection;
+}
+
+std::atomic<long> checkpoint_writes{0};
+
+// Which phase of the current checkpoint write dies (none for all other writes).
+FaultPhase fault_for_this_write() {
+  const FaultInjection& f = fault_injection();
+  if (f.phase == FaultPhase::none) return FaultPhase::none;
+  return checkpoint_writes.fetch_add(1) + 1 == f.write_number ? f.phase : FaultPhase::none;
+}
+
+void die_if(FaultPhase armed, FaultPhase here) {
+  if (armed != FaultPhase::none && armed == here) ::raise(SIGKILL);
 }
 
 // A file written under a temporary name next to its target and renamed over it on commit().
@@ -94,10 +140,13 @@ class AtomicFile {
       }
       bytes += written;
       size -= static_cast<size_t>(written);
+      written_ += static_cast<size_t>(written);
     }
+    if (written_ >= 4096) die_if(fault_, FaultPhase::partial);
   }
 
   bool failed() const { return write_errno_ != 0; }
+  void arm(FaultPhase phase) { fault_ = phase; }
 
   // fsync, close, rename over the target, fsync the directory. Throws (and cleans up) on failure.
   void commit() {
@@ -106,12 +155,14 @@ class AtomicFile {
     const int fd = fd_;
     fd_ = -1;
     if (::close(fd) != 0) fail(ErrorKind::io, "closing the temporary file failed", errno);
+    die_if(fault_, FaultPhase::before_rename);
     if (::rename(temp_path_.c_str(), target_.c_str()) != 0) {
       const int error_number = errno;
       fail(ErrorKind::io, "renaming the temporary file over it failed", error_number,
            error_number == EISDIR ? " (a directory of that name exists)" : "");
     }
     temp_path_.clear();  // it is the target now: nothing to remove any more
+    die_if(fault_, FaultPhase::after_rename);
     sync_directory();
   }
 
@@ -147,6 +198,8 @@ class AtomicFile {
 
   std::string target_;
   std::string what_;
+  size_t written_ = 0;
+  FaultPhase fault_ = FaultPhase::none;
   std::string directory_;
   std::string temp_path_;
   int fd_ = -1;
@@ -367,6 +420,7 @@ void write_checkpoint_file(const c10::IValue& checkpoint, const std::string& pat
   }
 
   AtomicFile file(path, "checkpoint");
+  file.arm(fault_for_this_write());
   try {
     caffe2::serialize::PyTorchStreamWriter writer([&file](const void* data, size_t size) -> size_t {
       // Always "succeeds": a short count would make the writer's destructor throw (terminate).

@@ -73,6 +73,8 @@ class TrainerOptions {
   TrainerOptions& default_logger(bool v) { return set("logger", v); }
   TrainerOptions& barebones(bool v) { return set("barebones", v); }
   TrainerOptions& ckpt_path(std::string v) { return set("ckpt_path", std::move(v)); }
+  TrainerOptions& interrupt_checkpoint(std::string v) { return set("interrupt_checkpoint", std::move(v)); }
+  TrainerOptions& requeue_signal(std::string v) { return set("requeue_signal", std::move(v)); }
   TrainerOptions& log_level(std::string level);
 
   // The Config the Trainer is built from (plugin tables are checked when the Trainer is built).

@@ -132,7 +132,11 @@ std::string CheckpointConnector::resolve(const std::string& ckpt_path, Stage sta
     return ckpt_path;
   }
   // Asked of the callbacks that provide checkpoints (model_checkpoint, or any plugin that declares
-  // itself a provider); the first that knows one answers.
+  // itself a provider); the first that knows one answers. For "last", a checkpoint written on a
+  // signal (signal_connector.h) competes with it: the newer file wins, as in Lightning.
+  const std::string interrupted =
+      ckpt_path == "last" ? t.broadcast(existing_interrupt_checkpoint(t.config_, t.settings_.default_root_dir), 0)
+                          : std::string();
   std::vector<std::string> looked;
   for (auto& slot : t.hooks_.slots()) {
     CheckpointProvider* provider = slot.callback->checkpoint_provider();
@@ -145,8 +149,9 @@ std::string CheckpointConnector::resolve(const std::string& ckpt_path, Stage sta
       rethrow_attributed(slot.identity, ckpt_path == "best" ? "best_checkpoint_path" : "last_checkpoint_path",
                          t.fit_loop_.position());
     }
-    if (!path.empty()) return path;
+    if (!path.empty()) return ckpt_path == "last" ? t.broadcast(newer_checkpoint(path, interrupted), 0) : path;
   }
+  if (!interrupted.empty()) return interrupted;
   const std::string where =
       looked.empty() ? std::string("no callback provides checkpoints (add a checkpoint callback under [[callbacks]])")
                      : fmt::format("asked {}", fmt::join(looked, "; "));

@@ -24,8 +24,10 @@
 #include <fmt/ranges.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <mutex>
 #include <sstream>
+#include <string_view>
 
 namespace fulgur::detail {
 
@@ -352,15 +354,30 @@ class C10dCommunicator final : public Communicator {
   bool failed_ = false;
 };
 
+// torchrun's agent serves the store itself and keeps it across the restarts of --max-restarts:
+// every rank is a client, and each attempt's keys live under their own prefix, or a restarted
+// group would meet the previous attempt's addresses (torch.distributed's env:// does the same).
+bool torchelastic_agent_store() {
+  const char* v = std::getenv("TORCHELASTIC_USE_AGENT_STORE");
+  return v && std::string_view(v) == "True";
+}
+
+c10::intrusive_ptr<c10d::Store> attempt_store(c10::intrusive_ptr<c10d::Store> store) {
+  if (!torchelastic_agent_store()) return store;
+  const char* attempt = std::getenv("TORCHELASTIC_RESTART_COUNT");
+  return c10::make_intrusive<c10d::PrefixStore>(fmt::format("/worker/attempt_{}", attempt ? attempt : "0"),
+                                                std::move(store));
+}
+
 c10::intrusive_ptr<c10d::Store> rendezvous(const ClusterInfo& cluster, const CommunicatorOptions& options) {
   c10d::TCPStoreOptions store_options;  // fields assigned one by one: torch appends new ones
   store_options.port = static_cast<uint16_t>(cluster.master_port);
-  store_options.isServer = cluster.global_rank == 0;
+  store_options.isServer = cluster.global_rank == 0 && !torchelastic_agent_store();
   store_options.numWorkers = static_cast<size_t>(cluster.world_size);
   store_options.waitWorkers = true;
   store_options.timeout = options.timeout;
   try {
-    return c10::make_intrusive<c10d::TCPStore>(cluster.master_addr, store_options);
+    return attempt_store(c10::make_intrusive<c10d::TCPStore>(cluster.master_addr, store_options));
   } catch (const std::exception& e) {
     const auto* c10_error = dynamic_cast<const c10::Error*>(&e);
     const std::string cause = first_line(c10_error ? c10_error->what_without_backtrace() : e.what());

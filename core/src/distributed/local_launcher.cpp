@@ -97,6 +97,8 @@ class Launcher {
   }
 
   void note_failed() { run_failed_ = true; }
+  // A signal stopped the run on every rank: ranks exiting with `code` did what was asked.
+  void note_interrupted(int code) { interrupted_code_ = code; }
 
  private:
   static std::string env_or(const char* name, const char* fallback) {
@@ -196,7 +198,7 @@ class Launcher {
           if (r == c.pid) {
             c.done = true;
             c.status = status;
-            if (!(WIFEXITED(status) && WEXITSTATUS(status) == 0) && failure_.empty()) {
+            if (!expected_exit(status) && failure_.empty()) {
               failure_ = fmt::format("rank {} (pid {}) {}", c.rank, c.pid, describe_status(status));
               failed_cv_.notify_all();
             }
@@ -253,7 +255,7 @@ class Launcher {
             if (waitpid(c.pid, &status, WNOHANG) == c.pid) {
               c.done = true;
               c.status = status;
-              if (!(WIFEXITED(status) && WEXITSTATUS(status) == 0) && failure_.empty())
+              if (!expected_exit(status) && failure_.empty())
                 failure_ = fmt::format("rank {} (pid {}) {}", c.rank, c.pid, describe_status(status));
             }
           }
@@ -272,6 +274,12 @@ class Launcher {
     }
   }
 
+  bool expected_exit(int status) const {
+    if (!WIFEXITED(status)) return false;
+    const int code = WEXITSTATUS(status);
+    return code == 0 || (interrupted_code_ != 0 && code == interrupted_code_);
+  }
+
   static inline pid_t forward_pids[256];
   static inline size_t forward_count = 0;
 
@@ -285,6 +293,7 @@ class Launcher {
   std::chrono::steady_clock::time_point failed_at_;
   std::atomic<bool> exiting_{false};
   std::atomic<bool> run_failed_{false};
+  std::atomic<int> interrupted_code_{0};
 };
 
 }  // namespace
@@ -297,5 +306,6 @@ void note_local_run_failed() {
   Launcher::instance().note_failed();
 }
 bool local_run_failed() { return run_failed_in_this_process; }
+void note_local_run_interrupted(int exit_code) { Launcher::instance().note_interrupted(exit_code); }
 
 }  // namespace fulgur::detail

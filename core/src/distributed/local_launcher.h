@@ -16,6 +16,9 @@ void launch_local_processes(int64_t process_count);
 // Tells the launcher that this process's run failed, so that at exit it stops its children
 // instead of waiting for them (they could be waiting for rank 0 at a rendezvous).
 void note_local_run_failed();
+// Tells the launcher that a signal stopped the run on every rank, which all exit with `exit_code`
+// (128 + the signal): children that exit so are not failures.
+void note_local_run_interrupted(int exit_code);
 // Whether note_local_run_failed() was called in this process (launched or not).
 bool local_run_failed();
 

@@ -30,6 +30,7 @@ void set_cpu_rng_state(const at::Tensor& state) {
 void FitLoop::run() {
   Trainer::Impl& t = trainer_;
   start_time_ = std::chrono::steady_clock::now();
+  const SignalScope signals(t.config_, t.settings_.default_root_dir);  // SIGTERM & co.: safe points below
   setup_data();
   run_sanity_check();
 
@@ -44,6 +45,7 @@ void FitLoop::run() {
     const int64_t steps_before = position_.global_step;
     if (reload > 0 && position_.epoch - loaders_epoch_ >= reload) setup_data();
     epoch_loop_.run(*train_loader_);
+    if (interrupt_due(t)) interrupt_at_safe_point(t);
     // A loader that yields nothing would spin forever under max_steps alone.
     if (t.settings_.max_epochs < 0 && position_.global_step == steps_before && epoch_loop_.last_epoch_was_empty() &&
         epoch_loop_.num_batches() != 0)

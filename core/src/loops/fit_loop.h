@@ -28,6 +28,11 @@ class FitLoop {
   // met) a requested stop or max_time. With several ranks this is a collective: every rank asks.
   bool done();
 
+  // After a signal stopped fit (the process exits next): no loader thread may outlive exit.
+  void release_loaders() {
+    train_loader_.reset();
+    val_loaders_.clear();
+  }
   const RunPosition& position() const { return position_; }
   TrainingEpochLoop& epoch_loop() { return epoch_loop_; }
   const TrainingEpochLoop& epoch_loop() const { return epoch_loop_; }

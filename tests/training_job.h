@@ -1,0 +1,164 @@
+// Helpers for the tests that drive the shipped fashion_mnist program from TOML files in real
+// processes and look at the checkpoints it leaves (signal_test.cpp, kill_resume_test.cpp).
+#pragma once
+
+#include "test_support.h"
+
+#include <fulgur/checkpoint_io.h>
+
+#include <ATen/core/Dict.h>
+#include <ATen/core/ivalue.h>
+#include <ATen/ops/equal.h>
+#include <dirent.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <time.h>
+
+#include <algorithm>
+#include <chrono>
+#include <initializer_list>
+#include <map>
+#include <string>
+#include <vector>
+
+namespace fulgur::test::job {
+
+// The fixtures a test needs, copied into a private plugin directory.
+inline fs::path plugin_dir(const TempDir& dir, std::initializer_list<const char*> fixtures) {
+  const fs::path plugins = dir.subdir("plugins");
+  for (const char* name : fixtures) {
+    const std::string file = std::string("libfulgur-fixture-") + name + ".so";
+    copy_library(fixture(file), plugins / file);
+  }
+  return plugins;
+}
+
+// A small, quick configuration of the example: the MLP, `batches` training batches of 32 per
+// epoch, data loaded by two worker threads; `trainer_extra` goes into [trainer], `extra` after.
+inline std::string toml(const fs::path& root, const fs::path& plugins, int max_epochs, int batches,
+                        const std::string& trainer_extra, const std::string& extra) {
+  return "[trainer]\nmax_epochs = " + std::to_string(max_epochs) +
+         "\nseed = 7\nlimit_train_batches = " + std::to_string(batches) +
+         "\nlimit_val_batches = 3\nlimit_test_batches = 2\nlog_every_n_steps = 5\nenable_progress_bar = false\n"
+         "default_root_dir = \"" +
+         (root / "runs").string() + "\"\n" + trainer_extra + "[model]\narch = \"mlp\"\n[data]\nbatch_size = 32\n" +
+         "num_workers = 2\n[plugins]\npaths = [\"" + plugins.string() + "\"]\n" + extra;
+}
+
+inline std::string checkpointing(const fs::path& dir, int every_n_train_steps, int save_top_k = 0) {
+  return "[[callbacks]]\nname = \"model_checkpoint\"\ndirpath = \"" + dir.string() +
+         "\"\nevery_n_train_steps = " + std::to_string(every_n_train_steps) +
+         "\nsave_top_k = " + std::to_string(save_top_k) + "\nsave_last = true\n";
+}
+
+inline ProcessRun run_example(const fs::path& toml_file, const fs::path& dir,
+                              std::map<std::string, std::string> env = {}) {
+  env.emplace("FULGUR_LOG_LEVEL", "info");
+  return run_process({FULGUR_TEST_FASHION_MNIST, "--config", toml_file.string()}, env, dir);
+}
+
+inline c10::impl::GenericDict checkpoint_dict(const fs::path& path) {
+  c10::IValue value = read_checkpoint_file(path.string());
+  REQUIRE(value.isGenericDict());
+  return value.toGenericDict();
+}
+
+// True when both checkpoints hold the same model tensors, bit for bit.
+inline bool same_weights(const fs::path& a, const fs::path& b) {
+  const auto wa = checkpoint_dict(a).at("state_dict").toGenericDict();
+  const auto wb = checkpoint_dict(b).at("state_dict").toGenericDict();
+  if (wa.size() != wb.size()) return false;
+  for (const auto& entry : wa) {
+    auto other = wb.find(entry.key());
+    if (other == wb.end()) return false;
+    if (!at::equal(entry.value().toTensor(), other->value().toTensor())) return false;
+  }
+  return true;
+}
+
+inline std::vector<std::string> files_in(const fs::path& dir) {
+  std::vector<std::string> names;
+  if (DIR* d = ::opendir(dir.c_str())) {
+    while (const dirent* e = ::readdir(d))
+      if (std::string_view(e->d_name) != "." && std::string_view(e->d_name) != "..") names.emplace_back(e->d_name);
+    ::closedir(d);
+  }
+  std::sort(names.begin(), names.end());
+  return names;
+}
+
+// A program started in the background (stdout and stderr into `dir`/output.txt), for tests that
+// signal it from outside.
+class BackgroundProcess {
+ public:
+  BackgroundProcess(const std::vector<std::string>& args, const std::map<std::string, std::string>& env,
+                    const fs::path& dir)
+      : log_(dir / "output.txt") {
+    pid_ = ::fork();
+    REQUIRE(pid_ >= 0);
+    if (pid_ == 0) {
+      const int fd = ::open(log_.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+      ::dup2(fd, 1);
+      ::dup2(fd, 2);
+      if (::chdir(dir.c_str()) != 0) ::_exit(126);
+      for (const auto& [k, v] : env) v.empty() ? ::unsetenv(k.c_str()) : ::setenv(k.c_str(), v.c_str(), 1);
+      std::vector<char*> argv;
+      for (const auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));
+      argv.push_back(nullptr);
+      ::execv(argv[0], argv.data());
+      ::_exit(127);
+    }
+  }
+  ~BackgroundProcess() {
+    if (pid_ > 0 && !reaped_) {
+      ::kill(pid_, SIGKILL);
+      int status = 0;
+      ::waitpid(pid_, &status, 0);
+    }
+  }
+  BackgroundProcess(const BackgroundProcess&) = delete;
+  BackgroundProcess& operator=(const BackgroundProcess&) = delete;
+
+  pid_t pid() const { return pid_; }
+
+  // Waits (up to `limit`, a safety net, not a measurement) for `file` to exist; false if the
+  // process ended first or the limit passed.
+  bool wait_for_file(const fs::path& file, std::chrono::seconds limit = std::chrono::seconds(120)) {
+    const auto until = std::chrono::steady_clock::now() + limit;
+    while (std::chrono::steady_clock::now() < until) {
+      struct stat info {};
+      if (::stat(file.c_str(), &info) == 0) return true;
+      int status = 0;
+      if (::waitpid(pid_, &status, WNOHANG) == pid_) {
+        reaped_ = true;
+        status_ = status;
+        return false;
+      }
+      timespec pause{0, 10'000'000};
+      ::nanosleep(&pause, nullptr);
+    }
+    return false;
+  }
+
+  ProcessRun wait() {
+    if (!reaped_) {
+      REQUIRE(::waitpid(pid_, &status_, 0) == pid_);
+      reaped_ = true;
+    }
+    ProcessRun r;
+    r.exit_code = WIFEXITED(status_) ? WEXITSTATUS(status_) : -WTERMSIG(status_);
+    std::ifstream in(log_);
+    std::stringstream text;
+    text << in.rdbuf();
+    r.output = text.str();
+    return r;
+  }
+
+ private:
+  fs::path log_;
+  pid_t pid_ = -1;
+  bool reaped_ = false;
+  int status_ = 0;
+};
+
+}  // namespace fulgur::test::job
