@@ -255,7 +255,7 @@ TEST_CASE("model_checkpoint mode = max and save_top_k = -1 keep everything, best
   CHECK(number_at(state, "best_model_score") == doctest::Approx(0.9));
 }
 
-TEST_CASE("model_checkpoint without monitor keeps the latest; save_last rewrites last.ckpt") {
+TEST_CASE("model_checkpoint without monitor keeps the latest, and save_last rewrites last.ckpt") {
   TempDir dir;
   auto cb = make_callback("model_checkpoint", {{"dirpath", str(dir.path().c_str())}, {"save_last", boolean(true)}});
   FakeTrainer trainer;

@@ -159,7 +159,7 @@ TEST_CASE("contract v2: a third-party checkpoint callback serves ckpt_path = \"b
   CHECK(contains(second.output, "Restored training state from " + (dir / "keep" / best).string()));
 }
 
-TEST_CASE("contract v2: a plugin that throws is named with its file, hook, epoch and step; nothing saved is lost") {
+TEST_CASE("contract v2: a plugin that throws is named with its file, hook, epoch and step, and nothing saved is lost") {
   TempDir dir;
   const fs::path plugins = plugin_dir(dir, {"thrower", "status-logger"});
   std::ofstream(dir / "job.toml") << job_toml(
@@ -186,7 +186,7 @@ TEST_CASE("contract v2: a plugin that throws is named with its file, hook, epoch
   CHECK(files_in(dir / "ckpt") == std::vector<std::string>{"last.ckpt"});  // no partial temp file left
 }
 
-TEST_CASE("contract v2: core/ and registry/ name no built-in plugin; only the build's generated list does") {
+TEST_CASE("contract v2: core/ and registry/ name no built-in plugin, only the build's generated list does") {
   // The built-in and reserved names, as plugins/CMakeLists.txt declares them.
   const fs::path source(FULGUR_TEST_SOURCE_DIR);
   std::ifstream cmake(source / "plugins" / "CMakeLists.txt");
@@ -225,6 +225,27 @@ TEST_CASE("contract v2: core/ and registry/ name no built-in plugin; only the bu
   }
   INFO(fmt::format("{}", fmt::join(found, "\n")));
   CHECK(found.empty());
+}
+
+TEST_CASE("every test case name survives CTest: no ';' (CTest cuts the name there and then runs nothing)") {
+  // doctest_discover_tests makes each TEST_CASE a CTest test by its name; a ';' splits it into a
+  // list, the test filters match no case, and the "test" passes without running (three did).
+  std::vector<std::string> bad;
+  for (const auto& entry : fs::directory_iterator(fs::path(FULGUR_TEST_SOURCE_DIR) / "tests")) {
+    if (entry.path().extension() != ".cpp") continue;
+    std::ifstream in(entry.path());
+    int number = 0;
+    for (std::string line; std::getline(in, line);) {
+      ++number;
+      const size_t at = line.find("TEST_CASE(\"");
+      if (at == std::string::npos) continue;
+      const size_t end = line.find('"', at + 11);
+      if (line.substr(at + 11, end - at - 11).find(';') != std::string::npos)
+        bad.push_back(fmt::format("{}:{}", entry.path().filename().string(), number));
+    }
+  }
+  INFO(fmt::format("{}", fmt::join(bad, ", ")));
+  CHECK(bad.empty());
 }
 
 TEST_CASE("contract v2: fulgur config check rejects bad values of [trainer] keys and of plugin options") {

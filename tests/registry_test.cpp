@@ -149,7 +149,7 @@ TEST_CASE("a good plugin is listed from its note without loading, then created w
   CHECK(plugin_cast<Callback>(object)->hooks() == static_cast<HookSet>(Hook::fit_start));
 }
 
-TEST_CASE("a created object stays usable after its registry is gone; plugin libraries are never unloaded") {
+TEST_CASE("a created object stays usable after its registry is gone (plugin libraries are never unloaded)") {
   TempDir dir;
   const fs::path file = test::copy_library(fixture(kGood), dir / kGood);
   PluginObject object;
