@@ -232,6 +232,21 @@ TEST_CASE("checkpoint_io: a failed write keeps the previous file and leaves no t
   CHECK(at_key(read_checkpoint_file(path.string()), "global_step").toInt() == 120);
 }
 
+TEST_CASE("checkpoint_io: a successful write removes temporaries that killed writers left, and only those") {
+  TempDir dir;
+  const fs::path path = dir / "last.ckpt";
+  // A writer killed inside its write (pid far above any pid_max: that process does not exist), a
+  // live writer (this process), and another target's temporary from the same dead writer.
+  const std::string dead = ".last.ckpt.tmp-999999999-0-abc", alive = fmt::format(".last.ckpt.tmp-{}-7-def", ::getpid()),
+                    other = ".best.ckpt.tmp-999999999-1-abc";
+  for (const std::string& name : {dead, alive, other}) write_text(dir / name, "partial");
+  write_checkpoint_file(sample_checkpoint(), path.string());
+  CHECK_FALSE(fs::exists(dir / dead));
+  CHECK(fs::exists(dir / alive));
+  CHECK(fs::exists(dir / other));
+  CHECK(at_key(read_checkpoint_file(path.string()), "global_step").toInt() == 120);
+}
+
 TEST_CASE("checkpoint_io: writing into a missing directory names it and creates nothing") {
   TempDir dir;
   const fs::path path = dir / "gone" / "last.ckpt";

@@ -164,6 +164,7 @@ class AtomicFile {
     temp_path_.clear();  // it is the target now: nothing to remove any more
     die_if(fault_, FaultPhase::after_rename);
     sync_directory();
+    remove_abandoned_temporaries();
   }
 
   [[noreturn]] void fail(ErrorKind kind, std::string_view step, int error_number, std::string_view hint = "") {
@@ -184,6 +185,23 @@ class AtomicFile {
 
   // Makes the rename itself durable. Filesystems that cannot sync a directory (EINVAL) are fine;
   // a real I/O error is reported even though the new file is already in place.
+  // Temporaries of this target left by writers that no longer exist (a process killed inside a
+  // write: SIGKILL runs no destructor). The writer's pid is in the name; a file whose process is
+  // alive (another writer, or a reused pid) is left alone. Best effort: failures are ignored.
+  void remove_abandoned_temporaries() const {
+    const std::string prefix = "." + std::filesystem::path(target_).filename().string() + ".tmp-";
+    std::error_code ec;
+    for (const auto& entry : std::filesystem::directory_iterator(directory_, ec)) {
+      const std::string name = entry.path().filename().string();
+      if (name.rfind(prefix, 0) != 0) continue;
+      long pid = 0;
+      if (std::sscanf(name.c_str() + prefix.size(), "%ld-", &pid) != 1 || pid <= 0) continue;
+      if (::kill(static_cast<pid_t>(pid), 0) == 0 || errno != ESRCH) continue;
+      std::error_code ignored;
+      std::filesystem::remove(entry.path(), ignored);
+    }
+  }
+
   void sync_directory() {
     const int dir_fd = ::open(directory_.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
     if (dir_fd < 0) return;  // e.g. a directory we may write but not read: nothing more to do
