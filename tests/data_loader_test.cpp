@@ -17,6 +17,7 @@
 #include <set>
 #include <thread>
 
+#include "loader_checks.h"
 #include "test_support.h"
 
 namespace {
@@ -54,20 +55,8 @@ d::TransformPtr augment() {
                      d::normalize({0.5, 0.4, 0.3}, {0.2, 0.25, 0.3})});
 }
 
-std::vector<fulgur::Batch> epoch(fulgur::BatchLoader& loader, int64_t e, int64_t skip = 0) {
-  loader.start_epoch(e, skip);
-  std::vector<fulgur::Batch> out;
-  while (auto b = loader.next()) out.push_back(std::move(*b));
-  return out;
-}
-
-void require_same(const std::vector<fulgur::Batch>& a, const std::vector<fulgur::Batch>& b) {
-  REQUIRE(a.size() == b.size());
-  for (size_t i = 0; i < a.size(); ++i) {
-    CHECK(a[i].input.equal(b[i].input));
-    CHECK(a[i].target.equal(b[i].target));
-  }
-}
+using fulgur::test::epoch;
+using fulgur::test::require_same;
 
 std::vector<int64_t> flat(const std::vector<fulgur::Batch>& batches) {
   std::vector<int64_t> out;

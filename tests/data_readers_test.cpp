@@ -21,6 +21,7 @@
 #include <sstream>
 
 #include "image_files.h"
+#include "loader_checks.h"
 #include "test_support.h"
 
 namespace {
@@ -33,20 +34,8 @@ using fulgur::test::read_bytes;
 using fulgur::test::TempDir;
 using fulgur::test::write_bytes;
 
-std::vector<fulgur::Batch> epoch(fulgur::BatchLoader& loader, int64_t e, int64_t skip = 0) {
-  loader.start_epoch(e, skip);
-  std::vector<fulgur::Batch> out;
-  while (auto b = loader.next()) out.push_back(std::move(*b));
-  return out;
-}
-
-void require_same(const std::vector<fulgur::Batch>& a, const std::vector<fulgur::Batch>& b) {
-  REQUIRE(a.size() == b.size());
-  for (size_t i = 0; i < a.size(); ++i) {
-    CHECK(a[i].input.equal(b[i].input));
-    CHECK(a[i].target.equal(b[i].target));
-  }
-}
+using fulgur::test::epoch;
+using fulgur::test::require_same;
 
 std::string encoded(const fs::path& dir, const std::string& name, const at::Tensor& hwc, bool png) {
   const fs::path f = dir / name;

@@ -129,11 +129,10 @@ struct ProcessRun {
   std::string output;
 };
 
-// Runs `args` (argv[0] a path) in `dir` with the variables in `env` set (an empty value unsets
-// one) and waits for it; the output goes through a file in `dir`, so a killed child loses none.
-inline ProcessRun run_process(const std::vector<std::string>& args, const std::map<std::string, std::string>& env,
-                              const fs::path& dir) {
-  const fs::path log = dir / "output.txt";
+// Starts `args` (argv[0] a path) in `dir` with the variables in `env` set (an empty value unsets
+// one), its stdout and stderr into `log`; returns the child's pid without waiting.
+inline pid_t spawn_process(const std::vector<std::string>& args, const std::map<std::string, std::string>& env,
+                           const fs::path& dir, const fs::path& log) {
   const pid_t pid = ::fork();
   REQUIRE(pid >= 0);
   if (pid == 0) {
@@ -148,6 +147,15 @@ inline ProcessRun run_process(const std::vector<std::string>& args, const std::m
     ::execv(argv[0], argv.data());
     ::_exit(127);
   }
+  return pid;
+}
+
+// Runs `args` like spawn_process and waits for it; the output goes through a file in `dir`, so a
+// killed child loses none.
+inline ProcessRun run_process(const std::vector<std::string>& args, const std::map<std::string, std::string>& env,
+                              const fs::path& dir) {
+  const fs::path log = dir / "output.txt";
+  const pid_t pid = spawn_process(args, env, dir, log);
   int status = 0;
   rusage ru{};
   REQUIRE(::wait4(pid, &status, 0, &ru) == pid);

@@ -93,22 +93,7 @@ class BackgroundProcess {
  public:
   BackgroundProcess(const std::vector<std::string>& args, const std::map<std::string, std::string>& env,
                     const fs::path& dir)
-      : log_(dir / "output.txt") {
-    pid_ = ::fork();
-    REQUIRE(pid_ >= 0);
-    if (pid_ == 0) {
-      const int fd = ::open(log_.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-      ::dup2(fd, 1);
-      ::dup2(fd, 2);
-      if (::chdir(dir.c_str()) != 0) ::_exit(126);
-      for (const auto& [k, v] : env) v.empty() ? ::unsetenv(k.c_str()) : ::setenv(k.c_str(), v.c_str(), 1);
-      std::vector<char*> argv;
-      for (const auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));
-      argv.push_back(nullptr);
-      ::execv(argv[0], argv.data());
-      ::_exit(127);
-    }
-  }
+      : log_(dir / "output.txt"), pid_(fulgur::test::spawn_process(args, env, dir, log_)) {}
   ~BackgroundProcess() {
     if (pid_ > 0 && !reaped_) {
       ::kill(pid_, SIGKILL);
