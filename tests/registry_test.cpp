@@ -408,7 +408,7 @@ TEST_CASE("a note from another plugin ABI is refused at the metadata phase") {
     Error e = error_from([&] { create_good(registry); });
     CHECK(e.kind() == ErrorKind::plugin_rejected);
     FULGUR_CHECK_CONTAINS(e.what(), file.string());
-    FULGUR_CHECK_CONTAINS(e.what(), "built for plugin ABI 2.x, this host implements ABI 1.0");
+    FULGUR_CHECK_CONTAINS(e.what(), "built for plugin ABI 2.x, this host implements ABI 1.1");
   }
   SUBCASE("newer ABI minor") {
     const fs::path file = patched_good(dir / kGood, [](std::string& bytes) {

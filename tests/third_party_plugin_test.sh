@@ -103,4 +103,19 @@ sed 's/^limit = 10$/limit = -1/' "$toml" >"$work/refused.toml"
 expect_error "the plugin's own refusal comes back as text" \
   "callback 'divergence_guard' from $plugin failed to initialise: divergence_guard: limit must be positive" \
   "$fulgur" plugins load divergence_guard --config "$work/refused.toml"
+
+# The out-of-tree model and datamodule plugins train through the installed `fulgur fit`.
+line_toml=$work/line_model.toml
+cp "$example/line_model.toml" "$line_toml"
+expect_output "plugins list shows the out-of-tree model plugin" "model        line_model" \
+  "$fulgur" plugins list --config "$line_toml"
+expect_output "fulgur fit trains the out-of-tree model plugin" "config: $work/line_runs/" \
+  "$fulgur" fit --config "$line_toml"
+ckpt=$(find "$work/line_runs" -name last.ckpt | head -n 1)
+[ -n "$ckpt" ] || fail "fulgur fit left no last.ckpt under $work/line_runs"
+out=$("$fulgur" validate --config "$line_toml" --ckpt_path="$ckpt" 2>&1) || fail "fulgur validate failed:"$'\n'"$out"
+loss=$(awk '$1 == "val/loss" { print $2 }' <<<"$out")
+[ -n "$loss" ] || fail "fulgur validate printed no val/loss:"$'\n'"$out"
+awk -v l="$loss" 'BEGIN { exit !(l < 0.01) }' || fail "the line was not learned: val/loss $loss"
+echo "ok: fulgur fit + validate of an out-of-tree model plugin (val/loss $loss)"
 echo "PASS"

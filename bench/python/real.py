@@ -57,7 +57,7 @@ def fulgur_toml(args, arch, root):
         text = f.read()
     text = re.sub(r"(?m)^max_epochs = .*$", f"max_epochs = {args.epochs}", text)
     text = re.sub(r'(?m)^default_root_dir = .*$', f'default_root_dir = "{root}"', text)
-    text = re.sub(r'(?m)^arch = .*$', f'arch = "{arch}"', text)
+    text = re.sub(r'(?m)^name = "fashion_mnist_(cnn|mlp)".*$', f'name = "fashion_mnist_{arch}"', text)
     if args.limit_batches:
         text = text.replace("[trainer]\n", f"[trainer]\nlimit_train_batches = {args.limit_batches}\n"
                             f"limit_val_batches = {args.limit_batches}\nlimit_test_batches = {args.limit_batches}\n", 1)

@@ -9,10 +9,14 @@
 //   fulgur config check FILE       (parses the TOML and checks every plugin table)
 //   fulgur weights convert IN OUT  (between .pt / .ckpt and .safetensors)
 //   fulgur weights inspect FILE    (names, dtypes, shapes)
+//   fulgur fit | validate | test | predict --config FILE ...   (fulgur/cli.h: runs training with the
+//                                  model and datamodule plugins that [model] / [data] name)
+#include <fulgur/cli.h>
 #include <fulgur/config.h>
 #include <fulgur/error.h>
 #include <fulgur/host.h>
 #include <fulgur/registry/registry.h>
+#include <fulgur/suggest.h>
 
 #include "plugin_check.h"
 #include "weights_command.h"
@@ -33,6 +37,8 @@ using namespace fulgur;
 
 constexpr const char* kUsage =
     "usage:\n"
+    "  fulgur fit|validate|test|predict --config FILE [--config FILE ...] [--SECTION.KEY=VALUE ...]\n"
+    "                                   [--ckpt_path=PATH|last|best] [--print-config] [--help]\n"
     "  fulgur plugins list [--config FILE] [--all]\n"
     "  fulgur plugins describe NAME [--kind KIND] [--config FILE]\n"
     "  fulgur plugins load NAME [--kind KIND] [--config FILE]\n"
@@ -127,7 +133,8 @@ std::optional<PluginKind> kind_arg(const Args& args) {
   std::optional<PluginKind> kind = parse_plugin_kind(*args.kind);
   if (!kind)
     throw Error(ErrorKind::invalid_argument,
-                fmt::format("unknown kind '{}'; use accelerator, strategy, precision, logger, profiler or callback",
+                fmt::format("unknown kind '{}'; use accelerator, strategy, precision, logger, profiler, callback, "
+                            "model or datamodule",
                             *args.kind));
   return kind;
 }
@@ -237,6 +244,11 @@ int check_config(const Args& args) {
 
 int main(int argc, char** argv) {
   if (argc >= 2 && std::strcmp(argv[1], cli::kCheckChildCommand) == 0) return cli::check_child_main(argc, argv);
+  if (argc >= 2 && is_run_subcommand(argv[1])) {
+    if (const char* level = std::getenv("FULGUR_LOG_LEVEL")) spdlog::set_level(spdlog::level::from_str(level));
+    CliApp app;  // no factories: [model] / [data] name plugins
+    return run_cli(argc, argv, app);
+  }
   if (const char* level = std::getenv("FULGUR_LOG_LEVEL")) spdlog::set_level(spdlog::level::from_str(level));
   try {
     Args args = parse_args(argc, argv);
@@ -247,6 +259,12 @@ int main(int argc, char** argv) {
     if (p.size() >= 2 && p[0] == "plugins" && p[1] == "check") return check_plugins(args);
     if (p.size() >= 2 && p[0] == "config" && p[1] == "check") return check_config(args);
     if (!p.empty() && p[0] == "weights") return cli::weights_main(p);
+    if (!p.empty()) {
+      const std::vector<std::string> commands = {"fit", "validate", "test", "predict", "plugins", "config", "weights"};
+      std::string message = fmt::format("unknown command '{}'", p[0]);
+      if (std::string s = closest_match(p[0], commands); !s.empty()) message += fmt::format("; did you mean '{}'?", s);
+      std::cerr << "fulgur: error: " << message << "\n";
+    }
     std::cerr << kUsage;
     return 2;
   } catch (const Error& e) {

@@ -13,6 +13,8 @@
 
 #include <algorithm>
 
+#include <cctype>
+#include <cmath>
 #include <cstdlib>
 #include <fstream>
 #include <sstream>
@@ -22,7 +24,8 @@ namespace fulgur {
 namespace fs = std::filesystem;
 
 std::string SourceLocation::str() const {
-  if (line <= 0) return file;
+  // A value from a command-line flag is located by the flag itself ("--trainer.max_epochs=x").
+  if (line <= 0 || file.starts_with("--")) return file;
   return fmt::format("{}:{}:{}", file, line, column);
 }
 
@@ -31,6 +34,8 @@ std::vector<PluginSelection*> Config::selections() {
   if (profiler) out.push_back(&*profiler);
   for (auto& l : loggers) out.push_back(&l);
   for (auto& c : callbacks) out.push_back(&c);
+  if (!model_plugin.name.empty()) out.push_back(&model_plugin);
+  if (!data_plugin.name.empty()) out.push_back(&data_plugin);
   return out;
 }
 
@@ -299,16 +304,18 @@ std::string string_or_fail(const toml::node& node, std::string_view what, const 
 
 }  // namespace
 
-Config parse_config(std::string_view toml_text, const fs::path& origin) {
-  const std::string file = origin.string();
-  auto root = std::make_shared<toml::table>();
-  try {
-    *root = toml::parse(toml_text, file);
-  } catch (const toml::parse_error& e) {
-    SourceLocation where{file, e.source().begin.line, e.source().begin.column};
-    fail(where, fmt::format("invalid TOML: {}", e.description()));
-  }
+namespace {
 
+// Relative paths in a config are relative to the file that gave them (a flag's: the working
+// directory), so a layered config can mix files from different directories.
+fs::path base_of(const SourceLocation& where) {
+  if (where.file.empty() || where.file.starts_with("--")) return fs::current_path();
+  const fs::path file(where.file);
+  return file.has_parent_path() ? file.parent_path() : fs::current_path();
+}
+
+Config config_from_root(std::shared_ptr<toml::table> root, const fs::path& origin) {
+  const std::string file = origin.string();
   Config config;
   config.file = origin;
   const fs::path base = origin.has_parent_path() ? origin.parent_path() : fs::current_path();
@@ -334,7 +341,7 @@ Config parse_config(std::string_view toml_text, const fs::path& origin) {
         if (!paths) fail(location_of(value, file), "[plugins] paths must be an array of directory strings");
         for (const auto& p : *paths) {
           fs::path dir = string_or_fail(p, "[plugins] paths entries", file);
-          config.plugin_paths.push_back(dir.is_absolute() ? dir : base / dir);
+          config.plugin_paths.push_back(dir.is_absolute() ? dir : base_of(location_of(p, file)) / dir);
         }
       } else if (key.str() == "allow_writable") {
         auto v = value.value_exact<bool>();
@@ -357,7 +364,10 @@ Config parse_config(std::string_view toml_text, const fs::path& origin) {
     }
     config.trainer = typed_options(raw, trainer_option_schema(), "[trainer]", where);
     fs::path root_dir = config.trainer.get_string("default_root_dir");
-    if (!root_dir.is_absolute()) config.trainer.set("default_root_dir", (base / root_dir).lexically_normal().string());
+    const auto given = config.trainer_locations.find("default_root_dir");
+    const fs::path root_base = given == config.trainer_locations.end() ? base : base_of(given->second);
+    if (!root_dir.is_absolute())
+      config.trainer.set("default_root_dir", (root_base / root_dir).lexically_normal().string());
   }
 
   // The three single selections: name in [trainer], options in their own table (which may also
@@ -414,10 +424,24 @@ Config parse_config(std::string_view toml_text, const fs::path& origin) {
   array_of_tables("loggers", PluginKind::logger, config.loggers);
   array_of_tables("callbacks", PluginKind::callback, config.callbacks);
 
-  if (const toml::node* node = root->get("model"))
-    config.model = free_options(*table_or_fail(*node, "model", file), "[model]", file);
-  if (const toml::node* node = root->get("data"))
-    config.data = free_options(*table_or_fail(*node, "data", file), "[data]", file);
+  // [model] / [data]: with a name, a plugin and its hyperparameters (checked against its schema by
+  // validate_plugins); without, free-form values for a program's own classes.
+  auto user_table = [&](const char* name, PluginKind kind, PluginSelection& sel, Options& free) {
+    sel.kind = kind;
+    const toml::node* node = root->get(name);
+    if (!node) return;
+    const toml::table* t = table_or_fail(*node, name, file);
+    sel.where = location_of(*node, file);
+    sel.raw = raw_options(root, *t, file, {"name"});
+    if (const toml::node* n = t->get("name")) {
+      sel.name = string_or_fail(*n, fmt::format("[{}] name", name), file);
+      sel.where = location_of(*n, file);
+    } else {
+      free = free_options(*t, fmt::format("[{}]", name), file);
+    }
+  };
+  user_table("model", PluginKind::model, config.model_plugin, config.model);
+  user_table("data", PluginKind::datamodule, config.data_plugin, config.data);
   if (const toml::node* node = root->get("logging")) {
     const toml::table* t = table_or_fail(*node, "logging", file);
     for (const auto& [key, value] : *t) {
@@ -429,14 +453,148 @@ Config parse_config(std::string_view toml_text, const fs::path& origin) {
   return config;
 }
 
-Config load_config(const fs::path& file) {
+toml::table parse_toml(std::string_view toml_text, const std::string& file) {
+  try {
+    return toml::parse(toml_text, std::string(file));
+  } catch (const toml::parse_error& e) {
+    SourceLocation where{file, e.source().begin.line, e.source().begin.column};
+    fail(where, fmt::format("invalid TOML: {}", e.description()));
+  }
+}
+
+std::string read_config_file(const fs::path& file) {
   std::ifstream in(file, std::ios::binary);
   if (!in)
     throw Error(ErrorKind::config, fmt::format("{}: cannot open the config file ({}); check the path", file.string(),
                                                std::strerror(errno)));
   std::stringstream buffer;
   buffer << in.rdbuf();
-  return parse_config(buffer.str(), file);
+  return buffer.str();
+}
+
+// Later files win key by key; tables merge, every other value (arrays of tables included) is
+// replaced whole. Nodes are moved, not copied: a move keeps the source region, so errors still
+// point into the file that gave the value.
+void merge_into(toml::table& into, toml::table&& from) {
+  for (auto&& [key, node] : from) {
+    if (toml::table* incoming = node.as_table()) {
+      if (toml::node* existing = into.get(key.str()); existing && existing->is_table()) {
+        merge_into(*existing->as_table(), std::move(*incoming));
+        continue;
+      }
+    }
+    into.insert_or_assign(key, std::move(node));
+  }
+}
+
+const std::vector<std::string> kListTables = {"callbacks", "loggers"};
+
+// One `section.key=value` override. The value is TOML when it parses as TOML (3, 3e-4, true,
+// [1, 2], "x"), else a string (cpu, val/acc, 0,1): what a shell user types without quotes.
+void apply_override(toml::table& root, const std::string& text) {
+  const std::string flag = "--" + text;
+  const size_t eq = text.find('=');
+  if (eq == std::string::npos || eq == 0)
+    throw Error(ErrorKind::config, fmt::format("{}: an override needs the form --section.key=value", flag));
+  const std::string path = text.substr(0, eq);
+  const std::string value_text = text.substr(eq + 1);
+  std::vector<std::string> parts;
+  for (size_t start = 0;;) {
+    const size_t dot = path.find('.', start);
+    parts.push_back(path.substr(start, dot == std::string::npos ? std::string::npos : dot - start));
+    if (dot == std::string::npos) break;
+    start = dot + 1;
+  }
+  for (const auto& p : parts)
+    if (p.empty()) throw Error(ErrorKind::config, fmt::format("{}: empty name in '{}'", flag, path));
+  std::vector<std::string> tables(std::begin(kKnownTables), std::end(kKnownTables));
+  if (std::find(tables.begin(), tables.end(), parts[0]) == tables.end()) {
+    for (const OptionSchema& o : trainer_option_schema())
+      if (o.key == parts[0])
+        throw Error(ErrorKind::config, fmt::format("unknown flag {}; did you mean --trainer.{}?", flag, text));
+    std::string message = fmt::format("unknown flag {}: no section '{}'", flag, parts[0]);
+    if (auto s = closest_match(parts[0], tables); !s.empty()) message += fmt::format("; did you mean '--{}.'?", s);
+    throw Error(ErrorKind::config, message + fmt::format(" Sections: {}.", fmt::join(tables, ", ")));
+  }
+  // --model=NAME / --data=NAME / --profiler=NAME select the plugin of that table.
+  if (parts.size() == 1) {
+    if (parts[0] != "model" && parts[0] != "data" && parts[0] != "profiler")
+      throw Error(ErrorKind::config, fmt::format("{}: give a key, --{}.KEY=VALUE", flag, parts[0]));
+    parts.push_back("name");
+  }
+
+  toml::table parsed;
+  try {
+    parsed = toml::parse("v = " + value_text, std::string(flag));
+  } catch (const toml::parse_error&) {
+    std::string quoted = "\"";
+    for (char c : value_text) {
+      if (c == '"' || c == '\\') quoted += '\\';
+      if (static_cast<unsigned char>(c) < 0x20)
+        quoted += fmt::format("\\u{:04x}", static_cast<int>(c));
+      else
+        quoted += c;
+    }
+    parsed = toml::parse("v = " + quoted + "\"", std::string(flag));
+  }
+  toml::node& value = *parsed.get("v");
+
+  toml::table* table = &root;
+  if (std::find(kListTables.begin(), kListTables.end(), parts[0]) != kListTables.end()) {
+    // --callbacks.early_stopping.patience=5: the entry selecting that plugin.
+    if (parts.size() != 3)
+      throw Error(ErrorKind::config, fmt::format("{}: address a [[{}]] entry by its plugin name: --{}.NAME.KEY=VALUE",
+                                                 flag, parts[0], parts[0]));
+    std::vector<toml::table*> matches;
+    std::vector<std::string> names;
+    if (toml::array* entries = root[parts[0]].as_array())
+      for (toml::node& entry : *entries)
+        if (toml::table* t = entry.as_table()) {
+          const auto name = (*t)["name"].value<std::string>();
+          if (name) names.push_back(*name);
+          if (name == parts[1]) matches.push_back(t);
+        }
+    if (matches.size() != 1) {
+      std::string message = matches.empty() ? fmt::format("{}: no [[{}]] entry selects '{}'", flag, parts[0], parts[1])
+                                            : fmt::format("{}: {} [[{}]] entries select '{}'; edit the file", flag,
+                                                          matches.size(), parts[0], parts[1]);
+      if (auto s = closest_match(parts[1], names); !s.empty() && matches.empty())
+        message += fmt::format("; did you mean '{}'?", s);
+      if (matches.empty())
+        message += names.empty() ? fmt::format(" The config has no [[{}]].", parts[0])
+                                 : fmt::format(" Configured: {}.", fmt::join(names, ", "));
+      throw Error(ErrorKind::config, message);
+    }
+    matches[0]->insert_or_assign(parts[2], std::move(value));
+    return;
+  }
+  for (size_t i = 0; i + 1 < parts.size(); ++i) {
+    toml::node* next = table->get(parts[i]);
+    if (!next) next = &table->insert_or_assign(parts[i], toml::table{}).first->second;
+    if (!next->is_table())
+      throw Error(ErrorKind::config,
+                  fmt::format("{}: '{}' is a {}, not a table", flag, parts[i], toml_type_name(*next)));
+    table = next->as_table();
+  }
+  table->insert_or_assign(parts.back(), std::move(value));
+}
+
+}  // namespace
+
+Config parse_config(std::string_view toml_text, const fs::path& origin) {
+  auto root = std::make_shared<toml::table>(parse_toml(toml_text, origin.string()));
+  return config_from_root(std::move(root), origin);
+}
+
+Config load_config(const fs::path& file) { return parse_config(read_config_file(file), file); }
+
+Config load_config(const std::vector<fs::path>& files, const std::vector<std::string>& overrides) {
+  auto root = std::make_shared<toml::table>();
+  for (const fs::path& file : files) merge_into(*root, parse_toml(read_config_file(file), file.string()));
+  for (const std::string& text : overrides) apply_override(*root, text);
+  Config config = config_from_root(std::move(root), files.empty() ? fs::path() : files.front());
+  config.files = files;
+  return config;
 }
 
 namespace {
@@ -491,6 +649,140 @@ void validate_plugins(Config& config, const PluginRegistry& registry) {
     else
       sel->options = typed_options(sel->raw, candidate->metadata.options, owner, table_where);
   }
+  // The schema is the single source of truth for hyperparameters: the Module, the loggers and the
+  // checkpoint all see the typed, defaulted values.
+  if (!config.model_plugin.name.empty()) config.model = config.model_plugin.options;
+  if (!config.data_plugin.name.empty()) config.data = config.data_plugin.options;
+}
+
+void apply_hparams_schema(Config& config, PluginKind kind, const std::vector<OptionSchema>& schema,
+                          const std::string& owner) {
+  if (kind != PluginKind::model && kind != PluginKind::datamodule)
+    throw Error(ErrorKind::invalid_argument, "apply_hparams_schema: kind must be model or datamodule");
+  PluginSelection& sel = kind == PluginKind::model ? config.model_plugin : config.data_plugin;
+  const char* table = kind == PluginKind::model ? "[model]" : "[data]";
+  if (!sel.name.empty())
+    throw Error(ErrorKind::config,
+                fmt::format("{}: {} name = \"{}\" selects a plugin, but this program builds its own {}; "
+                            "remove the name",
+                            sel.where.str(), table, sel.name, to_string(kind)));
+  Options typed =
+      typed_options(sel.raw, schema, owner.empty() ? std::string(table) : fmt::format("{} ({})", table, owner),
+                    sel.where.file.empty() ? SourceLocation{config.file.string(), 0, 0} : sel.where);
+  sel.options = typed;
+  (kind == PluginKind::model ? config.model : config.data) = std::move(typed);
+}
+
+namespace {
+
+// TOML text of a value that reads back as the same OptionValue: a float always has a '.' or an
+// exponent (1.0, not 1, which would read back as an integer, and limit_*_batches = 1 is a count).
+std::string toml_text(const OptionValue& value);
+
+std::string toml_string(const std::string& s) {
+  std::string out = "\"";
+  for (char c : s) {
+    if (c == '"' || c == '\\') out += '\\';
+    if (static_cast<unsigned char>(c) < 0x20)
+      out += fmt::format("\\u{:04x}", static_cast<int>(c));
+    else
+      out += c;
+  }
+  return out + "\"";
+}
+
+std::string toml_float(double d) {
+  if (std::isnan(d)) return "nan";
+  if (std::isinf(d)) return d > 0 ? "inf" : "-inf";
+  std::string text = fmt::format("{}", d);  // shortest text that reads back as the same double
+  if (text.find_first_of(".e") == std::string::npos) text += ".0";
+  return text;
+}
+
+std::string toml_text(const OptionValue& value) {
+  struct Visitor {
+    std::string operator()(bool b) const { return b ? "true" : "false"; }
+    std::string operator()(int64_t i) const { return std::to_string(i); }
+    std::string operator()(double d) const { return toml_float(d); }
+    std::string operator()(const std::string& s) const { return toml_string(s); }
+    std::string operator()(const std::vector<std::string>& l) const {
+      std::vector<std::string> items;
+      for (const auto& s : l) items.push_back(toml_string(s));
+      return fmt::format("[{}]", fmt::join(items, ", "));
+    }
+    std::string operator()(const std::vector<double>& l) const {
+      std::vector<std::string> items;
+      for (double d : l) items.push_back(toml_float(d));
+      return fmt::format("[{}]", fmt::join(items, ", "));
+    }
+  };
+  return std::visit(Visitor{}, value);
+}
+
+std::string bare_or_quoted_key(const std::string& key) {
+  const bool bare = !key.empty() && std::all_of(key.begin(), key.end(), [](char c) {
+    return std::isalnum(static_cast<unsigned char>(c)) || c == '_' || c == '-';
+  });
+  return bare ? key : toml_string(key);
+}
+
+// `name` selects the plugin in its table, so a plugin option of that name (the csv logger's) cannot
+// be given in TOML and is left out; the plugin gets its default again.
+void write_options(std::string& out, const Options& options, bool in_plugin_table = true) {
+  for (const auto& [key, value] : options.values())
+    if (!in_plugin_table || key != "name") out += fmt::format("{} = {}\n", bare_or_quoted_key(key), toml_text(value));
+}
+
+}  // namespace
+
+std::string to_toml(const Config& config) {
+  std::string out;
+  if (!config.plugin_paths.empty() || config.allow_writable_plugins) {
+    out += "[plugins]\n";
+    std::vector<std::string> paths;
+    for (const auto& p : config.plugin_paths) paths.push_back(toml_string(fs::absolute(p).lexically_normal().string()));
+    out += fmt::format("paths = [{}]\nallow_writable = {}\n\n", fmt::join(paths, ", "),
+                       config.allow_writable_plugins ? "true" : "false");
+  }
+  // [trainer] with the plugins actually selected (accelerator = "auto" resolved by
+  // validate_plugins) and every other key at its value or default.
+  Options trainer = config.trainer;
+  trainer.set("accelerator", config.accelerator.name);
+  trainer.set("strategy", config.strategy.name);
+  trainer.set("precision", config.precision.name);
+  trainer.set("default_root_dir", fs::absolute(trainer.get_string("default_root_dir")).lexically_normal().string());
+  out += "[trainer]\n";
+  write_options(out, trainer, /*in_plugin_table=*/false);
+  auto single = [&](const char* table, const PluginSelection& sel) {
+    if (sel.options.values().empty()) return;
+    out += fmt::format("\n[{}]\n", table);
+    write_options(out, sel.options);
+  };
+  single("accelerator", config.accelerator);
+  single("strategy", config.strategy);
+  single("precision", config.precision);
+  if (config.profiler) {
+    out += fmt::format("\n[profiler]\nname = {}\n", toml_string(config.profiler->name));
+    write_options(out, config.profiler->options);
+  }
+  auto user = [&](const char* table, const PluginSelection& sel, const Options& values) {
+    if (sel.name.empty() && values.values().empty()) return;
+    out += fmt::format("\n[{}]\n", table);
+    if (!sel.name.empty()) out += fmt::format("name = {}\n", toml_string(sel.name));
+    write_options(out, values);
+  };
+  user("model", config.model_plugin, config.model);
+  user("data", config.data_plugin, config.data);
+  auto list = [&](const char* table, const std::vector<PluginSelection>& entries) {
+    for (const PluginSelection& sel : entries) {
+      out += fmt::format("\n[[{}]]\nname = {}\n", table, toml_string(sel.name));
+      write_options(out, sel.options);
+    }
+  };
+  list("loggers", config.loggers);
+  list("callbacks", config.callbacks);
+  if (!config.log_level.empty()) out += fmt::format("\n[logging]\nlevel = {}\n", toml_string(config.log_level));
+  return out;
 }
 
 }  // namespace fulgur

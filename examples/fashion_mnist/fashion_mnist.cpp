@@ -1,4 +1,5 @@
 #include "fashion_mnist.h"
+#include "fashion_mnist_nets.h"
 
 #include <fulgur/error.h>
 #include <fulgur/registry/registry.h>
@@ -177,52 +178,6 @@ std::unique_ptr<BatchLoader> FashionMnistDataModule::predict_loader() {
 // ---------------------------------------------------------------------------------------------
 // Models
 
-namespace {
-
-// conv(1->32) -> pool -> conv(32->64) -> pool -> dropout -> fc(3136->128) -> fc(128->10).
-// Padding keeps 28x28 through conv1, so the second conv runs on 14x14: about a third of the cost
-// of the unpadded 26->24 layout of PyTorch's MNIST example, at the same ~91-92% test accuracy.
-class FashionMnistCnn : public FashionMnistClassifier {
- public:
-  explicit FashionMnistCnn(Options hp) : FashionMnistClassifier(std::move(hp)) {
-    conv1 = register_module("conv1", torch::nn::Conv2d(torch::nn::Conv2dOptions(1, 32, 3).padding(1)));
-    conv2 = register_module("conv2", torch::nn::Conv2d(torch::nn::Conv2dOptions(32, 64, 3).padding(1)));
-    dropout = register_module("dropout", torch::nn::Dropout(hparams.get_float("dropout")));
-    fc1 = register_module("fc1", torch::nn::Linear(64 * 7 * 7, 128));
-    fc2 = register_module("fc2", torch::nn::Linear(128, kFashionMnistClasses));
-  }
-
-  at::Tensor forward(const at::Tensor& images) override {
-    namespace F = torch::nn::functional;
-    at::Tensor x = F::max_pool2d(torch::relu(conv1->forward(images)), F::MaxPool2dFuncOptions(2));
-    x = F::max_pool2d(torch::relu(conv2->forward(x)), F::MaxPool2dFuncOptions(2));
-    x = dropout->forward(x.flatten(1));
-    x = dropout->forward(torch::relu(fc1->forward(x)));
-    return fc2->forward(x);
-  }
-
-  torch::nn::Conv2d conv1{nullptr}, conv2{nullptr};
-  torch::nn::Dropout dropout{nullptr};
-  torch::nn::Linear fc1{nullptr}, fc2{nullptr};
-};
-
-// 784 -> 256 -> 10.
-class FashionMnistMlp : public FashionMnistClassifier {
- public:
-  explicit FashionMnistMlp(Options hp) : FashionMnistClassifier(std::move(hp)) {
-    fc1 = register_module("fc1", torch::nn::Linear(28 * 28, 256));
-    fc2 = register_module("fc2", torch::nn::Linear(256, kFashionMnistClasses));
-  }
-
-  at::Tensor forward(const at::Tensor& images) override {
-    return fc2->forward(torch::relu(fc1->forward(images.flatten(1))));
-  }
-
-  torch::nn::Linear fc1{nullptr}, fc2{nullptr};
-};
-
-}  // namespace
-
 FashionMnistClassifier::FashionMnistClassifier(Options hp) {
   reject_unknown_keys(hp, "[model]", {"arch", "optimizer", "lr", "weight_decay", "momentum", "dropout"});
   const std::string owner = owner_of(hp, "[model]");
@@ -244,7 +199,6 @@ FashionMnistClassifier::FashionMnistClassifier(Options hp) {
   if (!(dropout >= 0 && dropout < 1))
     throw Error(ErrorKind::config, fmt::format("{}: dropout = {} must be in [0, 1)", owner, dropout));
 
-  set_default(hp, "arch", std::string("cnn"));
   set_default(hp, "optimizer", optimizer);
   set_default(hp, "lr", lr);
   set_default(hp, "weight_decay", weight_decay);

@@ -5,6 +5,7 @@
 
 #include <fulgur/data.h>
 #include <fulgur/module.h>
+#include <fulgur/option_spec.h>
 
 #include <cstdint>
 #include <filesystem>
@@ -48,6 +49,14 @@ FashionMnistSplit load_fashion_mnist(const std::filesystem::path& dir, bool trai
 // Unknown keys are rejected with a suggestion, like the Trainer's own tables.
 class FashionMnistDataModule : public DataModule {
  public:
+  // The schema of [data] for `fulgur fit` (the fashion_mnist plugin) and fulgur::cli_main.
+  static constexpr auto hparams_schema = option_schema(
+      FULGUR_OPTION(string, dir, "Directory with the (gzipped) IDX files", "/usr/share/datasets/fashion-mnist"),
+      FULGUR_OPTION(integer, batch_size, "Samples per batch", 64),
+      FULGUR_OPTION(integer, num_workers, "Background threads assembling batches", 0),
+      FULGUR_OPTION(integer, val_split, "Training images held out for validation (0: none)", 5000),
+      FULGUR_OPTION(integer, seed, "Fixes the held-out images and the shuffling order", 42));
+
   explicit FashionMnistDataModule(Options hparams = {});
 
   void setup(Stage stage) override;

@@ -57,7 +57,12 @@ int run(const std::filesystem::path& config_path) {
   std::shared_ptr<ex::FashionMnistClassifier> model;
   std::optional<ex::FashionMnistDataModule> data;
   try {
-    model = ex::make_fashion_mnist_model(trainer.config().model);
+    // This program links the classes itself: [model] name picks the net the way the plugins
+    // fashion_mnist_cnn / fashion_mnist_mlp do for `fulgur fit`.
+    fulgur::Options hparams = trainer.config().model;
+    const std::string& plugin = trainer.config().model_plugin.name;
+    if (plugin == "fashion_mnist_mlp" || plugin == "fashion_mnist_cnn") hparams.set("arch", plugin.substr(14));
+    model = ex::make_fashion_mnist_model(hparams);
     data.emplace(trainer.config().data);
   } catch (const fulgur::Error& e) {
     // [model] / [data] errors name the table and key; add the file they came from.

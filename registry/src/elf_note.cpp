@@ -345,14 +345,18 @@ std::string_view to_string(PluginKind kind) {
       return "profiler";
     case PluginKind::callback:
       return "callback";
+    case PluginKind::model:
+      return "model";
+    case PluginKind::datamodule:
+      return "datamodule";
   }
   return "unknown";
 }
 
-bool is_valid_plugin_kind(uint32_t kind) { return kind >= FULGUR_KIND_ACCELERATOR && kind <= FULGUR_KIND_CALLBACK; }
+bool is_valid_plugin_kind(uint32_t kind) { return kind >= FULGUR_KIND_ACCELERATOR && kind <= FULGUR_KIND_DATAMODULE; }
 
 std::optional<PluginKind> parse_plugin_kind(std::string_view text) {
-  for (uint32_t k = FULGUR_KIND_ACCELERATOR; k <= FULGUR_KIND_CALLBACK; ++k)
+  for (uint32_t k = FULGUR_KIND_ACCELERATOR; k <= FULGUR_KIND_DATAMODULE; ++k)
     if (to_string(static_cast<PluginKind>(k)) == text) return static_cast<PluginKind>(k);
   return std::nullopt;
 }

@@ -3,6 +3,7 @@
 // and deletes the ones that fall out, optionally keeps `last.ckpt`, and records best/last paths in
 // its state. It is the Trainer's checkpoint provider: ckpt_path = "best" / "last" ask it, and a new
 // process finds the newest last*.ckpt where it saves.
+#include <fulgur/checkpoint_io.h>
 #include <fulgur/plugin.h>
 
 #include "../common/callback_support.h"
@@ -309,7 +310,11 @@ class ModelCheckpoint final : public fulgur::Callback, public fulgur::Checkpoint
   // ---- CheckpointProvider: what ckpt_path = "best" / "last" resolve to ----------------------------
   std::string best_checkpoint_path(fulgur::TrainerContext& trainer) override {
     const TopK& known = pending_ ? pending_->top_k : top_k_;
-    return agreed_existing(trainer, known.best_model_path);
+    std::string path = known.best_model_path;
+    // A new process (`fulgur test --ckpt_path=best` after `fulgur fit`): the best checkpoint that
+    // the newest last*.ckpt where this callback saves recorded in its state.
+    if (path.empty() && trainer.is_global_zero()) path = best_recorded_in_last(trainer);
+    return agreed_existing(trainer, path);
   }
 
   std::string last_checkpoint_path(fulgur::TrainerContext& trainer) override {
@@ -665,6 +670,28 @@ class ModelCheckpoint final : public fulgur::Callback, public fulgur::Checkpoint
   std::pair<std::string, bool> search_location(fulgur::TrainerContext& trainer) const {
     if (!dirpath_option_.empty()) return {absolute_path(dirpath_option_), false};
     return {absolute_path(trainer.default_root_dir()), true};
+  }
+
+  // best_model_path from the state this callback left in the newest last*.ckpt (empty if none).
+  std::string best_recorded_in_last(fulgur::TrainerContext& trainer) const {
+    const auto [directory, below] = search_location(trainer);
+    if (!path_exists(directory)) return {};
+    const std::string last = newest_last_checkpoint(directory, below);
+    if (last.empty()) return {};
+    try {
+      const c10::IValue ckpt = fulgur::read_checkpoint_file(last);
+      if (!ckpt.isGenericDict()) return {};
+      const auto dict = ckpt.toGenericDict();
+      if (!dict.contains("callbacks") || !dict.at("callbacks").isGenericDict()) return {};
+      const auto callbacks = dict.at("callbacks").toGenericDict();
+      if (!callbacks.contains(state_key())) return {};
+      const c10::IValue state = callbacks.at(state_key());
+      if (!state.isGenericDict()) return {};
+      return support::get_optional_string(kOwner, state.toGenericDict(), "best_model_path").value_or("");
+    } catch (const fulgur::Error& e) {
+      spdlog::warn("{}: could not read the best checkpoint's path from {}: {}", kOwner, last, e.what());
+      return {};
+    }
   }
 
   // `path` when rank zero sees it on disk, on every rank; empty otherwise.

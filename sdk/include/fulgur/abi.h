@@ -23,7 +23,7 @@ extern "C" {
 #endif
 
 #define FULGUR_PLUGIN_ABI_MAJOR 1
-#define FULGUR_PLUGIN_ABI_MINOR 0
+#define FULGUR_PLUGIN_ABI_MINOR 1
 /* Version of the six C++ interfaces as a whole; a new virtual function bumps it. */
 /* History: 2 added Strategy::launches_processes/before_training_step and GradientSync; 3 is
  * contract v2 (callback roles and checkpoint providers, a capability-only TrainerContext, the
@@ -43,7 +43,11 @@ typedef enum fulgur_kind {
   FULGUR_KIND_PRECISION = 3,
   FULGUR_KIND_LOGGER = 4,
   FULGUR_KIND_PROFILER = 5,
-  FULGUR_KIND_CALLBACK = 6
+  FULGUR_KIND_CALLBACK = 6,
+  /* ABI minor 1: the user's side of a run as plugins, so that `fulgur fit` needs no user main().
+   * Their C++ interfaces (fulgur::Module, fulgur::DataModule) are the core's user API. */
+  FULGUR_KIND_MODEL = 7,
+  FULGUR_KIND_DATAMODULE = 8
 } fulgur_kind;
 
 typedef enum fulgur_option_type {

@@ -24,6 +24,7 @@
 #include <fulgur/error.h>
 #include <fulgur/log.h>
 #include <fulgur/logger.h>
+#include <fulgur/option_spec.h>
 #include <fulgur/options.h>
 #include <fulgur/precision.h>
 #include <fulgur/profiler.h>
@@ -40,20 +41,11 @@
 
 namespace fulgur {
 
-// One TOML key of a plugin. `default_value` is TOML value text; nullptr = required key.
-struct OptionSpec {
-  OptionType type;
-  const char* key;
-  const char* help;
-  const char* default_value;
-};
-
-// FULGUR_OPTION(type, key, help, default): type is boolean, integer, floating, string,
-// string_list or float_list; the default is written as a TOML value: 0.5, true, "max", [].
-#define FULGUR_OPTION(type, key, help, ...) \
-  ::fulgur::OptionSpec { ::fulgur::OptionType::type, #key, help, #__VA_ARGS__ }
-#define FULGUR_REQUIRED_OPTION(type, key, help) \
-  ::fulgur::OptionSpec { ::fulgur::OptionType::type, #key, help, nullptr }
+// The user's side of a run (model and datamodule plugins) derives from the core's user API,
+// fulgur/module.h and fulgur/data.h; a plugin of those kinds links Fulgur::core. Declared here
+// only so that FULGUR_PLUGIN can tell the kinds apart.
+class Module;
+class DataModule;
 
 namespace detail {
 
@@ -71,8 +63,14 @@ constexpr uint32_t kind_of() {
     return FULGUR_KIND_PROFILER;
   else if constexpr (std::is_base_of_v<Callback, T>)
     return FULGUR_KIND_CALLBACK;
+  else if constexpr (std::is_base_of_v<Module, T>)
+    return FULGUR_KIND_MODEL;
+  else if constexpr (std::is_base_of_v<DataModule, T>)
+    return FULGUR_KIND_DATAMODULE;
   else
-    static_assert(sizeof(T) == 0, "a Fulgur plugin class must derive from one of the six interfaces");
+    static_assert(sizeof(T) == 0,
+                  "a Fulgur plugin class must derive from one of the six interfaces, fulgur::Module or "
+                  "fulgur::DataModule");
 }
 
 template <class T>
@@ -84,9 +82,24 @@ using interface_of = std::conditional_t<
                                                              std::conditional_t<std::is_base_of_v<Profiler, T>,
                                                                                 Profiler, Callback>>>>>;
 
+// Model and datamodule plugins hand out the core's user API types.
+template <class T>
+using created_type_of =
+    std::conditional_t<std::is_base_of_v<Module, T>, Module,
+                       std::conditional_t<std::is_base_of_v<DataModule, T>, DataModule, interface_of<T>>>;
+
 template <class... O>
 constexpr std::array<OptionSpec, sizeof...(O)> make_options(O... options) {
   return {options...};
+}
+
+// FULGUR_PLUGIN without options on a class that declares hparams_schema: that schema.
+template <class T, size_t N>
+constexpr auto options_or_schema(std::array<OptionSpec, N> given) {
+  if constexpr (N == 0 && requires { T::hparams_schema; })
+    return T::hparams_schema;
+  else
+    return given;
 }
 
 // Marks "required" in the note, where a null pointer cannot be stored.
@@ -165,7 +178,7 @@ inline void report_create_error(const fulgur_create_args* args, const char* mess
 template <class T>
 void* create(const fulgur_create_args* args) noexcept {
   try {
-    interface_of<T>* object = nullptr;
+    created_type_of<T>* object = nullptr;
     if constexpr (std::is_constructible_v<T, const Options&>) {
       static const Options kEmpty;
       const Options* options = args && args->options ? static_cast<const Options*>(args->options) : &kEmpty;
@@ -191,7 +204,7 @@ void* create(const fulgur_create_args* args) noexcept {
 
 template <class T>
 void destroy(void* object) noexcept {
-  delete static_cast<interface_of<T>*>(object);
+  delete static_cast<created_type_of<T>*>(object);
 }
 
 template <class Spec>
@@ -263,7 +276,8 @@ namespace {
     static constexpr const char* name = Name;                                                                          \
     static constexpr const char* version = Version;                                                                    \
     static constexpr const char* description = Description;                                                            \
-    static constexpr auto options = ::fulgur::detail::make_options(__VA_ARGS__);                                       \
+    static constexpr auto options =                                                                                    \
+        ::fulgur::detail::options_or_schema<Class>(::fulgur::detail::make_options(__VA_ARGS__));                       \
   };                                                                                                                   \
   [[gnu::section(".note.fulgur.plugin"), gnu::used, gnu::aligned(4)]] constexpr auto FULGUR_PP_CAT(fulgur_note_, Id) = \
       ::fulgur::detail::make_note<FULGUR_PP_CAT(fulgur_spec_, Id)>();                                                  \

@@ -20,6 +20,8 @@ enum class PluginKind : uint32_t {
   logger = FULGUR_KIND_LOGGER,
   profiler = FULGUR_KIND_PROFILER,
   callback = FULGUR_KIND_CALLBACK,
+  model = FULGUR_KIND_MODEL,
+  datamodule = FULGUR_KIND_DATAMODULE,
 };
 
 std::string_view to_string(PluginKind kind);

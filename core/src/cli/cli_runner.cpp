@@ -1,0 +1,419 @@
+// `fulgur fit | validate | test | predict` (fulgur/cli.h): layered config, flags, --print-config,
+// per-subcommand --help, checks that refuse bad input before anything starts, then one stage.
+#include <fulgur/callback.h>
+#include <fulgur/checkpoint_io.h>
+#include <fulgur/cli.h>
+#include <fulgur/config.h>
+#include <fulgur/data.h>
+#include <fulgur/error.h>
+#include <fulgur/module.h>
+#include <fulgur/registry/registry.h>
+#include <fulgur/suggest.h>
+#include <fulgur/trainer.h>
+#include <fulgur/trainer_context.h>
+
+#include <ATen/core/Dict.h>
+#include <ATen/core/ivalue.h>
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include <cstdio>
+#include <ctime>
+#include <filesystem>
+#include <set>
+#include <string>
+#include <vector>
+
+namespace fulgur {
+
+namespace fs = std::filesystem;
+
+namespace {
+
+const std::vector<std::string> kSubcommands = {"fit", "validate", "test", "predict"};
+
+// Bad input: one line, exit 2, nothing started.
+struct UsageError : Error {
+  explicit UsageError(const std::string& message) : Error(ErrorKind::invalid_argument, message) {}
+};
+
+struct CliArgs {
+  std::string subcommand;
+  std::vector<fs::path> configs;
+  std::vector<std::string> overrides;  // "section.key=value"
+  std::vector<std::string> flags;      // as typed, for the header of the saved config
+  std::optional<std::string> ckpt_path;
+  bool print_config = false;
+  bool help = false;
+};
+
+std::string usage(const std::string& program, const std::string& subcommand) {
+  return fmt::format(
+      "usage: {0} {1} --config FILE [--config FILE ...] [--SECTION.KEY=VALUE ...] [--ckpt_path=PATH|last|best]\n"
+      "       [--print-config] [--help]\n"
+      "  --config FILE          TOML config; several are merged in order (later files win)\n"
+      "  --SECTION.KEY=VALUE    override one value: --trainer.max_epochs=3, --model.lr=3e-4, --data.batch_size=64,\n"
+      "                         --model=NAME (selects the plugin), --callbacks.NAME.KEY=VALUE ([[callbacks]] entry)\n"
+      "  --ckpt_path=PATH       checkpoint to {2}: a file, \"last\" or \"best\"\n"
+      "  --print-config         print the merged config with every default and exit\n"
+      "Precedence: defaults < config files in order < flags. The run writes its merged config to\n"
+      "<log dir>/config.toml; `{0} {1} --config <that file>` reproduces it.\n",
+      program, subcommand.empty() ? "fit|validate|test|predict" : subcommand,
+      subcommand == "fit" ? "resume from" : "load weights from");
+}
+
+CliArgs parse_cli(int argc, char** argv, const std::string& program) {
+  CliArgs args;
+  if (argc < 2) throw UsageError("a subcommand is needed: fit, validate, test or predict\n" + usage(program, ""));
+  args.subcommand = argv[1];
+  if (!is_run_subcommand(args.subcommand)) {
+    std::string message = fmt::format("unknown subcommand '{}'", args.subcommand);
+    if (auto s = closest_match(args.subcommand, kSubcommands); !s.empty())
+      message += fmt::format("; did you mean '{}'?", s);
+    throw UsageError(message + fmt::format(" Subcommands: {}.", fmt::join(kSubcommands, ", ")));
+  }
+  for (int i = 2; i < argc; ++i) {
+    const std::string a = argv[i];
+    auto next_value = [&](const std::string& flag) {
+      if (i + 1 >= argc) throw UsageError(fmt::format("{} needs a value", flag));
+      return std::string(argv[++i]);
+    };
+    if (a == "-h" || a == "--help") {
+      args.help = true;
+    } else if (a == "--print-config" || a == "--print_config") {
+      args.print_config = true;
+    } else if (a == "--config" || a.starts_with("--config=")) {
+      args.configs.emplace_back(a == "--config" ? next_value(a) : a.substr(9));
+    } else if (a == "--ckpt_path" || a.starts_with("--ckpt_path=")) {
+      args.ckpt_path = a == "--ckpt_path" ? next_value(a) : a.substr(12);
+      args.flags.push_back("--ckpt_path=" + *args.ckpt_path);
+    } else if (a.starts_with("--") && a.size() > 2) {
+      std::string text = a.substr(2);
+      // --trainer.max_epochs 3 as well as --trainer.max_epochs=3
+      if (text.find('=') == std::string::npos) text += "=" + next_value(a);
+      args.overrides.push_back(text);
+      args.flags.push_back("--" + text);
+    } else {
+      throw UsageError(fmt::format("unexpected argument '{}'; flags start with --, config files follow --config", a));
+    }
+  }
+  return args;
+}
+
+std::string describe_options(const std::string& title, const std::vector<OptionSchema>& schema) {
+  std::string out = fmt::format("\n{}\n", title);
+  if (schema.empty()) return out + "  (no options)\n";
+  for (const OptionSchema& o : schema)
+    out += fmt::format("  {:<34} {:<12} {:<16} {}\n", o.key, to_string(o.type),
+                       o.default_value ? o.default_text : "(required)", o.help);
+  return out;
+}
+
+std::unique_ptr<PluginRegistry> make_registry(const Config& config) {
+  SearchPathOptions sp;
+  sp.config_paths = config.plugin_paths;
+  RegistryOptions ro;
+  ro.allow_writable = config.allow_writable_plugins;
+  return std::make_unique<PluginRegistry>(plugin_search_path(sp), ro);
+}
+
+// --help with a config: every selected plugin's options, the way `fulgur plugins describe` shows them.
+std::string help_text(const CliApp& app, const CliArgs& args, Config* config, const PluginRegistry* registry) {
+  std::string out = usage(app.program, args.subcommand);
+  out += describe_options("[trainer] options (--trainer.KEY=VALUE):", trainer_option_schema());
+  if (!config || !registry) {
+    out += "\nWith --config, --help also lists the options of the plugins, model and data the config selects.\n";
+    return out;
+  }
+  for (PluginSelection* sel : config->selections()) {
+    const PluginCandidate& c = registry->resolve(sel->kind, sel->name);
+    out += describe_options(fmt::format("{} '{}' {} ({}): {}", to_string(sel->kind), sel->name, c.metadata.version,
+                                        c.file.string(), c.metadata.description),
+                            c.metadata.options);
+  }
+  if (app.model_schema) out += describe_options("[model] options (--model.KEY=VALUE):", *app.model_schema);
+  if (app.data_schema) out += describe_options("[data] options (--data.KEY=VALUE):", *app.data_schema);
+  return out;
+}
+
+// The model and the datamodule: the program's own classes, or plugins named in [model] / [data].
+struct UserObjects {
+  std::shared_ptr<Module> model;
+  std::shared_ptr<DataModule> data;
+};
+
+template <class T>
+std::shared_ptr<T> adopt_plugin(PluginObject object) {
+  // A shared_ptr made from the raw pointer (not an aliasing one): torch::nn::Module relies on
+  // enable_shared_from_this (modules(), children()). The deleter keeps the plugin object, whose own
+  // deleter calls the library's destroy.
+  T* raw = static_cast<T*>(object.get());
+  return std::shared_ptr<T>(raw, [keep = std::move(object)](T*) mutable { keep.reset(); });
+}
+
+UserObjects create_user_objects(const CliApp& app, Config& config, const PluginRegistry& registry) {
+  UserObjects out;
+  if (app.make_model) {
+    out.model = app.make_model(config.model);
+  } else {
+    const PluginSelection& sel = config.model_plugin;
+    out.model = adopt_plugin<Module>(registry.create(PluginKind::model, sel.name, sel.options));
+  }
+  if (app.make_data) {
+    out.data = app.make_data(config.data);
+  } else {
+    const PluginSelection& sel = config.data_plugin;
+    out.data = adopt_plugin<DataModule>(registry.create(PluginKind::datamodule, sel.name, sel.options));
+  }
+  // The typed, defaulted values are what the Trainer logs and checkpoints as hyperparameters.
+  out.model->hparams = config.model;
+  out.data->hparams = config.data;
+  return out;
+}
+
+void require_user_tables(const CliApp& app, const Config& config) {
+  auto missing = [&](const char* table, const char* kind) {
+    return UsageError(fmt::format(
+        "{}: no {} selected: add [{}] name = \"...\" (or --{}=NAME); `fulgur plugins list` shows the {} plugins",
+        config.files.empty() ? std::string("the command line") : config.files.front().string(), kind, table, table,
+        kind));
+  };
+  if (!app.make_model && config.model_plugin.name.empty()) throw missing("model", "model");
+  if (!app.make_data && config.data_plugin.name.empty()) throw missing("data", "datamodule");
+}
+
+// --ckpt_path to a file: it must exist, be a checkpoint, and hold this model's weights. Checked
+// before the stage starts so that a typo or another model's file costs nothing.
+void check_checkpoint_file(const std::string& path, const std::string& flag) {
+  if (path.empty() || path == "last" || path == "best") return;
+  std::error_code ec;
+  if (!fs::is_regular_file(path, ec))
+    throw UsageError(fmt::format("{}: no checkpoint file at '{}' (give a file, \"last\" or \"best\")", flag, path));
+  c10::IValue ckpt;
+  try {
+    ckpt = read_checkpoint_file(path);
+  } catch (const Error& e) {
+    throw UsageError(fmt::format("{}: {}", flag, e.what()));
+  }
+  if (!ckpt.isGenericDict() || !ckpt.toGenericDict().contains("state_dict") ||
+      !ckpt.toGenericDict().at("state_dict").isGenericDict())
+    throw UsageError(
+        fmt::format("{}: '{}' is not a Fulgur or Lightning checkpoint (it has no state_dict); for bare weights "
+                    "see `fulgur weights`",
+                    flag, path));
+}
+
+void check_checkpoint_matches(const std::string& path, const std::string& flag, Module& model,
+                              const std::string& model_name) {
+  if (path.empty() || path == "last" || path == "best") return;
+  std::map<std::string, std::vector<int64_t>> expected;
+  for (const auto& p : model.named_parameters(/*recurse=*/true)) expected[p.key()] = p.value().sizes().vec();
+  for (const auto& b : model.named_buffers(/*recurse=*/true)) expected[b.key()] = b.value().sizes().vec();
+  if (expected.empty()) return;  // layers made in configure_model: the restore itself checks them
+  const auto state = read_checkpoint_file(path).toGenericDict().at("state_dict").toGenericDict();
+  std::vector<std::string> unexpected, mismatched;
+  std::set<std::string> seen;
+  for (const auto& entry : state) {
+    const std::string key = entry.key().toStringRef();
+    seen.insert(key);
+    auto it = expected.find(key);
+    if (it == expected.end())
+      unexpected.push_back(key);
+    else if (entry.value().isTensor() && entry.value().toTensor().sizes().vec() != it->second)
+      mismatched.push_back(key);
+  }
+  std::vector<std::string> missing;
+  for (const auto& [key, shape] : expected)
+    if (!seen.count(key)) missing.push_back(key);
+  if (unexpected.empty() && missing.empty() && mismatched.empty()) return;
+  auto first = [](const std::vector<std::string>& v) { return v.empty() ? std::string() : " (e.g. '" + v[0] + "')"; };
+  throw UsageError(fmt::format(
+      "{}: '{}' holds the weights of another model than {}: {} of its weights are not in the model{}, {} of the "
+      "model's are missing from it{}, {} differ in shape{}",
+      flag, path, model_name, unexpected.size(), first(unexpected), missing.size(), first(missing), mismatched.size(),
+      first(mismatched)));
+}
+
+// Writes the merged config into the run's log directory once the loggers have made it (rank 0).
+class SaveConfig : public Callback {
+ public:
+  explicit SaveConfig(std::string text) : text_(std::move(text)) {}
+  HookSet hooks() const override {
+    return Hook::fit_start | Hook::validation_start | Hook::test_start | Hook::predict_start;
+  }
+  void on_fit_start(TrainerContext& t) override { save(t); }
+  void on_validation_start(TrainerContext& t) override { save(t); }
+  void on_test_start(TrainerContext& t) override { save(t); }
+  void on_predict_start(TrainerContext& t) override { save(t); }
+  std::string path;
+
+ private:
+  void save(TrainerContext& t) {
+    if (saved_ || !t.is_global_zero()) return;
+    saved_ = true;
+    const fs::path dir = t.log_dir();
+    std::error_code ec;
+    fs::create_directories(dir, ec);
+    path = (dir / "config.toml").string();
+    atomic_write_text(path, text_);
+  }
+  std::string text_;
+  bool saved_ = false;
+};
+
+std::string saved_config_text(const Config& config, const CliArgs& args, const std::string& program) {
+  std::vector<std::string> files;
+  for (const auto& f : config.files) files.push_back(f.string());
+  const std::time_t now = std::time(nullptr);
+  char when[32];
+  std::strftime(when, sizeof when, "%Y-%m-%d %H:%M:%S UTC", std::gmtime(&now));
+  const std::string file_list = files.empty() ? std::string("(none)") : fmt::format("{}", fmt::join(files, ", "));
+  const std::string flag_list =
+      args.flags.empty() ? std::string("(none)") : fmt::format("{}", fmt::join(args.flags, " "));
+  std::string header = fmt::format(
+      "# The merged config of `{} {}` ({}), every default filled in.\n# Files: {}\n# Flags: {}\n"
+      "# Reproduce the run: {} {} --config <this file>{}\n\n",
+      fs::path(program).filename().string(), args.subcommand, when, file_list, flag_list,
+      fs::path(program).filename().string(), args.subcommand,
+      args.ckpt_path && args.subcommand != "fit" ? " --ckpt_path=" + *args.ckpt_path : "");
+  return header + to_toml(config);
+}
+
+void print_metrics(const std::string& stage, const std::vector<MetricMap>& results) {
+  for (size_t i = 0; i < results.size(); ++i) {
+    std::printf("%s results%s\n", stage.c_str(), results.size() > 1 ? fmt::format(" (dataloader {})", i).c_str() : "");
+    for (const auto& [name, value] : results[i]) std::printf("  %-40s %.6g\n", name.c_str(), value);
+  }
+  std::fflush(stdout);
+}
+
+int run(const CliApp& app, const CliArgs& args) {
+  // 1. The config: files and flags merged, every selected plugin and value checked.
+  if (args.configs.empty() && args.overrides.empty() && !args.help)
+    throw UsageError(
+        fmt::format("{} needs --config FILE (or flags)\n{}", args.subcommand, usage(app.program, args.subcommand)));
+  if (args.configs.empty() && args.help) {
+    std::fputs(help_text(app, args, nullptr, nullptr).c_str(), stdout);
+    return 0;
+  }
+  std::vector<std::string> overrides = args.overrides;
+  // For fit, --ckpt_path is [trainer] ckpt_path (so the saved config resumes the same way).
+  if (args.ckpt_path && args.subcommand == "fit") overrides.push_back("trainer.ckpt_path=" + *args.ckpt_path);
+  Config config;
+  std::unique_ptr<PluginRegistry> registry;
+  try {
+    config = load_config(args.configs, overrides);
+    registry = make_registry(config);
+    if (app.make_model && app.model_schema)
+      apply_hparams_schema(config, PluginKind::model, *app.model_schema, app.model_type);
+    if (app.make_data && app.data_schema)
+      apply_hparams_schema(config, PluginKind::datamodule, *app.data_schema, app.data_type);
+    if (app.make_model && !config.model_plugin.name.empty())
+      throw UsageError(fmt::format("{}: [model] name = \"{}\": this program builds its own model; remove the name",
+                                   config.model_plugin.where.str(), config.model_plugin.name));
+    if (args.help) {
+      validate_plugins(config, *registry);
+      std::fputs(help_text(app, args, &config, registry.get()).c_str(), stdout);
+      return 0;
+    }
+    require_user_tables(app, config);
+    validate_plugins(config, *registry);
+  } catch (const UsageError&) {
+    throw;
+  } catch (const Error& e) {
+    throw UsageError(e.what());
+  }
+  if (args.print_config) {
+    std::fputs(to_toml(config).c_str(), stdout);
+    return 0;
+  }
+  const std::string ckpt =
+      args.subcommand == "fit" ? config.trainer.get_string("ckpt_path") : args.ckpt_path.value_or("");
+  const std::string ckpt_flag =
+      args.ckpt_path ? "--ckpt_path" : fmt::format("{}: [trainer] ckpt_path", config.file.string());
+  check_checkpoint_file(ckpt, ckpt_flag);
+
+  // 2. The Trainer, then the model (its initial weights follow [trainer] seed) and the data.
+  const std::string config_text = saved_config_text(config, args, app.program);
+  std::optional<Trainer> trainer_slot;
+  UserObjects user;
+  try {
+    trainer_slot.emplace(config);  // [trainer] values and the plugins' own checks of their options
+    user = create_user_objects(app, config, *registry);
+  } catch (const Error& e) {
+    throw UsageError(e.what());
+  }
+  Trainer& trainer = *trainer_slot;
+  const std::string model_name = app.make_model
+                                     ? (app.model_type.empty() ? std::string("this program's model") : app.model_type)
+                                     : fmt::format("model '{}'", config.model_plugin.name);
+  check_checkpoint_matches(ckpt, ckpt_flag, *user.model, model_name);
+  auto save_config = std::make_shared<SaveConfig>(config_text);
+  trainer.add_callback(save_config, "save_config");
+
+  // 3. The stage.
+  if (args.subcommand == "fit") {
+    trainer.fit(*user.model, *user.data);
+  } else if (args.subcommand == "validate") {
+    auto results = trainer.validate(*user.model, *user.data, ckpt);
+    if (trainer.is_global_zero()) print_metrics("validate", results);
+  } else if (args.subcommand == "test") {
+    auto results = trainer.test(*user.model, *user.data, ckpt);
+    if (trainer.is_global_zero()) print_metrics("test", results);
+  } else {
+    auto predictions = trainer.predict(*user.model, *user.data, ckpt);
+    if (trainer.is_global_zero()) std::printf("predict: %zu batches\n", predictions.size());
+  }
+  if (trainer.is_global_zero()) {
+    if (!save_config->path.empty()) std::printf("config: %s\n", save_config->path.c_str());
+    std::printf("logs: %s\n", trainer.log_dir().c_str());
+  }
+  return 0;
+}
+
+}  // namespace
+
+bool is_run_subcommand(std::string_view word) {
+  for (const auto& s : kSubcommands)
+    if (s == word) return true;
+  return false;
+}
+
+std::vector<OptionSchema> schema_from_specs(const OptionSpec* specs, size_t count) {
+  std::vector<OptionSchema> out;
+  for (size_t i = 0; i < count; ++i) {
+    OptionSchema s;
+    s.key = specs[i].key;
+    s.type = specs[i].type;
+    s.help = specs[i].help;
+    if (specs[i].default_value) {
+      s.default_text = specs[i].default_value;
+      s.default_value = parse_option_default(s.type, s.default_text);
+      if (!s.default_value)
+        throw Error(ErrorKind::invalid_argument, fmt::format("hyperparameter '{}': default {} is not a valid {}", s.key,
+                                                             s.default_text, to_string(s.type)));
+    }
+    out.push_back(std::move(s));
+  }
+  return out;
+}
+
+int run_cli(int argc, char** argv, const CliApp& app) {
+  const std::string program = app.program;
+  std::string subcommand = argc > 1 ? argv[1] : "";
+  try {
+    CliArgs args = parse_cli(argc, argv, program);
+    return run(app, args);
+  } catch (const UsageError& e) {
+    std::fprintf(stderr, "%s %s: error: %s\n", program.c_str(), subcommand.c_str(), e.what());
+    return 2;
+  } catch (const Error& e) {
+    std::fprintf(stderr, "%s %s: error: %s\n", program.c_str(), subcommand.c_str(), e.what());
+    return 1;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "%s %s: internal error: %s\n", program.c_str(), subcommand.c_str(), e.what());
+    return 1;
+  }
+}
+
+}  // namespace fulgur
