@@ -246,7 +246,29 @@ TEST_CASE("mlflow: metrics of every step, params, tags, status and checkpoints r
   REQUIRE(run.exit_code == 0);
   FULGUR_CHECK_CONTAINS(run.output, "logger 'mlflow': created experiment 'fulgur-e2e'");
   CHECK(!contains(run.output, "[warning] logger 'mlflow'"));
+
+  // The run's end state reaches the server: SIGTERM (interrupted) is KILLED, an exception in a
+  // hook (early_stopping's missing monitor) is FAILED.
+  const fs::path plugins = job::plugin_dir(dir, {"signal-at-step"});
+  auto short_job = [&](const std::string& experiment, const std::string& callback) {
+    std::ofstream(dir / "end.toml") << job::toml(
+        dir.path(), plugins, 1, 6, "",
+        "[[loggers]]\nname = \"mlflow\"\nexperiment_name = \"" + experiment + "\"\n" + callback);
+    return job::run_example(dir / "end.toml", dir.path(), {{"MLFLOW_TRACKING_URI", server.uri()}});
+  };
+  const ProcessRun killed = short_job("killed",
+                                      "[[callbacks]]\nname = \"fixture_signal_at_step\"\nstep = 2\nsignal = "
+                                      "\"SIGTERM\"\nrank = -1\nmarker = \"" +
+                                          (dir / "marker").string() + "\"\n");
+  CHECK_MESSAGE(killed.exit_code == 143, killed.output);
+  const ProcessRun failed =
+      short_job("failed", "[[callbacks]]\nname = \"early_stopping\"\nmonitor = \"val/missing\"\n");
+  CHECK_MESSAGE(failed.exit_code != 0, failed.output);
+
   read_back(dir, server, "fulgur-e2e", "", R"(
+for name, status in (("killed", "KILLED"), ("failed", "FAILED")):
+    ended = client.search_runs([client.get_experiment_by_name(name).experiment_id])
+    assert [r.info.status for r in ended] == [status], (name, [r.info.status for r in ended])
 assert run.info.run_name == "mlp-baseline", run.info.run_name
 tags = {k: v for k, v in run.data.tags.items() if not k.startswith("mlflow.")}
 assert tags == {"team": "vision", "note": "a=b"}, tags
