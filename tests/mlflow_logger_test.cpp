@@ -366,7 +366,6 @@ TEST_CASE("mlflow: bad options and a server that is not there are refused before
   CHECK(config_check(uri).exit_code == 0);
   CHECK(config_check("", {{"MLFLOW_TRACKING_URI", "http://127.0.0.1:1"}}).exit_code == 0);
   const std::vector<std::pair<std::string, std::string>> refused{
-      {"", "logger 'mlflow': no tracking server: set tracking_uri"},
       {"tracking_uri = \"file:///tmp/mlruns\"\n",
        "tracking_uri = \"file:///tmp/mlruns\" is not an http:// or https://"},
       {uri + "batch_size = 0\n", "batch_size = 0 is outside 1..1000"},
@@ -387,6 +386,16 @@ TEST_CASE("mlflow: bad options and a server that is not there are refused before
     CHECK(run.exit_code != 0);
     FULGUR_CHECK_CONTAINS(run.output, "MLFLOW_TRACKING_URI = \"databricks\" is not an http:// or https:// URI");
   }
+
+  // No server named at all: refused when the run starts (creating the plugin with its defaults,
+  // as `fulgur plugins check` does, is not an error).
+  CHECK(config_check("").exit_code == 0);
+  std::ofstream(dir / "no_uri.toml") << job::toml(dir.path(), dir.subdir("plugins"), 1, 5, "",
+                                                  "[[loggers]]\nname = \"mlflow\"\n");
+  const ProcessRun no_uri = job::run_example(dir / "no_uri.toml", dir.path(), {{"MLFLOW_TRACKING_URI", ""}});
+  CHECK(no_uri.exit_code != 0);
+  FULGUR_CHECK_CONTAINS(no_uri.output, "logger 'mlflow': no tracking server: set tracking_uri");
+  CHECK(!contains(no_uri.output, "epoch 0:"));
 
   // Nobody listens: setup fails after its retries, naming the plugin, the URI and the fix, and no
   // training step runs (no checkpoint is written).

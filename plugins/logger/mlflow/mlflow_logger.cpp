@@ -66,9 +66,9 @@ std::string tracking_uri(const std::string& option) {
   const char* env = std::getenv("MLFLOW_TRACKING_URI");
   if (uri.empty() && env) uri = env;
   const std::string from = option.empty() ? "MLFLOW_TRACKING_URI" : "tracking_uri";
-  if (uri.empty())
-    config_error(
-        "no tracking server: set tracking_uri (e.g. \"http://127.0.0.1:5000\") or the MLFLOW_TRACKING_URI variable");
+  // No URI at all is refused by setup(), not here: `fulgur plugins check` creates every plugin
+  // with its default options, and a logger that merely lacks its server is not broken.
+  if (uri.empty()) return uri;
   if (!uri.starts_with("http://") && !uri.starts_with("https://"))
     config_error(
         fmt::format("{} = \"{}\" is not an http:// or https:// URI; this logger talks to an MLflow tracking "
@@ -210,6 +210,9 @@ class MlflowLogger final : public fulgur::Logger {
       return;
     }
     if (!run_id_.empty()) return;  // a later stage of the same Trainer: same run
+    if (uri_.empty())
+      config_error(
+          "no tracking server: set tracking_uri (e.g. \"http://127.0.0.1:5000\") or the MLFLOW_TRACKING_URI variable");
     api_.emplace(uri_, retry_);
     const std::string experiment_id = find_or_create_experiment();
     create_run(experiment_id);
