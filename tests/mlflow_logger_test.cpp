@@ -317,7 +317,9 @@ TEST_CASE("mlflow: a server that never comes back costs no checkpoint and leaves
   const fs::path checkpoints = dir / "ckpts";
   std::ofstream(dir / "job.toml") << job_toml(
       dir, 2, 10,
-      fmt::format("tracking_uri = \"{}\"\nbatch_size = 3\nmax_retries = 2\nretry_backoff = 0.05\n", server.uri()),
+      fmt::format("tracking_uri = \"{}\"\nbatch_size = 3\nmax_retries = 2\nretry_backoff = 0.05\n"
+                  "log_model_checkpoints = true\ncheckpoint_dir = \"{}\"\n",
+                  server.uri(), checkpoints.string()),
       job::checkpointing(checkpoints, 2));
   job::BackgroundProcess training(job_command(dir), kJobEnv, dir.subdir("work"));
   kill_server_mid_run(training, server, checkpoints / "last.ckpt");
@@ -329,6 +331,7 @@ TEST_CASE("mlflow: a server that never comes back costs no checkpoint and leaves
   FULGUR_CHECK_CONTAINS(run.output, "logger 'mlflow': the tracking server at " + server.uri() + " is unreachable (");
   FULGUR_CHECK_CONTAINS(
       run.output, "logger 'mlflow': the tracking server at " + server.uri() + " could not be told the run FINISHED");
+  FULGUR_CHECK_CONTAINS(run.output, "the checkpoints were not uploaded and stay in " + checkpoints.string());
   // What was not delivered is on disk, in runs/log-batch's shape: the last epoch's values, the
   // test stage's (logged after fit) and the final status.
   const fs::path unsent_dir = dir / "runs" / "mlruns";

@@ -248,10 +248,16 @@ class MlflowLogger final : public fulgur::Logger {
     } catch (const fulgur::Error& e) {
       spdlog::error("{}", e.what());  // the server refused data; what is left goes to the file below
     }
-    if (log_model_checkpoints_) upload_checkpoints();
+    // A server that just outlasted every retry gets one more try for the status, and no uploads:
+    // exit should not wait out the whole back-off once per request.
+    const bool reachable = delivered || !server_away_;
+    if (log_model_checkpoints_ && reachable) upload_checkpoints();
+    if (log_model_checkpoints_ && !reachable)
+      spdlog::error("{}: the tracking server at {} is unreachable; the checkpoints were not uploaded and stay in {}",
+                    kOwner, uri_, checkpoint_directory().string());
     const char* state = mlflow_status(status);
     const json update = {{"run_id", run_id_}, {"status", state}, {"end_time", now_ms()}};
-    const fulgur::mlflow::HttpResponse answer = api_->post("runs/update", update, retry_.attempts());
+    const fulgur::mlflow::HttpResponse answer = api_->post("runs/update", update, reachable ? retry_.attempts() : 1);
     const bool status_set = answer.ok();
     if (delivered && status_set) return;
     if (!status_set) unsent_status_ = state;
@@ -368,11 +374,15 @@ class MlflowLogger final : public fulgur::Logger {
     return {{"key", m.key}, {"value", m.value}, {"timestamp", m.timestamp_ms}, {"step", m.step}};
   }
 
+  fs::path checkpoint_directory() const {
+    return checkpoint_dir_.empty() ? fs::path(log_dir_) / "checkpoints" : fs::path(checkpoint_dir_);
+  }
+
   // Every *.ckpt in the checkpoint directory (model_checkpoint keeps only its top k and last
   // there) goes to the run's artifacts under checkpoints/. A failed upload is reported, never
   // fatal: the file stays on disk.
   void upload_checkpoints() {
-    const fs::path dir = checkpoint_dir_.empty() ? fs::path(log_dir_) / "checkpoints" : fs::path(checkpoint_dir_);
+    const fs::path dir = checkpoint_directory();
     std::vector<fs::path> files;
     std::error_code error;
     for (const fs::directory_entry& entry : fs::directory_iterator(dir, error))
