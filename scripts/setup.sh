@@ -12,9 +12,11 @@ source "$here/env.sh"
 # libjpeg62-turbo-dev, libpng-dev: the image-folder reader (fulgur/data/image_folder.h) decodes
 # JPEG with libjpeg-turbo (SIMD, the decoder Pillow and torchvision use, security-maintained in
 # Debian) and PNG with libpng's simplified API (handles every colour type and bit depth).
+# libcurl4-openssl-dev: the mlflow logger's HTTP client (timeouts, keep-alive, HTTPS and proxies
+# for a remote tracking server; a C API with one small header, so no compile-time cost).
 apt_packages=(build-essential cmake ninja-build ccache libboost-dev libgloo-dev libtomlplusplus-dev
   libspdlog-dev libfmt-dev doctest-dev zlib1g-dev dataset-fashion-mnist python3-venv binutils file
-  nlohmann-json3-dev libjpeg62-turbo-dev libpng-dev)
+  nlohmann-json3-dev libjpeg62-turbo-dev libpng-dev libcurl4-openssl-dev)
 missing=()
 for p in "${apt_packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
