@@ -1,9 +1,12 @@
-// The tuning callbacks of issue #18: lr_finder (Lightning's LearningRateFinder). Its arithmetic is
-// tested on its own (the plugin's header), then the plugin inside a real fit and through the
-// shipped fashion_mnist program from TOML.
+// The tuning pieces of issue #18: the lr_finder callback (Lightning's LearningRateFinder) and the
+// search of Lightning's BatchSizeFinder. The arithmetic is tested on its own (the plugins'
+// headers), then lr_finder inside a real fit and through the shipped fashion_mnist program from
+// TOML, and the batch-size search against trials whose memory is counted.
 #include "test_support.h"
 #include "training_job.h"
 
+#include "../plugins/callback/batch_size_finder/batch_size_search.h"
+#include "../plugins/callback/batch_size_finder/trial_memory.h"
 #include "../plugins/callback/lr_finder/lr_sweep.h"
 
 #include <fulgur/checkpoint_io.h>
@@ -16,6 +19,8 @@
 #include <cmath>
 #include <cstdio>
 #include <fstream>
+#include <functional>
+#include <limits>
 #include <set>
 #include <sstream>
 #include <string>
@@ -321,4 +326,117 @@ TEST_CASE("lr_finder from TOML in the example: csv and png in the log dir, pre-s
   CHECK(groups.get(0).toGenericDict().at("lr").toDouble() == doctest::Approx(suggestion));
   const auto finder_state = checkpoint.at("callbacks").toGenericDict().at("LearningRateFinder").toGenericDict();
   CHECK(finder_state.at("done").toBool());
+}
+
+// ---- batch size search ----------------------------------------------------------------------------
+
+namespace {
+
+namespace bsf = fulgur::batch_size_finder;
+
+// Runs the search against `fits(size)`; returns the result and the sizes tried, in order.
+std::pair<std::optional<int64_t>, std::vector<int64_t>> search(bsf::BatchSizeSearchOptions options,
+                                                               const std::function<bool(int64_t)>& fits) {
+  bsf::BatchSizeSearch s(options);
+  std::vector<int64_t> tried;
+  while (!s.done()) {
+    tried.push_back(s.next());
+    s.report(fits(s.next()));
+  }
+  return {s.result(), tried};
+}
+
+// steps_per_trial SGD steps (with momentum, whose buffers the first step allocates) of a small MLP
+// on a batch of `batch_size` random samples: what a training trial at that size allocates, weights
+// and data included.
+void mlp_trial(int64_t batch_size, int64_t steps_per_trial) {
+  torch::manual_seed(0);
+  torch::nn::Sequential net(torch::nn::Linear(256, 512), torch::nn::ReLU(), torch::nn::Linear(512, 10));
+  torch::optim::SGD sgd(net->parameters(), torch::optim::SGDOptions(0.01).momentum(0.9));
+  const at::Tensor x = torch::randn({batch_size, 256});
+  const at::Tensor y = torch::randint(0, 10, {batch_size}, torch::kLong);
+  for (int64_t step = 0; step < steps_per_trial; ++step) {
+    sgd.zero_grad();
+    torch::nn::functional::cross_entropy(net->forward(x), y).backward();
+    sgd.step();
+  }
+}
+
+int64_t trial_peak(int64_t batch_size) {
+  const auto outcome = bsf::run_trial([&] { mlp_trial(batch_size, 3); }, std::numeric_limits<int64_t>::max());
+  REQUIRE(outcome.peak_bytes);
+  return *outcome.peak_bytes;
+}
+
+}  // namespace
+
+TEST_CASE("batch size search: power doubles to the last size that fits, binsearch bisects, limits hold") {
+  auto up_to_100 = [](int64_t size) { return size <= 100; };
+  auto power = search(bsf::BatchSizeSearchOptions(), up_to_100);
+  CHECK(power.first == 64);
+  CHECK(power.second == std::vector<int64_t>{2, 4, 8, 16, 32, 64, 128});
+  auto bisect = search(bsf::BatchSizeSearchOptions().mode(bsf::SearchMode::binsearch), up_to_100);
+  CHECK(bisect.first == 100);
+  CHECK(bisect.second == std::vector<int64_t>{2, 4, 8, 16, 32, 64, 128, 96, 112, 104, 100, 102, 101});
+  // A first size too large: power halves until one fits and stops there (twice it failed).
+  auto from_above = search(bsf::BatchSizeSearchOptions().init_val(256), up_to_100);
+  CHECK(from_above.first == 64);
+  CHECK(from_above.second == std::vector<int64_t>{256, 128, 64});
+  CHECK(search(bsf::BatchSizeSearchOptions().init_val(256).mode(bsf::SearchMode::binsearch), up_to_100).first == 100);
+  // max_trials ends the search with the last size that fit; max_val (the dataset) caps it.
+  CHECK(search(bsf::BatchSizeSearchOptions().max_trials(3), up_to_100).first == 8);
+  auto capped = search(bsf::BatchSizeSearchOptions().max_val(50), up_to_100);
+  CHECK(capped.first == 50);
+  CHECK(capped.second.back() == 50);
+  // Nothing fits: no result.
+  CHECK_FALSE(search(bsf::BatchSizeSearchOptions(), [](int64_t) { return false; }).first);
+  CHECK_THROWS_AS(bsf::BatchSizeSearch(bsf::BatchSizeSearchOptions().init_val(0)), std::invalid_argument);
+
+  // A trial that runs out of device memory (c10::OutOfMemoryError, what CUDA's caching allocator
+  // throws) does not fit; any other error is not taken for one.
+  auto device_trial = [](int64_t size) {
+    const auto outcome =
+        bsf::run_trial([&] { TORCH_CHECK_WITH(OutOfMemoryError, size <= 100, "CUDA out of memory (simulated)"); }, 0);
+    CHECK(outcome.out_of_memory == (size > 100));
+    CHECK_FALSE(outcome.peak_bytes);
+    return outcome.fits;
+  };
+  CHECK(search(bsf::BatchSizeSearchOptions(), device_trial).first == 64);
+  CHECK_THROWS_AS(bsf::run_trial([] { throw std::runtime_error("a bug in the step"); }, 0), std::runtime_error);
+}
+
+TEST_CASE("batch size search against a CPU memory budget: the largest power of two whose trial fits") {
+  // The budget: 4 MiB of tensor memory for 3 SGD steps of the MLP (weights, momentum, activations,
+  // gradients and the batch itself).
+  constexpr int64_t kBudget = 4 << 20;
+  const int64_t small = trial_peak(16), large = trial_peak(1024);
+  MESSAGE("peak tensor memory of a trial: batch 16: " << small << " B, batch 1024: " << large << " B");
+  REQUIRE(large > small);  // the measurement sees the batch
+  // The counter is exact: a second trial of the same size counts the same bytes.
+  CHECK(trial_peak(16) == small);
+
+  std::vector<std::pair<int64_t, int64_t>> measured;  // (size, peak) of every trial run
+  auto fits = [&](int64_t size) {
+    const auto outcome = bsf::run_trial([&] { mlp_trial(size, 3); }, kBudget);
+    REQUIRE(outcome.peak_bytes);
+    measured.emplace_back(size, *outcome.peak_bytes);
+    return outcome.fits;
+  };
+  const auto power = search(bsf::BatchSizeSearchOptions().init_val(2), fits);
+  REQUIRE(power.first);
+  const int64_t found = *power.first;
+  MESSAGE("power mode: batch size " << found << " (peak " << trial_peak(found)
+                                    << " B; twice it: " << trial_peak(2 * found) << " B; budget " << kBudget << " B)");
+  CHECK((found & (found - 1)) == 0);
+  CHECK(trial_peak(found) <= kBudget);
+  CHECK(trial_peak(2 * found) > kBudget);
+  CHECK(found >= 64);  // the budget is far above the weights alone: the search went up
+
+  const auto bisect = search(bsf::BatchSizeSearchOptions().mode(bsf::SearchMode::binsearch), fits);
+  REQUIRE(bisect.first);
+  MESSAGE("binsearch mode: batch size " << *bisect.first);
+  CHECK(*bisect.first >= found);
+  CHECK(*bisect.first < 2 * found);
+  CHECK(trial_peak(*bisect.first) <= kBudget);
+  CHECK(trial_peak(*bisect.first + 1) > kBudget);
 }
