@@ -184,8 +184,9 @@ class LrFinder final : public fulgur::CallbackBase<LrFinder> {
           kOwner, points.size(), sweep_options_.num_training_steps_);
     const auto index = sweep_->suggestion_index();
     if (index) suggestion_ = points[*index].lr;
-    if (trainer.is_global_zero()) write_results(trainer, index);
+    // Restored before the files are written: a failed write must not leave the sweep's weights.
     restore(trainer);
+    if (trainer.is_global_zero()) write_results(trainer, index);
     if (!index)
       spdlog::error(
           "{}: no lr suggested: fewer than 2 finite losses remained after skip_begin = {} and skip_end = "
