@@ -723,7 +723,10 @@ TEST_CASE("every built-in plugin passes the testing kit's conformance checks for
       {"gradient_accumulation_scheduler", {{"scheduling", std::vector<std::string>{"2:2"}}}},  // after the 2 epochs
       {"spike_detection", {{"action", std::string("warn")}}},
       {"prediction_writer", {}},
-      {"model_pruning", {}}};
+      {"model_pruning", {}},
+      {"model_pruning",
+       {{"pruning_fn", std::string("ln_structured")}, {"pruning_norm", 2.0}, {"use_global_unstructured", false}}},
+      {"lr_finder", {{"num_training_steps", int64_t{4}}, {"skip_begin", int64_t{1}}, {"skip_end", int64_t{1}}}}};
   for (const auto& [name, overrides] : callbacks) {
     INFO("callback " << name);
     CHECK_NOTHROW(kit::check_callback_conformance(

@@ -707,6 +707,126 @@ TEST_CASE("model_pruning: a real fit ends with the scheduled sparsity in the wei
   CHECK((module.layer->bias == 0).sum().item<int64_t>() == 0);
 }
 
+TEST_CASE("model_pruning: ln_structured zeroes whole rows (or columns) of smallest norm, cumulatively") {
+  kit::FakeTrainer trainer;
+  auto layer = torch::nn::Linear(torch::nn::LinearOptions(3, 6));
+  trainer.module = torch::nn::Sequential(layer).ptr();
+  // Row r has L2 norm proportional to kRowScale[r]; the three smallest are rows 4, 1 and 5.
+  const std::vector<float> kRowScale = {6, 2, 4, 5, 1, 3};
+  {
+    torch::NoGradGuard no_grad;
+    for (int64_t r = 0; r < 6; ++r) layer->weight[r].fill_(kRowScale[static_cast<size_t>(r)]);
+    layer->weight.mul_(torch::tensor({1.0f, -1.0f, 1.0f}));  // signs do not change a norm
+  }
+  auto pruning = make("model_pruning", {{"pruning_fn", std::string("ln_structured")},
+                                        {"pruning_norm", 2.0},
+                                        {"pruning_dim", int64_t{0}},
+                                        {"use_global_unstructured", false},
+                                        {"amount", 0.5}});
+  trainer.start_fit(*pruning);
+  auto zero_rows = [&] {
+    std::vector<int64_t> rows;
+    for (int64_t r = 0; r < 6; ++r)
+      if (layer->weight[r].eq(0).all().item<bool>()) rows.push_back(r);
+    return rows;
+  };
+  pruning->on_train_epoch_end(trainer);
+  CHECK(zero_rows() == std::vector<int64_t>{1, 4, 5});
+  CHECK((layer->weight == 0).sum().item<int64_t>() == 9);  // whole rows, nothing else
+  CHECK((layer->bias == 0).sum().item<int64_t>() == 0);
+  CHECK(trainer.logged.back().metrics.at("pruning/sparsity") == doctest::Approx(0.5));
+
+  {  // a step moves every weight; the pruned rows go back to zero
+    torch::NoGradGuard no_grad;
+    layer->weight.add_(0.5);
+  }
+  fulgur::Batch batch;
+  pruning->on_train_batch_end(trainer, fulgur::StepOutput{}, batch, 0);
+  CHECK(zero_rows() == std::vector<int64_t>{1, 4, 5});
+
+  trainer.epoch = 1;  // round(0.5 * 3 surviving rows) = 2 more: those of scale 4 and 5 (6 stays)
+  pruning->on_train_epoch_end(trainer);
+  CHECK(zero_rows() == std::vector<int64_t>{1, 2, 3, 4, 5});
+  CHECK(trainer.logged.back().metrics.at("pruning/sparsity") == doctest::Approx(5.0 / 6.0));
+
+  // pruning_dim = 1: whole columns (the input features) go; here column 2 has the smallest L1 norm.
+  kit::FakeTrainer columns_trainer;
+  auto other = torch::nn::Linear(torch::nn::LinearOptions(4, 2).bias(false));
+  columns_trainer.module = torch::nn::Sequential(other).ptr();
+  {
+    torch::NoGradGuard no_grad;
+    other->weight.copy_(torch::tensor({{3.0f, -4.0f, 0.5f, 2.0f}, {3.0f, 4.0f, -0.5f, -2.0f}}));
+  }
+  auto by_column = make("model_pruning", {{"pruning_fn", std::string("ln_structured")},
+                                          {"pruning_norm", 1.0},
+                                          {"pruning_dim", int64_t{1}},
+                                          {"use_global_unstructured", false},
+                                          {"amount", 0.25}});
+  columns_trainer.start_fit(*by_column);
+  by_column->on_train_epoch_end(columns_trainer);
+  CHECK(other->weight.eq(0).sum(0).equal(torch::tensor({0, 0, 2, 0}, torch::kLong)));
+
+  // Settings that cannot work are refused with the key to change.
+  using O = Overrides;
+  CHECK_THROWS_WITH_AS(make("model_pruning", O{{"pruning_fn", std::string("ln_structured")}, {"pruning_norm", 2.0}}),
+                       doctest::Contains("use_global_unstructured = false"), fulgur::Error);
+  CHECK_THROWS_WITH_AS(
+      make("model_pruning", O{{"pruning_fn", std::string("ln_structured")}, {"use_global_unstructured", false}}),
+      doctest::Contains("needs pruning_norm"), fulgur::Error);
+  CHECK_THROWS_WITH_AS(make("model_pruning", O{{"pruning_norm", 2.0}}),
+                       doctest::Contains("pruning_norm applies to pruning_fn = \"ln_structured\" only"), fulgur::Error);
+  CHECK_THROWS_WITH_AS(make("model_pruning", O{{"pruning_dim", int64_t{1}}}),
+                       doctest::Contains("pruning_dim applies to"), fulgur::Error);
+  auto too_deep = make("model_pruning", {{"pruning_fn", std::string("ln_structured")},
+                                         {"pruning_norm", 2.0},
+                                         {"pruning_dim", int64_t{2}},
+                                         {"use_global_unstructured", false}});
+  CHECK_THROWS_WITH_AS(too_deep->on_fit_start(columns_trainer), doctest::Contains("pruning_dim = 2 does not exist"),
+                       fulgur::Error);
+}
+
+TEST_CASE("model_pruning ln_structured from TOML in the example: whole rows zeroed, the fraction reached and logged") {
+  TempDir dir;
+  const fs::path ckpt = dir.path() / "ckpt";
+  const std::string toml =
+      "[trainer]\nmax_epochs = 3\nseed = 7\nlimit_train_batches = 4\nlimit_val_batches = 2\n"
+      "limit_test_batches = 2\nlog_every_n_steps = 1\nenable_progress_bar = false\ndefault_root_dir = \"" +
+      (dir.path() / "runs").string() +
+      "\"\n[model]\narch = \"mlp\"\n[data]\nbatch_size = 32\n"
+      "[[callbacks]]\nname = \"model_pruning\"\npruning_fn = \"ln_structured\"\npruning_norm = 2\n"
+      "pruning_dim = 0\nuse_global_unstructured = false\namount = 0.5\nend_epoch = 1\n"
+      "[[callbacks]]\nname = \"model_checkpoint\"\ndirpath = \"" +
+      ckpt.string() + "\"\nsave_top_k = 0\nsave_last = true\n";
+  fulgur::test::write_bytes(dir.path() / "job.toml", toml);
+  const auto run = fulgur::test::run_process(
+      {FULGUR_TEST_FASHION_MNIST, "--config", (dir.path() / "job.toml").string()}, {}, dir.path());
+  INFO(run.output);
+  REQUIRE(run.exit_code == 0);
+  const auto weights =
+      fulgur::read_checkpoint_file((ckpt / "last.ckpt").string()).toGenericDict().at("state_dict").toGenericDict();
+  // fc1 [256, 784]: 128 rows after epoch 0, 64 more after epoch 1; fc2 [10, 256]: 5, then
+  // round(2.5) = 2 (half to even, as torch counts). last.ckpt is written at the end of epoch 2's
+  // validation (before that epoch's on_train_epoch_end, as in Lightning), after a whole epoch of
+  // training on the pruned weights.
+  auto zero_rows = [&](const char* name) {
+    const at::Tensor w = weights.at(name).toTensor();
+    return w.eq(0).all(1).sum().item<int64_t>();
+  };
+  auto zeros = [&](const char* name) { return weights.at(name).toTensor().eq(0).sum().item<int64_t>(); };
+  CHECK(zero_rows("fc1.weight") == 192);
+  CHECK(zeros("fc1.weight") == 192 * 784);  // whole rows only
+  CHECK(zero_rows("fc2.weight") == 7);
+  CHECK(zeros("fc2.weight") == 7 * 256);
+  CHECK(zeros("fc1.bias") < 256);
+  // The sparsity of the last pruning reached the loggers.
+  const double expected = (192.0 * 784 + 7 * 256) / (256.0 * 784 + 10 * 256);
+  std::string csv;
+  for (const auto& entry : fs::recursive_directory_iterator(dir.path() / "runs"))
+    if (entry.path().filename() == "metrics.csv") csv = read_text(entry.path());
+  REQUIRE(contains(csv, "pruning/sparsity"));
+  CHECK(contains(csv, fmt::format("{}", expected).substr(0, 8)));
+}
+
 // ---- the shipped program --------------------------------------------------------------------------
 
 TEST_CASE("fashion_mnist with ema, swa and spike_detection from TOML: checkpoints carry both averages") {

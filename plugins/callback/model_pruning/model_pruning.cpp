@@ -1,18 +1,21 @@
-// Built-in callback `model_pruning`: Lightning's ModelPruning with L1 unstructured magnitude
-// pruning. At the end of each training epoch from start_epoch to end_epoch it prunes `amount` of
-// the weights still unpruned (torch.nn.utils.prune's cumulative rule: two prunings of 0.5 leave a
-// quarter), choosing those of smallest magnitude, over all selected parameters together
-// (use_global_unstructured) or parameter by parameter. The selected parameters are those whose
-// own name (the last part of the dotted name) is in parameter_names, as Lightning's
-// parameter_names. Pruned weights are zeroed and kept at zero after every optimizer step (torch's
-// forward pre-hook computes weight = weight_orig * mask instead; the weights the model uses are
-// the same); at the end of training the zeros are final (Lightning's make_pruning_permanent: there
-// is no reparametrization to remove). After each pruning the sparsity is sent to the loggers as
-// "pruning/sparsity" (and per parameter, "pruning/sparsity/<name>", with verbose = 2). The masks
-// are saved in checkpoints, so a resumed run keeps them.
+// Built-in callback `model_pruning`: Lightning's ModelPruning with magnitude pruning, unstructured
+// (pruning_fn = "l1_unstructured": single weights) or structured (pruning_fn = "ln_structured":
+// whole slices along pruning_dim, e.g. rows of a Linear weight or output channels of a Conv, ranked
+// by their Ln norm with n = pruning_norm, as torch.nn.utils.prune.ln_structured). At the end of
+// each training epoch from start_epoch to end_epoch it prunes `amount` of what is still unpruned
+// (torch's cumulative rule: two prunings of 0.5 leave a quarter; for structured pruning the
+// fraction counts the slices not yet pruned), choosing the smallest magnitudes (norms), over all
+// selected parameters together (use_global_unstructured, unstructured only, as in Lightning) or
+// parameter by parameter. The selected parameters are those whose own name (the last part of the
+// dotted name) is in parameter_names, as Lightning's parameter_names. Pruned weights are zeroed and
+// kept at zero after every optimizer step (torch's forward pre-hook computes weight = weight_orig *
+// mask instead; the weights the model uses are the same); at the end of training the zeros are
+// final (Lightning's make_pruning_permanent: there is no reparametrization to remove). After each
+// pruning the sparsity is sent to the loggers as "pruning/sparsity" (and per parameter,
+// "pruning/sparsity/<name>", with verbose = 2). The masks are saved in checkpoints, so a resumed
+// run keeps them.
 //
-// Not offered: other pruning_fn values, structured pruning (pruning_dim, pruning_norm), the lottery
-// ticket reset and resample_parameters.
+// Not offered: random pruning, the lottery ticket reset and resample_parameters.
 #include <fulgur/plugin.h>
 
 #include "../common/callback_support.h"
@@ -20,6 +23,7 @@
 #include <ATen/core/grad_mode.h>
 #include <ATen/ops/cat.h>
 #include <ATen/ops/full_like.h>
+#include <ATen/ops/linalg_vector_norm.h>
 #include <ATen/ops/ones_like.h>
 #include <ATen/ops/topk.h>
 #include <ATen/ops/where.h>
@@ -58,12 +62,41 @@ class ModelPruning final : public fulgur::CallbackBase<ModelPruning> {
         global_(options.get_bool("use_global_unstructured")),
         start_epoch_(options.get_int("start_epoch")),
         end_epoch_(options.get_int("end_epoch")),
-        verbose_(options.get_int("verbose")) {
+        verbose_(options.get_int("verbose")),
+        dim_(options.get_int("pruning_dim")),
+        norm_(options.get_float("pruning_norm")) {
     const std::string& fn = options.get_string("pruning_fn");
-    if (fn != "l1_unstructured")
-      throw Error(ErrorKind::config, fmt::format("{}: pruning_fn = \"{}\" is not available; the built-in prunes by "
-                                                 "magnitude: pruning_fn = \"l1_unstructured\"",
+    if (fn != "l1_unstructured" && fn != "ln_structured")
+      throw Error(ErrorKind::config, fmt::format("{}: pruning_fn = \"{}\" is not available; use \"l1_unstructured\" "
+                                                 "(single weights by magnitude) or \"ln_structured\" (whole slices "
+                                                 "along pruning_dim by their Ln norm)",
                                                  kOwner, fn));
+    structured_ = fn == "ln_structured";
+    if (structured_) {
+      // Lightning refuses global pruning for structured methods: norms of slices of differently
+      // shaped parameters are not comparable.
+      if (global_)
+        throw Error(ErrorKind::config, fmt::format("{}: pruning_fn = \"ln_structured\" prunes parameter by parameter; "
+                                                   "set use_global_unstructured = false",
+                                                   kOwner));
+      if (std::isnan(norm_))
+        throw Error(ErrorKind::config,
+                    fmt::format("{}: pruning_fn = \"ln_structured\" needs pruning_norm, the n of the "
+                                "Ln norm that ranks the slices (1, 2, ... or inf)",
+                                kOwner));
+      if (!(norm_ > 0))
+        throw Error(ErrorKind::config,
+                    fmt::format("{}: pruning_norm = {} must be > 0 (1, 2, ... or inf)", kOwner, norm_));
+    } else {
+      if (!std::isnan(norm_))
+        throw Error(ErrorKind::config, fmt::format("{}: pruning_norm applies to pruning_fn = \"ln_structured\" only; "
+                                                   "remove it or change pruning_fn",
+                                                   kOwner));
+      if (dim_ != 0)
+        throw Error(ErrorKind::config, fmt::format("{}: pruning_dim applies to pruning_fn = \"ln_structured\" only; "
+                                                   "remove it or change pruning_fn",
+                                                   kOwner));
+    }
     if (!(amount_ > 0.0 && amount_ < 1.0))
       throw Error(ErrorKind::config, fmt::format("{}: amount = {} must lie in (0, 1): the fraction of the unpruned "
                                                  "weights pruned at each pruning epoch",
@@ -86,8 +119,14 @@ class ModelPruning final : public fulgur::CallbackBase<ModelPruning> {
     for (const auto& item : trainer.model().named_parameters(/*recurse=*/true)) {
       const std::string& name = item.key();
       const std::string leaf = name.substr(name.rfind('.') == std::string::npos ? 0 : name.rfind('.') + 1);
-      if (wanted.count(leaf) && at::isFloatingType(item.value().scalar_type()))
-        pruned_.push_back({name, item.value(), at::ones_like(item.value())});
+      if (!wanted.count(leaf) || !at::isFloatingType(item.value().scalar_type())) continue;
+      const int64_t dims = item.value().dim();
+      if (structured_ && (dim_ >= dims || dim_ < -dims))
+        throw Error(ErrorKind::config,
+                    fmt::format("{}: pruning_dim = {} does not exist in '{}' of shape [{}]; choose a "
+                                "dimension in [{}, {}] or leave '{}' out of parameter_names",
+                                kOwner, dim_, name, fmt::join(item.value().sizes(), ", "), -dims, dims - 1, leaf));
+      pruned_.push_back({name, item.value(), at::ones_like(item.value())});
     }
     if (pruned_.empty())
       throw Error(ErrorKind::config, fmt::format("{}: parameter_names = [{}] selects no floating-point parameter of "
@@ -184,10 +223,31 @@ class ModelPruning final : public fulgur::CallbackBase<ModelPruning> {
         p.mask.masked_fill_(part, 0);
         offset += n;
       }
+    } else if (structured_) {
+      for (auto& p : pruned_) prune_slices(p);
     } else {
       for (auto& p : pruned_) p.mask.masked_fill_(choose(score(p)).view(p.param.sizes()), 0);
     }
     apply_masks();
+  }
+
+  // ln_structured: ranks the slices along dim_ by the Ln norm of their weights and zeroes the
+  // masks of the round(amount * unpruned slices) smallest; pruned slices never come back.
+  void prune_slices(Pruned& p) const {
+    const int64_t dims = p.param.dim();
+    const int64_t dim = dim_ < 0 ? dim_ + dims : dim_;
+    std::vector<int64_t> others;
+    for (int64_t d = 0; d < dims; ++d)
+      if (d != dim) others.push_back(d);
+    at::Tensor norms = at::linalg_vector_norm(p.param.detach().to(at::kFloat), norm_, others, /*keepdim=*/false);
+    // A slice is pruned when its mask is all zero; its score is +inf so it is never chosen again.
+    at::Tensor alive = at::linalg_vector_norm(p.mask.to(at::kFloat), 1.0, others, false) > 0;
+    at::Tensor scores =
+        at::where(alive, norms, at::full_like(norms, std::numeric_limits<double>::infinity())).reshape({-1});
+    at::Tensor drop = choose(scores).to(p.mask.device());
+    std::vector<int64_t> shape(static_cast<size_t>(dims), 1);
+    shape[static_cast<size_t>(dim)] = p.param.size(dim);
+    p.mask.masked_fill_(drop.view(shape).expand_as(p.mask), 0);
   }
 
   // |w| where unpruned, +inf where pruned (never chosen again), flattened.
@@ -227,6 +287,9 @@ class ModelPruning final : public fulgur::CallbackBase<ModelPruning> {
   int64_t start_epoch_;
   int64_t end_epoch_;
   int64_t verbose_;
+  int64_t dim_;
+  double norm_;
+  bool structured_ = false;
   std::vector<Pruned> pruned_;
   int64_t prunings_ = 0;
   int64_t last_epoch_ = -1;
@@ -235,17 +298,26 @@ class ModelPruning final : public fulgur::CallbackBase<ModelPruning> {
 
 }  // namespace
 
-FULGUR_PLUGIN(ModelPruning, "model_pruning", "0.1.0",
-              "L1 unstructured magnitude pruning at the end of training epochs (Lightning's ModelPruning), made "
-              "permanent at the end; the sparsity goes to the loggers",
-              FULGUR_OPTION(string, pruning_fn, "Pruning method: \"l1_unstructured\" (smallest magnitude first)",
-                            "l1_unstructured"),
-              FULGUR_OPTION(floating, amount, "Fraction of the still unpruned weights pruned at each pruning epoch",
-                            0.5),
-              FULGUR_OPTION(string_list, parameter_names,
-                            "Parameter names to prune (the last part of dotted names)", ["weight"]),
-              FULGUR_OPTION(boolean, use_global_unstructured,
-                            "One magnitude threshold over all selected parameters; false: per parameter", true),
-              FULGUR_OPTION(integer, start_epoch, "First epoch (0-based) whose end prunes", 0),
-              FULGUR_OPTION(integer, end_epoch, "Last epoch whose end prunes; -1: every epoch to the end", -1),
-              FULGUR_OPTION(integer, verbose, "0: quiet, 1: log the sparsity, 2: also per parameter", 0))
+FULGUR_PLUGIN(
+    ModelPruning, "model_pruning", "0.2.0",
+    "Magnitude pruning (L1 unstructured or Ln structured) at the end of training epochs (Lightning's "
+    "ModelPruning), made permanent at the end; the sparsity goes to the loggers",
+    FULGUR_OPTION(string, pruning_fn,
+                  "\"l1_unstructured\" (single weights, smallest magnitude first) or \"ln_structured\" "
+                  "(whole slices along pruning_dim, smallest Ln norm first)",
+                  "l1_unstructured"),
+    FULGUR_OPTION(integer, pruning_dim,
+                  "ln_structured: the dimension whose slices are pruned (0: rows of a Linear weight, output "
+                  "channels of a Conv; 1: columns / input channels)",
+                  0),
+    FULGUR_OPTION(floating, pruning_norm,
+                  "ln_structured (required there): n of the Ln norm that ranks the slices (1, 2, ... inf)", nan),
+    FULGUR_OPTION(floating, amount, "Fraction of the still unpruned weights pruned at each pruning epoch", 0.5),
+    FULGUR_OPTION(string_list, parameter_names, "Parameter names to prune (the last part of dotted names)", ["weight"]),
+    FULGUR_OPTION(boolean, use_global_unstructured,
+                  "One magnitude threshold over all selected parameters; false: per parameter (required "
+                  "for ln_structured)",
+                  true),
+    FULGUR_OPTION(integer, start_epoch, "First epoch (0-based) whose end prunes", 0),
+    FULGUR_OPTION(integer, end_epoch, "Last epoch whose end prunes; -1: every epoch to the end", -1),
+    FULGUR_OPTION(integer, verbose, "0: quiet, 1: log the sparsity, 2: also per parameter", 0))
