@@ -12,9 +12,12 @@ source "$here/env.sh"
 # libjpeg62-turbo-dev, libpng-dev: the image-folder reader (fulgur/data/image_folder.h) decodes
 # JPEG with libjpeg-turbo (SIMD, the decoder Pillow and torchvision use, security-maintained in
 # Debian) and PNG with libpng's simplified API (handles every colour type and bit depth).
+# fortunes: the text corpus of the GPT example (examples/gpt): 2.6 MB of plain English in
+# /usr/share/games/fortunes, read as it is (bible-kjv-text stores its text in a compressed format
+# only its own program reads; jargon-text's one file sits in /usr/share/doc, which slim images drop).
 apt_packages=(build-essential cmake ninja-build ccache libboost-dev libgloo-dev libtomlplusplus-dev
   libspdlog-dev libfmt-dev doctest-dev zlib1g-dev dataset-fashion-mnist python3-venv binutils file
-  nlohmann-json3-dev libjpeg62-turbo-dev libpng-dev)
+  nlohmann-json3-dev libjpeg62-turbo-dev libpng-dev fortunes)
 missing=()
 for p in "${apt_packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
