@@ -231,6 +231,15 @@ TEST_CASE(
   FULGUR_CHECK_CONTAINS(predict.output, "gpt data: reusing the token files");
   // Same weights (last.ckpt is the state after step 30) and same sample_seed: the same text.
   CHECK(samples_in(predict.output) == samples);
+
+  // print_samples = false: predict prints nothing.
+  std::string quiet = fulgur::test::read_bytes(toml);
+  quiet.replace(quiet.find("sample_seed = 9"), 15, "sample_seed = 9\nprint_samples = false");
+  std::ofstream(toml) << quiet;
+  const ProcessRun silent = run_gpt(dir.path(), toml, {"--predict"});
+  INFO(silent.output);
+  REQUIRE(silent.exit_code == 0);
+  CHECK(!contains(silent.output, "--- sample"));
 }
 
 TEST_CASE(
@@ -305,6 +314,25 @@ TEST_CASE("gpt example: attention is causal, changing a token changes no logits 
   CHECK(!torch::allclose(a.narrow(1, 10, 6), b.narrow(1, 10, 6), 1e-3, 1e-3));
 }
 
+TEST_CASE("gpt example: sampling follows temperature, top_k and the seed") {
+  torch::manual_seed(0);
+  ex::GptModel model(model_options());
+  model.eval();
+  const at::Tensor prompt = ex::encode_bytes("ab").unsqueeze(0).repeat({3, 1});
+  // Past block_size (16) the context is cropped to its last 16 tokens.
+  const at::Tensor greedy = model.generate(prompt, 20, /*temperature=*/0.0, /*top_k=*/0, 1);
+  CHECK(greedy.sizes() == std::vector<int64_t>{3, 22});
+  CHECK(torch::equal(greedy.narrow(1, 0, 2), prompt));
+  CHECK(torch::equal(greedy[0], greedy[1]));
+  CHECK(torch::equal(model.generate(prompt, 20, 1.0, /*top_k=*/1, 7), greedy));  // k = 1 is greedy
+  const at::Tensor sampled = model.generate(prompt, 20, 1.0, 0, 7);
+  CHECK(torch::equal(model.generate(prompt, 20, 1.0, 0, 7), sampled));
+  CHECK(!torch::equal(model.generate(prompt, 20, 1.0, 0, 8), sampled));
+  CHECK(!torch::equal(sampled, greedy));
+  // Bytes round-trip, UTF-8 included.
+  CHECK(ex::decode_bytes(ex::encode_bytes("h\xc3\xa9 %\n")) == "h\xc3\xa9 %\n");
+}
+
 TEST_CASE(
     "gpt example: AdamW decays the Linear weights only, biases, LayerNorm and embeddings are in the "
     "no-decay group") {
@@ -334,10 +362,10 @@ TEST_CASE(
   CHECK(param_groups[0].params().size() == groups.decay.size());
   CHECK(param_groups[1].params().size() == groups.no_decay.size());
   CHECK(std::get<1>(decayed.betas()) == 0.99);
-  // The schedule: lr / warmup_steps at step 0 (default 100 steps of warm-up), per optimizer step.
+  // The schedule: lr / warmup_steps at step 0 (default 50 steps of warm-up), per optimizer step.
   REQUIRE(configs[0].scheduler);
   CHECK(configs[0].interval == fulgur::SchedulerInterval::step);
-  CHECK(decayed.lr() == doctest::Approx(3e-3 / 100));
+  CHECK(decayed.lr() == doctest::Approx(3e-3 / 50));
 }
 
 TEST_CASE(
@@ -356,7 +384,7 @@ TEST_CASE(
   e = error([] { ex::GptModel m(model_options(30).set("n_head", int64_t{4})); });
   FULGUR_CHECK_CONTAINS(e, "n_embd = 30 must be a positive multiple of n_head = 4");
   e = error([] { ex::GptModel m(model_options().set("warmup_steps", int64_t{3000})); });
-  FULGUR_CHECK_CONTAINS(e, "warmup_steps (3000) <= lr_decay_steps (2000)");
+  FULGUR_CHECK_CONTAINS(e, "warmup_steps (3000) <= lr_decay_steps (1000)");
   e = error([] { ex::GptModel m(model_options().set("lr", std::string("fast"))); });
   FULGUR_CHECK_CONTAINS(e, "lr");
   e = error([] {
