@@ -14,9 +14,12 @@ source "$here/env.sh"
 # Debian) and PNG with libpng's simplified API (handles every colour type and bit depth).
 # libcurl4-openssl-dev: the mlflow logger's HTTP client (timeouts, keep-alive, HTTPS and proxies
 # for a remote tracking server; a C API with one small header, so no compile-time cost).
+# fortunes: the text corpus of the GPT example (examples/gpt): 2.6 MB of plain English in
+# /usr/share/games/fortunes, read as it is (bible-kjv-text stores its text in a compressed format
+# only its own program reads; jargon-text's one file sits in /usr/share/doc, which slim images drop).
 apt_packages=(build-essential cmake ninja-build ccache libboost-dev libgloo-dev libtomlplusplus-dev
   libspdlog-dev libfmt-dev doctest-dev zlib1g-dev dataset-fashion-mnist python3-venv binutils file
-  nlohmann-json3-dev libjpeg62-turbo-dev libpng-dev libcurl4-openssl-dev)
+  nlohmann-json3-dev libjpeg62-turbo-dev libpng-dev libcurl4-openssl-dev fortunes)
 missing=()
 for p in "${apt_packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -1,0 +1,275 @@
+// GptModel: the layers, the steps, AdamW with weight-decay groups and the learning-rate schedule.
+#include "gpt.h"
+
+#include <fulgur/error.h>
+
+#include <ATen/CPUGeneratorImpl.h>
+#include <fmt/format.h>
+#include <torch/torch.h>
+
+#include <cmath>
+#include <cstdio>
+
+namespace fulgur::examples {
+
+namespace nn = torch::nn;
+namespace F = torch::nn::functional;
+
+namespace {
+
+// Multi-head self-attention where position t sees positions <= t only (the causal mask of
+// scaled_dot_product_attention, which also picks the fused CPU kernel).
+class CausalSelfAttentionImpl : public nn::Module {
+ public:
+  CausalSelfAttentionImpl(int64_t n_embd, int64_t n_head, double dropout) : n_head_(n_head), dropout_(dropout) {
+    qkv = register_module("qkv", nn::Linear(n_embd, 3 * n_embd));
+    proj = register_module("proj", nn::Linear(n_embd, n_embd));
+    resid_drop = register_module("resid_drop", nn::Dropout(dropout));
+  }
+
+  at::Tensor forward(const at::Tensor& x) {
+    const int64_t B = x.size(0), T = x.size(1), C = x.size(2);
+    // [B, T, 3C] -> three [B, heads, T, C / heads]
+    std::vector<at::Tensor> parts =
+        qkv->forward(x).view({B, T, 3, n_head_, C / n_head_}).permute({2, 0, 3, 1, 4}).unbind(0);
+    at::Tensor y = at::scaled_dot_product_attention(parts[0], parts[1], parts[2], /*attn_mask=*/{},
+                                                    is_training() ? dropout_ : 0.0, /*is_causal=*/true);
+    y = y.transpose(1, 2).reshape({B, T, C});
+    return resid_drop->forward(proj->forward(y));
+  }
+
+  nn::Linear qkv{nullptr}, proj{nullptr};
+  nn::Dropout resid_drop{nullptr};
+
+ private:
+  int64_t n_head_;
+  double dropout_;
+};
+TORCH_MODULE(CausalSelfAttention);
+
+// Pre-LN block: x + attn(ln1(x)), then x + mlp(ln2(x)) (GPT-2's arrangement; trains stably
+// without a warm-up-sensitive final-LN-only setup).
+class BlockImpl : public nn::Module {
+ public:
+  BlockImpl(int64_t n_embd, int64_t n_head, double dropout) {
+    ln1 = register_module("ln1", nn::LayerNorm(nn::LayerNormOptions({n_embd})));
+    attn = register_module("attn", CausalSelfAttention(n_embd, n_head, dropout));
+    ln2 = register_module("ln2", nn::LayerNorm(nn::LayerNormOptions({n_embd})));
+    fc = register_module("fc", nn::Linear(n_embd, 4 * n_embd));
+    proj = register_module("proj", nn::Linear(4 * n_embd, n_embd));
+    drop = register_module("drop", nn::Dropout(dropout));
+  }
+
+  at::Tensor forward(at::Tensor x) {
+    x = x + attn->forward(ln1->forward(x));
+    return x + drop->forward(proj->forward(torch::gelu(fc->forward(ln2->forward(x)), "tanh")));
+  }
+
+  nn::LayerNorm ln1{nullptr}, ln2{nullptr};
+  CausalSelfAttention attn{nullptr};
+  nn::Linear fc{nullptr}, proj{nullptr};
+  nn::Dropout drop{nullptr};
+};
+TORCH_MODULE(Block);
+
+[[noreturn]] void bad(const Options& hp, const std::string& what) {
+  throw Error(ErrorKind::config, fmt::format("{}: {}", hp.owner(), what));
+}
+
+}  // namespace
+
+struct GptModel::Layers {
+  nn::Embedding tok_emb{nullptr}, pos_emb{nullptr};
+  nn::Dropout drop{nullptr};
+  std::vector<Block> blocks;
+  nn::LayerNorm ln_f{nullptr};
+};
+
+GptModel::GptModel(const Options& given) : layers_(std::make_unique<Layers>()) {
+  hparams = with_defaults(given, kGptModelHyperParams, "[model]");
+  const Options& hp = hparams;
+  block_size_ = hp.get_int("block_size");
+  const int64_t n_layer = hp.get_int("n_layer"), n_head = hp.get_int("n_head"), n_embd = hp.get_int("n_embd");
+  const double dropout = hp.get_float("dropout");
+  if (block_size_ <= 0) bad(hp, fmt::format("block_size = {} must be positive", block_size_));
+  if (n_layer <= 0) bad(hp, fmt::format("n_layer = {} must be positive", n_layer));
+  if (n_head <= 0 || n_embd <= 0 || n_embd % n_head != 0)
+    bad(hp, fmt::format("n_embd = {} must be a positive multiple of n_head = {} (each head gets n_embd / n_head)",
+                        n_embd, n_head));
+  if (!(dropout >= 0 && dropout < 1)) bad(hp, fmt::format("dropout = {} must be in [0, 1)", dropout));
+  const double lr = hp.get_float("lr"), min_lr = hp.get_float("min_lr");
+  if (!(lr > 0)) bad(hp, fmt::format("lr = {} must be positive", lr));
+  if (!(min_lr >= 0 && min_lr <= lr)) bad(hp, fmt::format("min_lr = {} must be in [0, lr = {}]", min_lr, lr));
+  if (!(hp.get_float("weight_decay") >= 0))
+    bad(hp, fmt::format("weight_decay = {} must be >= 0", hp.get_float("weight_decay")));
+  const std::vector<double>& betas = hp.get_float_list("betas");
+  if (betas.size() != 2 || !(betas[0] >= 0 && betas[0] < 1) || !(betas[1] >= 0 && betas[1] < 1))
+    bad(hp, "betas must be two numbers in [0, 1), e.g. [0.9, 0.99]");
+  const int64_t warmup = hp.get_int("warmup_steps"), decay = hp.get_int("lr_decay_steps");
+  if (decay <= 0 || warmup < 0 || warmup > decay)
+    bad(hp, fmt::format("need 0 <= warmup_steps ({}) <= lr_decay_steps ({}), lr_decay_steps > 0", warmup, decay));
+  if (hp.get_string("prompt").empty()) bad(hp, "prompt must not be empty: sampling starts from its tokens");
+  if (hp.get_int("max_new_tokens") < 0)
+    bad(hp, fmt::format("max_new_tokens = {} must be >= 0", hp.get_int("max_new_tokens")));
+  if (!(hp.get_float("temperature") >= 0))
+    bad(hp, fmt::format("temperature = {} must be >= 0 (0: greedy)", hp.get_float("temperature")));
+  if (hp.get_int("top_k") < 0 || hp.get_int("top_k") > kByteVocabSize)
+    bad(hp, fmt::format("top_k = {} must be in [0, {}] (0: no limit)", hp.get_int("top_k"), kByteVocabSize));
+  if (hp.get_int("sample_seed") < 0) bad(hp, fmt::format("sample_seed = {} must be >= 0", hp.get_int("sample_seed")));
+  (void)hp.get_bool("print_samples");  // type check now, not at the end of training
+
+  Layers& l = *layers_;
+  l.tok_emb = register_module("tok_emb", nn::Embedding(kByteVocabSize, n_embd));
+  l.pos_emb = register_module("pos_emb", nn::Embedding(block_size_, n_embd));
+  l.drop = register_module("drop", nn::Dropout(dropout));
+  nn::ModuleList blocks;
+  for (int64_t i = 0; i < n_layer; ++i) {
+    l.blocks.emplace_back(n_embd, n_head, dropout);
+    blocks->push_back(l.blocks.back());
+  }
+  register_module("blocks", blocks);
+  l.ln_f = register_module("ln_f", nn::LayerNorm(nn::LayerNormOptions({n_embd})));
+
+  // GPT-2's initialisation: N(0, 0.02) weights, zero biases, and the projections that write into
+  // the residual stream scaled by 1/sqrt(2 n_layer) so that its variance does not grow with depth.
+  torch::NoGradGuard no_grad;
+  for (auto& p : named_parameters()) {
+    if (p.key().ends_with(".bias"))
+      p.value().zero_();
+    else if (p.value().dim() >= 2)
+      p.value().normal_(0.0, p.key().ends_with("proj.weight") ? 0.02 / std::sqrt(2.0 * n_layer) : 0.02);
+  }
+  val_ppl_.sync_with(*this);
+}
+
+GptModel::~GptModel() = default;
+
+void GptModel::check_length(int64_t length) const {
+  if (length > block_size_)
+    throw Error(ErrorKind::config,
+                fmt::format("{}: a sequence of {} tokens is longer than block_size = {}: set [data] block_size <= "
+                            "[model] block_size",
+                            hparams.owner(), length, block_size_));
+}
+
+at::Tensor GptModel::forward(const at::Tensor& tokens) {
+  check_length(tokens.size(1));
+  Layers& l = *layers_;
+  const at::Tensor positions = torch::arange(tokens.size(1), tokens.options().dtype(torch::kLong));
+  at::Tensor x = l.drop->forward(l.tok_emb->forward(tokens) + l.pos_emb->forward(positions));
+  for (Block& block : l.blocks) x = block->forward(x);
+  // Weight tying: the output layer is the token embedding (fewer parameters, and a better
+  // language model at this size); no separate lm_head parameter exists.
+  return at::linear(l.ln_f->forward(x), l.tok_emb->weight);
+}
+
+ParameterGroups GptModel::parameter_groups() const {
+  ParameterGroups groups;
+  // Only weights that multiply activations (Linear) decay; pulling embeddings or LayerNorm gains
+  // towards zero would only fight the model.
+  for (const auto& m : named_modules("", /*include_self=*/false)) {
+    if (!m.value()->as<nn::Linear>()) continue;
+    for (const auto& p : m.value()->named_parameters(/*recurse=*/false)) {
+      if (p.key() != "weight") continue;
+      groups.decay.push_back(p.value());
+      groups.decay_names.push_back(m.key() + ".weight");
+    }
+  }
+  for (const auto& p : named_parameters()) {
+    if (std::find(groups.decay_names.begin(), groups.decay_names.end(), p.key()) != groups.decay_names.end()) continue;
+    groups.no_decay.push_back(p.value());
+    groups.no_decay_names.push_back(p.key());
+  }
+  return groups;
+}
+
+at::Tensor GptModel::loss_of(const at::Tensor& logits, const at::Tensor& target) const {
+  // Under bf16 autocast the logits are bfloat16: the softmax runs in float32.
+  return F::cross_entropy(logits.flatten(0, 1).to(torch::kFloat32), target.flatten());
+}
+
+StepOutput GptModel::training_step(const Batch& batch, int64_t) {
+  const at::Tensor loss = loss_of(forward(batch.input), batch.target);
+  log("train/loss", loss, LogOptions().prog_bar(true));
+  return {loss};
+}
+
+StepOutput GptModel::validation_step(const Batch& batch, int64_t) {
+  const at::Tensor logits = forward(batch.input);
+  const at::Tensor loss = loss_of(logits, batch.target);
+  // Mean over the epoch weighted by rows; every row has block_size tokens, so this is the mean
+  // token loss, and val/ppl = exp(val/loss).
+  log("val/loss", loss, LogOptions().prog_bar(true).sync_dist(true));
+  val_ppl_.update(logits.to(torch::kFloat32), batch.target);
+  log("val/ppl", val_ppl_, LogOptions().prog_bar(true));
+  return {loss};
+}
+
+at::Tensor GptModel::generate(at::Tensor context, int64_t max_new_tokens, double temperature, int64_t top_k,
+                              uint64_t seed) {
+  torch::NoGradGuard no_grad;
+  at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(seed);
+  for (int64_t i = 0; i < max_new_tokens; ++i) {
+    const int64_t t = context.size(1);
+    const at::Tensor window = t > block_size_ ? context.narrow(1, t - block_size_, block_size_) : context;
+    at::Tensor logits = forward(window).select(1, -1).to(torch::kFloat32).cpu();
+    at::Tensor next;
+    if (temperature == 0) {
+      next = logits.argmax(-1, /*keepdim=*/true);
+    } else {
+      logits = logits / temperature;
+      if (top_k > 0) {
+        const at::Tensor kth = std::get<0>(logits.topk(top_k, -1)).select(-1, -1).unsqueeze(-1);
+        logits = logits.masked_fill(logits < kth, -std::numeric_limits<float>::infinity());
+      }
+      next = at::multinomial(logits.softmax(-1), 1, /*replacement=*/false, gen);
+    }
+    context = torch::cat({context, next.to(context.device())}, 1);
+  }
+  return context;
+}
+
+at::Tensor GptModel::predict_step(const Batch& batch, int64_t) {
+  const Options& hp = hparams;
+  const std::string prompt = hp.get_string("prompt");
+  const int64_t rows = batch.size();
+  const at::Tensor context = encode_bytes(prompt).to(batch.input.device()).unsqueeze(0).repeat({rows, 1});
+  // Seeded by the batch's first row, so a row's text does not depend on how many ranks share it.
+  const int64_t first_row = rows > 0 ? batch.input[0].item<int64_t>() : 0;
+  const at::Tensor out = generate(context, hp.get_int("max_new_tokens"), hp.get_float("temperature"),
+                                  hp.get_int("top_k"), static_cast<uint64_t>(hp.get_int("sample_seed") + first_row));
+  if (hp.get_bool("print_samples")) {
+    // The rows are sharded across ranks by the loader: each rank prints the rows it generated.
+    for (int64_t r = 0; r < rows; ++r) {
+      const std::string text = decode_bytes(out[r]);
+      std::printf("--- sample %lld (%zu bytes) ---\n", static_cast<long long>(batch.input[r].item<int64_t>()),
+                  text.size());
+      std::fwrite(text.data(), 1, text.size(), stdout);
+      std::printf("\n");
+    }
+    std::fflush(stdout);
+  }
+  return out;
+}
+
+std::vector<OptimizerConfig> GptModel::configure_optimizers() {
+  const Options& hp = hparams;
+  const std::vector<double>& betas = hp.get_float_list("betas");
+  auto options = [&](double weight_decay) {
+    return std::make_unique<torch::optim::AdamWOptions>(
+        torch::optim::AdamWOptions(hp.get_float("lr")).betas({betas[0], betas[1]}).weight_decay(weight_decay));
+  };
+  ParameterGroups groups = parameter_groups();
+  std::vector<torch::optim::OptimizerParamGroup> param_groups;
+  param_groups.emplace_back(groups.decay, options(hp.get_float("weight_decay")));
+  param_groups.emplace_back(groups.no_decay, options(0.0));
+  auto optimizer = std::make_shared<torch::optim::AdamW>(std::move(param_groups), *options(0.0));
+  // make_cosine_with_warmup applies warmup_start_factor * lr at step 0 and reaches lr at
+  // warmup_steps; starting at lr / warmup_steps rather than 0 keeps the first step useful.
+  const int64_t warmup = hp.get_int("warmup_steps");
+  auto scheduler = make_cosine_with_warmup(*optimizer, warmup, hp.get_int("lr_decay_steps"), hp.get_float("min_lr"),
+                                           warmup > 0 ? 1.0 / static_cast<double>(warmup) : 1.0);
+  return {OptimizerConfig(optimizer).with_scheduler(scheduler, SchedulerInterval::step)};
+}
+
+}  // namespace fulgur::examples

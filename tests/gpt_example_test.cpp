@@ -1,0 +1,420 @@
+// The GPT example (examples/gpt): the shipped `gpt` program run from TOML files in real processes
+// on a corpus the test writes, and the Module / DataModule checked directly where a property is
+// easier to pin down in-process (causal mask, weight-decay groups, token files, bad input).
+#include "test_support.h"
+
+#include "gpt.h"
+
+#include <fulgur/data/token_file.h>
+
+#include <doctest/doctest.h>
+#include <fmt/format.h>
+#include <sys/stat.h>
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <fstream>
+#include <map>
+#include <set>
+#include <sstream>
+#include <string>
+#include <vector>
+
+namespace {
+
+namespace fs = std::filesystem;
+namespace ex = fulgur::examples;
+using fulgur::Options;
+using fulgur::test::contains;
+using fulgur::test::ProcessRun;
+using fulgur::test::TempDir;
+
+// ~96 KB of sentence-like text made of a small vocabulary: structure a tiny model learns within
+// a few dozen steps (the byte distribution alone takes the loss from ln 256 = 5.5 to ~3).
+std::string make_corpus(size_t bytes, uint32_t seed = 1) {
+  static const char* words[] = {"the", "cat",    "sat",    "on",    "a",      "mat",  "and",   "dog", "ran",
+                                "to",  "fulgur", "trains", "small", "models", "with", "bytes", "of",  "text"};
+  std::string text;
+  uint32_t state = seed;
+  while (text.size() < bytes) {
+    state = state * 1664525u + 1013904223u;
+    text += words[(state >> 16) % std::size(words)];
+    text += (state >> 8) % 9 == 0 ? ".\n" : " ";
+  }
+  text.resize(bytes);
+  return text;
+}
+
+fs::path write_corpus(const fs::path& file, const std::string& text) {
+  std::ofstream(file, std::ios::binary) << text;
+  return file;
+}
+
+fs::path gpt_program() {
+  // Built into the same directory as fulgur_ddp_worker (build/bin; see tests/CMakeLists.txt).
+  return fs::path(FULGUR_TEST_DDP_WORKER).parent_path() / "gpt";
+}
+
+// A tiny model that trains in a few seconds: 2 layers, width 32, context 32, 30 steps.
+std::string tiny_toml(const fs::path& root, const fs::path& corpus, const fs::path& cache) {
+  return fmt::format(R"([trainer]
+precision = "bf16-mixed"
+max_steps = 30
+val_check_interval = 15
+limit_val_batches = 4
+num_sanity_val_steps = 0
+gradient_clip_val = 1.0
+log_every_n_steps = 5
+enable_progress_bar = false
+enable_model_summary = false
+seed = 3
+default_root_dir = "{0}/runs"
+[model]
+block_size = 32
+n_layer = 2
+n_head = 2
+n_embd = 32
+lr = 1e-2
+min_lr = 1e-3
+warmup_steps = 5
+lr_decay_steps = 30
+prompt = "the "
+max_new_tokens = 40
+sample_seed = 9
+[data]
+corpus = "{1}"
+cache_dir = "{2}"
+block_size = 32
+batch_size = 16
+predict_samples = 3
+[[loggers]]
+name = "csv"
+[[callbacks]]
+name = "model_checkpoint"
+dirpath = "{0}/ckpt"
+save_last = true
+save_top_k = 0
+)",
+                     root.string(), corpus.string(), cache.string());
+}
+
+ProcessRun run_gpt(const fs::path& dir, const fs::path& toml, std::vector<std::string> extra = {}) {
+  std::vector<std::string> args{gpt_program().string(), "--config", toml.string()};
+  args.insert(args.end(), extra.begin(), extra.end());
+  return fulgur::test::run_process(args, {{"FULGUR_LOG_LEVEL", "info"}}, dir);
+}
+
+// metrics.csv as column -> cells (empty cells kept), in row order.
+std::map<std::string, std::vector<std::string>> read_csv(const fs::path& file) {
+  std::ifstream in(file);
+  REQUIRE_MESSAGE(in.good(), "cannot read " << file.string());
+  std::string line;
+  std::getline(in, line);
+  std::vector<std::string> header;
+  std::stringstream hs(line);
+  for (std::string cell; std::getline(hs, cell, ',');) header.push_back(cell);
+  std::map<std::string, std::vector<std::string>> columns;
+  while (std::getline(in, line)) {
+    std::vector<std::string> cells;
+    std::stringstream ls(line);
+    for (std::string cell; std::getline(ls, cell, ',');) cells.push_back(cell);
+    for (size_t i = 0; i < header.size(); ++i) columns[header[i]].push_back(i < cells.size() ? cells[i] : "");
+  }
+  return columns;
+}
+
+fs::path find_file(const fs::path& root, const std::string& name) {
+  for (const auto& e : fs::recursive_directory_iterator(root))
+    if (e.path().filename() == name) return e.path();
+  FAIL("no " << name << " under " << root.string());
+  return {};
+}
+
+// The samples predict_step printed: "--- sample N (B bytes) ---\n" then B bytes.
+std::map<int, std::string> samples_in(const std::string& output) {
+  std::map<int, std::string> samples;
+  for (size_t at = output.find("--- sample "); at != std::string::npos; at = output.find("--- sample ", at + 1)) {
+    int row = -1;
+    size_t bytes = 0;
+    REQUIRE(std::sscanf(output.c_str() + at, "--- sample %d (%zu bytes) ---\n", &row, &bytes) == 2);
+    const size_t text = output.find('\n', at) + 1;
+    REQUIRE(text + bytes <= output.size());
+    samples[row] = output.substr(text, bytes);
+  }
+  return samples;
+}
+
+struct FileId {
+  ino_t inode;
+  timespec mtime;
+  bool operator==(const FileId& o) const {
+    return inode == o.inode && mtime.tv_sec == o.mtime.tv_sec && mtime.tv_nsec == o.mtime.tv_nsec;
+  }
+};
+FileId file_id(const fs::path& file) {
+  struct stat st {};
+  REQUIRE(::stat(file.c_str(), &st) == 0);
+  return {st.st_ino, st.st_mtim};
+}
+
+Options model_options(int64_t n_embd = 32) {
+  return Options("[model]")
+      .set("block_size", int64_t{16})
+      .set("n_layer", int64_t{2})
+      .set("n_head", int64_t{2})
+      .set("n_embd", n_embd);
+}
+
+}  // namespace
+
+TEST_CASE(
+    "gpt example: a tiny run from TOML lowers the loss, logs val/ppl = exp(val/loss), samples text, and "
+    "--predict samples the same text from the last checkpoint without rewriting the token files") {
+  TempDir dir;
+  const fs::path corpus = write_corpus(dir / "corpus.txt", make_corpus(96 * 1024));
+  const fs::path toml = dir / "gpt.toml";
+  std::ofstream(toml) << tiny_toml(dir.path(), corpus, dir / "cache");
+
+  const ProcessRun fit = run_gpt(dir.path(), toml);
+  INFO(fit.output);
+  REQUIRE(fit.exit_code == 0);
+  FULGUR_CHECK_CONTAINS(fit.output, "gpt data: wrote");
+
+  auto csv = read_csv(find_file(dir / "runs", "metrics.csv"));
+  std::vector<double> train_loss;
+  for (const auto& cell : csv["train/loss"])
+    if (!cell.empty()) train_loss.push_back(std::stod(cell));
+  REQUIRE(train_loss.size() == 6);  // steps 5, 10, ..., 30
+  CHECK(train_loss.front() > 4.0);  // ~ln 256 at the start
+  CHECK(train_loss.back() < 0.8 * train_loss.front());
+  CHECK(train_loss.back() < train_loss[train_loss.size() / 2]);
+
+  std::set<std::string> val_steps;
+  std::vector<double> val_loss;
+  for (size_t i = 0; i < csv["val/loss"].size(); ++i) {
+    if (csv["val/loss"][i].empty()) continue;
+    // (The core validates again at the end of an epoch cut short by max_steps right after an
+    // interval validation: the row for step 29 may come twice, with the same values.)
+    if (!val_steps.insert(csv["step"][i]).second) continue;
+    REQUIRE_FALSE(csv["val/ppl"][i].empty());
+    const double loss = std::stod(csv["val/loss"][i]), ppl = std::stod(csv["val/ppl"][i]);
+    // Perplexity of the whole epoch: exp(mean token loss), not a mean of per-batch exps (which
+    // is larger by Jensen's inequality whenever the batches' losses differ).
+    CHECK(ppl == doctest::Approx(std::exp(loss)).epsilon(1e-4));
+    val_loss.push_back(loss);
+  }
+  CHECK(val_steps == std::set<std::string>{"14", "29"});  // after steps 15 and 30
+  REQUIRE(val_loss.size() == 2);
+  CHECK(val_loss[1] < val_loss[0]);
+
+  const std::map<int, std::string> samples = samples_in(fit.output);
+  REQUIRE(samples.size() == 3);
+  for (const auto& [row, text] : samples) {
+    CHECK(text.size() == 4 + 40);  // prompt + max_new_tokens bytes
+    CHECK(text.starts_with("the "));
+  }
+  CHECK(samples.at(0) != samples.at(1));  // each row draws its own tokens
+
+  // The token files the fit run wrote are mapped again, not rewritten.
+  const fs::path train_bin = find_file(dir / "cache", "train.bin");
+  const fs::path val_bin = train_bin.parent_path() / "val.bin";
+  const FileId train_before = file_id(train_bin), val_before = file_id(val_bin);
+
+  const ProcessRun predict = run_gpt(dir.path(), toml, {"--predict"});
+  INFO(predict.output);
+  REQUIRE(predict.exit_code == 0);
+  CHECK(file_id(train_bin) == train_before);
+  CHECK(file_id(val_bin) == val_before);
+  FULGUR_CHECK_CONTAINS(predict.output, "gpt data: reusing the token files");
+  // Same weights (last.ckpt is the state after step 30) and same sample_seed: the same text.
+  CHECK(samples_in(predict.output) == samples);
+
+  // print_samples = false: predict prints nothing.
+  std::string quiet = fulgur::test::read_bytes(toml);
+  quiet.replace(quiet.find("sample_seed = 9"), 15, "sample_seed = 9\nprint_samples = false");
+  std::ofstream(toml) << quiet;
+  const ProcessRun silent = run_gpt(dir.path(), toml, {"--predict"});
+  INFO(silent.output);
+  REQUIRE(silent.exit_code == 0);
+  CHECK(!contains(silent.output, "--- sample"));
+}
+
+TEST_CASE(
+    "gpt example: the token files partition the corpus into train and validation chunks, and a changed "
+    "corpus gets new files") {
+  TempDir dir;
+  const std::string text = make_corpus(100 * 1000, 5);
+  const fs::path corpus = write_corpus(dir / "corpus.txt", text);
+  auto data_options = [&] {
+    return Options("[data]")
+        .set("corpus", corpus.string())
+        .set("cache_dir", (dir / "cache").string())
+        .set("block_size", int64_t{32})
+        .set("val_fraction", 0.25);
+  };
+  ex::CharCorpusDataModule data(data_options());
+  data.prepare_data();
+  auto tokens_of = [](const fs::path& file) {
+    const std::string bytes = fulgur::test::read_bytes(file);
+    REQUIRE(bytes.size() % 2 == 0);
+    std::string out(bytes.size() / 2, '\0');
+    for (size_t i = 0; i < out.size(); ++i) {
+      uint16_t v;
+      std::memcpy(&v, bytes.data() + 2 * i, 2);
+      REQUIRE(v < 256);
+      out[i] = static_cast<char>(v);
+    }
+    return out;
+  };
+  const std::string train = tokens_of(data.train_file()), val = tokens_of(data.val_file());
+  // 13 chunks of 8 KiB: floor(13 * 0.25) = 3 held out, evenly spaced (chunks 3, 7 and 11).
+  CHECK(val.size() == 3 * 8192);
+  CHECK(train.size() + val.size() == text.size());
+  CHECK(val == text.substr(3 * 8192, 8192) + text.substr(7 * 8192, 8192) + text.substr(11 * 8192, 8192));
+  CHECK(train.starts_with(text.substr(0, 3 * 8192) + text.substr(4 * 8192, 3 * 8192)));
+
+  // Batches: training windows are random offsets, the target the input shifted by one.
+  auto loader = data.train_loader();
+  loader->start_epoch(0);
+  const fulgur::Batch batch = *loader->next();
+  CHECK(batch.input.sizes() == std::vector<int64_t>{32, 32});
+  CHECK(torch::equal(batch.input.narrow(1, 1, 31), batch.target.narrow(1, 0, 31)));
+
+  // Same corpus, same files; new content (same size), new files.
+  const FileId before = file_id(data.train_file());
+  ex::CharCorpusDataModule again(data_options());
+  CHECK(again.train_file() == data.train_file());
+  again.prepare_data();
+  CHECK(file_id(data.train_file()) == before);
+  std::string changed = text;
+  changed[10] = changed[10] == 'x' ? 'y' : 'x';
+  write_corpus(corpus, changed);
+  fs::last_write_time(corpus, fs::last_write_time(corpus) + std::chrono::seconds(5));
+  ex::CharCorpusDataModule edited(data_options());
+  CHECK(edited.train_file() != data.train_file());
+  edited.prepare_data();
+  CHECK(tokens_of(edited.train_file())[10] == changed[10]);
+}
+
+TEST_CASE("gpt example: attention is causal, changing a token changes no logits before it") {
+  torch::manual_seed(0);
+  ex::GptModel model(model_options());
+  model.eval();
+  torch::NoGradGuard no_grad;
+  const at::Tensor tokens = torch::randint(0, 256, {2, 16}, torch::kLong);
+  at::Tensor edited = tokens.clone();
+  edited.index_put_({torch::indexing::Slice(), 10}, (tokens.select(1, 10) + 1) % 256);
+  const at::Tensor a = model.forward(tokens), b = model.forward(edited);
+  CHECK(a.sizes() == std::vector<int64_t>{2, 16, 256});
+  CHECK(torch::allclose(a.narrow(1, 0, 10), b.narrow(1, 0, 10), 0.0, 1e-6));
+  // ... and does change the logits at and after it (the check above can fail).
+  CHECK(!torch::allclose(a.narrow(1, 10, 6), b.narrow(1, 10, 6), 1e-3, 1e-3));
+}
+
+TEST_CASE("gpt example: sampling follows temperature, top_k and the seed") {
+  torch::manual_seed(0);
+  ex::GptModel model(model_options());
+  model.eval();
+  const at::Tensor prompt = ex::encode_bytes("ab").unsqueeze(0).repeat({3, 1});
+  // Past block_size (16) the context is cropped to its last 16 tokens.
+  const at::Tensor greedy = model.generate(prompt, 20, /*temperature=*/0.0, /*top_k=*/0, 1);
+  CHECK(greedy.sizes() == std::vector<int64_t>{3, 22});
+  CHECK(torch::equal(greedy.narrow(1, 0, 2), prompt));
+  CHECK(torch::equal(greedy[0], greedy[1]));
+  CHECK(torch::equal(model.generate(prompt, 20, 1.0, /*top_k=*/1, 7), greedy));  // k = 1 is greedy
+  const at::Tensor sampled = model.generate(prompt, 20, 1.0, 0, 7);
+  CHECK(torch::equal(model.generate(prompt, 20, 1.0, 0, 7), sampled));
+  CHECK(!torch::equal(model.generate(prompt, 20, 1.0, 0, 8), sampled));
+  CHECK(!torch::equal(sampled, greedy));
+  // Bytes round-trip, UTF-8 included.
+  CHECK(ex::decode_bytes(ex::encode_bytes("h\xc3\xa9 %\n")) == "h\xc3\xa9 %\n");
+}
+
+TEST_CASE(
+    "gpt example: AdamW decays the Linear weights only, biases, LayerNorm and embeddings are in the "
+    "no-decay group") {
+  ex::GptModel model(model_options().set("weight_decay", 0.05));
+  const ex::ParameterGroups groups = model.parameter_groups();
+  const std::set<std::string> decay(groups.decay_names.begin(), groups.decay_names.end());
+  const std::set<std::string> no_decay(groups.no_decay_names.begin(), groups.no_decay_names.end());
+  for (const std::string& name :
+       {"tok_emb.weight", "pos_emb.weight", "ln_f.weight", "ln_f.bias", "blocks.0.ln1.weight", "blocks.1.ln2.bias",
+        "blocks.0.attn.qkv.bias", "blocks.1.fc.bias", "blocks.1.proj.bias"})
+    CHECK_MESSAGE(no_decay.count(name) == 1, name);
+  CHECK(decay == std::set<std::string>{"blocks.0.attn.qkv.weight", "blocks.0.attn.proj.weight", "blocks.0.fc.weight",
+                                       "blocks.0.proj.weight", "blocks.1.attn.qkv.weight", "blocks.1.attn.proj.weight",
+                                       "blocks.1.fc.weight", "blocks.1.proj.weight"});
+  // Every parameter in exactly one group; the output layer is the token embedding (tied).
+  CHECK(decay.size() + no_decay.size() == model.named_parameters().size());
+  for (const auto& name : decay) CHECK(no_decay.count(name) == 0);
+
+  const std::vector<fulgur::OptimizerConfig> configs = model.configure_optimizers();
+  REQUIRE(configs.size() == 1);
+  auto& param_groups = configs[0].optimizer->param_groups();
+  REQUIRE(param_groups.size() == 2);
+  auto& decayed = static_cast<torch::optim::AdamWOptions&>(param_groups[0].options());
+  auto& plain = static_cast<torch::optim::AdamWOptions&>(param_groups[1].options());
+  CHECK(decayed.weight_decay() == 0.05);
+  CHECK(plain.weight_decay() == 0.0);
+  CHECK(param_groups[0].params().size() == groups.decay.size());
+  CHECK(param_groups[1].params().size() == groups.no_decay.size());
+  CHECK(std::get<1>(decayed.betas()) == 0.99);
+  // The schedule: lr / warmup_steps at step 0 (default 50 steps of warm-up), per optimizer step.
+  REQUIRE(configs[0].scheduler);
+  CHECK(configs[0].interval == fulgur::SchedulerInterval::step);
+  CHECK(decayed.lr() == doctest::Approx(3e-3 / 50));
+}
+
+TEST_CASE(
+    "gpt example: hyperparameters come from the table with their defaults, and bad ones are refused "
+    "with the key and the fix") {
+  ex::GptModel model(model_options());
+  for (const ex::HyperParam& h : ex::kGptModelHyperParams) CHECK_MESSAGE(model.hparams.contains(h.key), h.key);
+  CHECK(model.hparams.get_string("prompt") == "%\n");
+  CHECK(model.hparams.get_float_list("betas") == std::vector<double>{0.9, 0.99});
+  CHECK(model.hparams.get_int("n_embd") == 32);  // given
+  CHECK(model.hparams.get_int("top_k") == 40);   // default
+
+  auto error = [](auto make) { return std::string(fulgur::test::error_from(make).what()); };
+  std::string e = error([] { ex::GptModel m(model_options().set("n_embdd", int64_t{64})); });
+  FULGUR_CHECK_CONTAINS(e, "[model]: unknown key 'n_embdd'; did you mean 'n_embd'?");
+  e = error([] { ex::GptModel m(model_options(30).set("n_head", int64_t{4})); });
+  FULGUR_CHECK_CONTAINS(e, "n_embd = 30 must be a positive multiple of n_head = 4");
+  e = error([] { ex::GptModel m(model_options().set("warmup_steps", int64_t{3000})); });
+  FULGUR_CHECK_CONTAINS(e, "warmup_steps (3000) <= lr_decay_steps (1000)");
+  e = error([] { ex::GptModel m(model_options().set("lr", std::string("fast"))); });
+  FULGUR_CHECK_CONTAINS(e, "lr");
+  e = error([] {
+    ex::GptModel m(model_options());
+    m.forward(torch::zeros({1, 17}, torch::kLong));
+  });
+  FULGUR_CHECK_CONTAINS(e, "17 tokens is longer than block_size = 16: set [data] block_size <= [model] block_size");
+
+  TempDir dir;
+  e = error([&] { ex::CharCorpusDataModule d(Options("[data]").set("corpus", (dir / "missing").string())); });
+  FULGUR_CHECK_CONTAINS(e, "does not exist; install the Debian package fortunes");
+  const fs::path small = write_corpus(dir / "small.txt", make_corpus(1000));
+  e = error([&] {
+    ex::CharCorpusDataModule d(
+        Options("[data]").set("corpus", small.string()).set("cache_dir", (dir / "cache").string()));
+    d.prepare_data();
+  });
+  FULGUR_CHECK_CONTAINS(e, "the corpus (1000 bytes) is too small");
+}
+
+TEST_CASE("gpt example: the corpus of the shipped TOML, the Debian package fortunes, is where gpt.toml says") {
+  // setup.sh installs it; this guards the path in gpt.toml and the defaults against a layout change.
+  const fs::path dir = ex::kFortunesDir;
+  REQUIRE_MESSAGE(fs::is_directory(dir), "install the Debian package fortunes (scripts/setup.sh does)");
+  TempDir cache;
+  ex::CharCorpusDataModule data(
+      Options("[data]").set("cache_dir", cache.path().string()).set("max_bytes", int64_t{200000}));
+  CHECK(data.hparams.get_string("corpus") == ex::kFortunesDir);
+  data.prepare_data();
+  CHECK(fs::file_size(data.train_file()) + fs::file_size(data.val_file()) == 2 * 200000);
+  const std::string toml = fulgur::test::read_bytes(fs::path(FULGUR_TEST_SOURCE_DIR) / "examples/gpt/gpt.toml");
+  FULGUR_CHECK_CONTAINS(toml, fmt::format("corpus = \"{}\"", ex::kFortunesDir));
+}
