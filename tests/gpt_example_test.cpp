@@ -53,11 +53,6 @@ fs::path write_corpus(const fs::path& file, const std::string& text) {
   return file;
 }
 
-fs::path gpt_program() {
-  // Built into the same directory as fulgur_ddp_worker (build/bin; see tests/CMakeLists.txt).
-  return fs::path(FULGUR_TEST_DDP_WORKER).parent_path() / "gpt";
-}
-
 // A tiny model that trains in a few seconds: 2 layers, width 32, context 32, 30 steps.
 std::string tiny_toml(const fs::path& root, const fs::path& corpus, const fs::path& cache) {
   return fmt::format(R"([trainer]
@@ -73,6 +68,7 @@ enable_model_summary = false
 seed = 3
 default_root_dir = "{0}/runs"
 [model]
+name = "gpt"
 block_size = 32
 n_layer = 2
 n_head = 2
@@ -85,6 +81,7 @@ prompt = "the "
 max_new_tokens = 40
 sample_seed = 9
 [data]
+name = "char_corpus"
 corpus = "{1}"
 cache_dir = "{2}"
 block_size = 32
@@ -101,8 +98,10 @@ save_top_k = 0
                      root.string(), corpus.string(), cache.string());
 }
 
-ProcessRun run_gpt(const fs::path& dir, const fs::path& toml, std::vector<std::string> extra = {}) {
-  std::vector<std::string> args{gpt_program().string(), "--config", toml.string()};
+// `fulgur SUBCOMMAND --config TOML ...`: the example's plugins, as a user runs them.
+ProcessRun run_gpt(const fs::path& dir, const std::string& subcommand, const fs::path& toml,
+                   std::vector<std::string> extra = {}) {
+  std::vector<std::string> args{FULGUR_TEST_FULGUR_BIN, subcommand, "--config", toml.string()};
   args.insert(args.end(), extra.begin(), extra.end());
   return fulgur::test::run_process(args, {{"FULGUR_LOG_LEVEL", "info"}}, dir);
 }
@@ -171,14 +170,14 @@ Options model_options(int64_t n_embd = 32) {
 }  // namespace
 
 TEST_CASE(
-    "gpt example: a tiny run from TOML lowers the loss, logs val/ppl = exp(val/loss), samples text, and "
-    "--predict samples the same text from the last checkpoint without rewriting the token files") {
+    "gpt example: fulgur fit of a tiny model lowers the loss and logs val/ppl = exp(val/loss), and fulgur "
+    "predict samples text from the last checkpoint, the same each time, without rewriting the token files") {
   TempDir dir;
   const fs::path corpus = write_corpus(dir / "corpus.txt", make_corpus(96 * 1024));
   const fs::path toml = dir / "gpt.toml";
   std::ofstream(toml) << tiny_toml(dir.path(), corpus, dir / "cache");
 
-  const ProcessRun fit = run_gpt(dir.path(), toml);
+  const ProcessRun fit = run_gpt(dir.path(), "fit", toml);
   INFO(fit.output);
   REQUIRE(fit.exit_code == 0);
   FULGUR_CHECK_CONTAINS(fit.output, "gpt data: wrote");
@@ -210,33 +209,34 @@ TEST_CASE(
   REQUIRE(val_loss.size() == 2);
   CHECK(val_loss[1] < val_loss[0]);
 
-  const std::map<int, std::string> samples = samples_in(fit.output);
+  // The token files the fit run wrote are mapped again, not rewritten.
+  const fs::path train_bin = find_file(dir / "cache", "train.bin");
+  const fs::path val_bin = train_bin.parent_path() / "val.bin";
+  const FileId train_before = file_id(train_bin), val_before = file_id(val_bin);
+
+  const ProcessRun predict = run_gpt(dir.path(), "predict", toml, {"--ckpt_path=last"});
+  INFO(predict.output);
+  REQUIRE(predict.exit_code == 0);
+  CHECK(file_id(train_bin) == train_before);
+  CHECK(file_id(val_bin) == val_before);
+  FULGUR_CHECK_CONTAINS(predict.output, "gpt data: reusing the token files");
+  const std::map<int, std::string> samples = samples_in(predict.output);
   REQUIRE(samples.size() == 3);
   for (const auto& [row, text] : samples) {
     CHECK(text.size() == 4 + 40);  // prompt + max_new_tokens bytes
     CHECK(text.starts_with("the "));
   }
   CHECK(samples.at(0) != samples.at(1));  // each row draws its own tokens
-
-  // The token files the fit run wrote are mapped again, not rewritten.
-  const fs::path train_bin = find_file(dir / "cache", "train.bin");
-  const fs::path val_bin = train_bin.parent_path() / "val.bin";
-  const FileId train_before = file_id(train_bin), val_before = file_id(val_bin);
-
-  const ProcessRun predict = run_gpt(dir.path(), toml, {"--predict"});
-  INFO(predict.output);
-  REQUIRE(predict.exit_code == 0);
-  CHECK(file_id(train_bin) == train_before);
-  CHECK(file_id(val_bin) == val_before);
-  FULGUR_CHECK_CONTAINS(predict.output, "gpt data: reusing the token files");
   // Same weights (last.ckpt is the state after step 30) and same sample_seed: the same text.
-  CHECK(samples_in(predict.output) == samples);
+  const ProcessRun again = run_gpt(dir.path(), "predict", toml, {"--ckpt_path=last"});
+  REQUIRE(again.exit_code == 0);
+  CHECK(samples_in(again.output) == samples);
 
   // print_samples = false: predict prints nothing.
   std::string quiet = fulgur::test::read_bytes(toml);
   quiet.replace(quiet.find("sample_seed = 9"), 15, "sample_seed = 9\nprint_samples = false");
   std::ofstream(toml) << quiet;
-  const ProcessRun silent = run_gpt(dir.path(), toml, {"--predict"});
+  const ProcessRun silent = run_gpt(dir.path(), "predict", toml, {"--ckpt_path=last"});
   INFO(silent.output);
   REQUIRE(silent.exit_code == 0);
   CHECK(!contains(silent.output, "--- sample"));

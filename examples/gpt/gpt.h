@@ -8,8 +8,9 @@
 //                                               memory-mapped token files written once
 //
 // Both read every hyperparameter from the Options they are built with; the tables below list
-// each key with its type, default (TOML text) and help, in fulgur::OptionSpec's field order, so
-// that they can become a plugin schema as they are. A key not in the table is refused with a
+// each key with its type, default (TOML text) and help: they are the classes' hparams_schema, so
+// the plugins `gpt` and `char_corpus` (gpt_plugins.cpp) have them as their schemas and `fulgur fit`
+// checks [model] / [data] against them. Built directly, a key not in the table is refused with a
 // suggestion, a value of the wrong type by Options.
 //
 // The header stays cheap to include (no <torch/torch.h>; the layers live in gpt_model.cpp).
@@ -18,6 +19,7 @@
 #include <fulgur/data.h>
 #include <fulgur/metrics.h>
 #include <fulgur/module.h>
+#include <fulgur/option_spec.h>
 #include <fulgur/options.h>
 
 #include <array>
@@ -46,13 +48,9 @@ inline constexpr const char* kFortunesPackageHint =
     "install the Debian package fortunes (apt-get install fortunes), or set [data] corpus to a text file or a "
     "directory of text files";
 
-// One hyperparameter: the same fields, in the same order, as fulgur::OptionSpec.
-struct HyperParam {
-  OptionType type;
-  const char* key;
-  const char* help;
-  const char* default_value;  // TOML value text
-};
+// One hyperparameter: fulgur::OptionSpec, so that the tables below are the classes' hparams_schema
+// (the `gpt` and `char_corpus` plugins' schemas, checked by `fulgur fit`).
+using HyperParam = OptionSpec;
 
 // clang-format off
 inline constexpr std::array<HyperParam, 17> kGptModelHyperParams{{
@@ -106,6 +104,7 @@ struct ParameterGroups {
 
 class GptModel : public Module {
  public:
+  static constexpr auto hparams_schema = kGptModelHyperParams;
   explicit GptModel(const Options& hparams);
   ~GptModel() override;
 
@@ -141,6 +140,7 @@ class GptModel : public Module {
 // windows of val.bin in order.
 class CharCorpusDataModule : public DataModule {
  public:
+  static constexpr auto hparams_schema = kCharCorpusHyperParams;
   explicit CharCorpusDataModule(const Options& hparams);
 
   void prepare_data() override;
