@@ -32,10 +32,11 @@ ProcessRun fulgur_cmd(const fs::path& dir, std::vector<std::string> args) {
   return run_process(args, kEnv, dir);
 }
 
-// The value of `key = ...` in the first table named `table` of a printed config.
+// The value of `key = ...` in the table `table` (or the first [[table]] entry) of a printed config.
 std::string value_in(const std::string& toml, const std::string& table, const std::string& key) {
   size_t at = toml.find("\n[" + table + "]\n");
   if (at == std::string::npos && toml.starts_with("[" + table + "]\n")) at = 0;
+  if (at == std::string::npos) at = toml.find("\n[[" + table + "]]\n");  // the first entry of an array
   REQUIRE_MESSAGE(at != std::string::npos, "no [" << table << "] in:\n" << toml);
   const size_t end = toml.find("\n[", at + 2);
   const size_t k = toml.find("\n" + key + " = ", at);
