@@ -245,3 +245,16 @@ TEST_CASE("cli_main gives a program with its own classes the same command line")
   CHECK(typo.exit_code == 2);
   FULGUR_CHECK_CONTAINS(typo.output, "typo.toml:13:12: unknown key 'momentun' for [model]; did you mean 'momentum'?");
 }
+
+TEST_CASE("fulgur fit with strategy ddp launches its ranks and rank 0 alone writes the config") {
+  TempDir dir;
+  write_bytes(dir / "run.toml", base_toml(dir.path()));
+  const ProcessRun run = run_process({FULGUR_TEST_FULGUR_BIN, "fit", "--config", "run.toml", "--trainer.strategy=ddp",
+                                      "--trainer.devices=2", "--trainer.max_epochs=1"},
+                                     {{"FULGUR_LOG_LEVEL", "info"}, {"FULGUR_PLUGIN_PATH", ""}}, dir.path());
+  REQUIRE_MESSAGE(run.exit_code == 0, run.output);
+  FULGUR_CHECK_CONTAINS(run.output, "started 2 processes");  // the launcher re-ran `fulgur fit` as rank 1
+  const fs::path version = only_version(dir / "runs");       // both ranks share rank 0's log directory
+  CHECK(value_in(read_bytes(version / "config.toml"), "trainer", "strategy") == "\"ddp\"");
+  CHECK(fs::exists(version / "checkpoints" / "last.ckpt"));
+}
