@@ -258,3 +258,29 @@ TEST_CASE("fulgur fit with strategy ddp launches its ranks and rank 0 alone writ
   CHECK(value_in(read_bytes(version / "config.toml"), "trainer", "strategy") == "\"ddp\"");
   CHECK(fs::exists(version / "checkpoints" / "last.ckpt"));
 }
+
+TEST_CASE("a mid-epoch checkpoint from another number of processes is refused, one after the epoch's batches resumes") {
+  TempDir dir;
+  write_bytes(dir / "run.toml", base_toml(dir.path()));
+  // ddp over 2 processes, a checkpoint after 2 of the 4 batches of epoch 0, and last.ckpt after all 4.
+  const std::vector<std::string> every_2 = {
+      "--callbacks.model_checkpoint.every_n_train_steps=2", "--callbacks.model_checkpoint.save_top_k=-1",
+      "--callbacks.model_checkpoint.monitor=", "--callbacks.model_checkpoint.filename={step}",
+      "--callbacks.model_checkpoint.dirpath=" + (dir / "ckpts").string()};
+  std::vector<std::string> ddp = {
+      "fit", "--config", "run.toml", "--trainer.strategy=ddp", "--trainer.devices=2", "--trainer.max_epochs=1"};
+  ddp.insert(ddp.end(), every_2.begin(), every_2.end());
+  REQUIRE(fulgur_cmd(dir.path(), ddp).exit_code == 0);
+  REQUIRE(fs::exists(dir / "ckpts" / "step=2.ckpt"));
+  const ProcessRun mid =
+      fulgur_cmd(dir.path(), {"fit", "--config", "run.toml", "--ckpt_path=" + (dir / "ckpts" / "step=2.ckpt").string(),
+                              "--callbacks.model_checkpoint.dirpath=" + (dir / "single").string()});
+  CHECK(mid.exit_code == 1);
+  FULGUR_CHECK_CONTAINS(mid.output, "was written by 2 processes and this run has 1: it stopped 2 batches into epoch 0");
+  CHECK_FALSE(fs::exists(dir / "single" / "last.ckpt"));  // no step was taken
+  const ProcessRun end =
+      fulgur_cmd(dir.path(), {"fit", "--config", "run.toml", "--ckpt_path=" + (dir / "ckpts" / "last.ckpt").string(),
+                              "--callbacks.model_checkpoint.dirpath=" + (dir / "single").string()});
+  REQUIRE_MESSAGE(end.exit_code == 0, end.output);
+  CHECK(fs::exists(dir / "single" / "last.ckpt"));  // epoch 1 trained on one process
+}

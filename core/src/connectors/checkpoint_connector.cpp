@@ -60,6 +60,9 @@ c10::IValue CheckpointConnector::dump_metadata(bool weights_only) {
   ckpt.insert("global_step", position.global_step);
   ckpt.insert("pytorch-lightning_version", "2.6.0");  // the layout this file follows
   ckpt.insert("fulgur_version", kFulgurVersion);
+  // Each rank's data shard depends on the number of processes: a mid-epoch resume must match it.
+  ckpt.insert("world_size", t.cluster().world_size);
+  ckpt.insert("epoch_batches", t.fit_loop_.epoch_loop().num_batches());  // per rank; -1: unknown
 
   // Every loop's own state, under Lightning's names.
   auto loops = string_dict();
@@ -243,6 +246,25 @@ void CheckpointConnector::restore_training_state(const ReadCheckpoint& checkpoin
   if (auto v = get(loops, "test_loop")) t.test_loop_.load_state_dict(*v, path);
   if (auto v = get(loops, "predict_loop")) t.predict_loop_.load_state_dict(*v, path);
   const RunPosition& position = t.fit_loop_.position();
+  // Model, optimizer and loop state are the same for every rank count (replicated, or full-state
+  // checkpoints of a sharded strategy), but the samples each rank sees within an epoch are not: a
+  // mid-epoch resume under another world size would repeat some and skip others.
+  const int64_t skip = t.fit_loop_.epoch_loop().batches_to_skip();
+  if (auto saved = get(ckpt, "world_size"); saved && saved->isInt() && saved->toInt() != t.cluster().world_size) {
+    // After the epoch's last batch (validation or epoch-end hooks still to run) nothing is skipped.
+    const auto batches = get(ckpt, "epoch_batches");
+    const bool epoch_trained = batches && batches->isInt() && batches->toInt() > 0 && skip >= batches->toInt();
+    if (skip > 0 && !epoch_trained)
+      throw Error(ErrorKind::checkpoint,
+                  fmt::format("checkpoint {} was written by {} processes and this run has {}: it stopped {} batches "
+                              "into epoch {}, and each rank's share of an epoch depends on the number of "
+                              "processes, so resuming there would repeat some samples and skip others. Resume "
+                              "with {} processes, or from a checkpoint saved at an epoch end",
+                              path, saved->toInt(), t.cluster().world_size, skip, position.epoch, saved->toInt()));
+    spdlog::warn("checkpoint {} was written by {} processes, this run has {}: resuming {} of epoch {}", path,
+                 saved->toInt(), t.cluster().world_size, skip > 0 ? "after the last training batch" : "at the start",
+                 position.epoch);
+  }
   spdlog::info("Restored training state from {} (epoch {}, global step {}, {} batches into the epoch)", path,
                position.epoch, position.global_step, t.fit_loop_.epoch_loop().batches_to_skip());
 }
