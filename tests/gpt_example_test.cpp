@@ -30,6 +30,7 @@ namespace ex = fulgur::examples;
 using fulgur::Options;
 using fulgur::test::contains;
 using fulgur::test::ProcessRun;
+using fulgur::test::read_csv;
 using fulgur::test::TempDir;
 
 // ~96 KB of sentence-like text made of a small vocabulary: structure a tiny model learns within
@@ -104,25 +105,6 @@ ProcessRun run_gpt(const fs::path& dir, const std::string& subcommand, const fs:
   std::vector<std::string> args{FULGUR_TEST_FULGUR_BIN, subcommand, "--config", toml.string()};
   args.insert(args.end(), extra.begin(), extra.end());
   return fulgur::test::run_process(args, {{"FULGUR_LOG_LEVEL", "info"}}, dir);
-}
-
-// metrics.csv as column -> cells (empty cells kept), in row order.
-std::map<std::string, std::vector<std::string>> read_csv(const fs::path& file) {
-  std::ifstream in(file);
-  REQUIRE_MESSAGE(in.good(), "cannot read " << file.string());
-  std::string line;
-  std::getline(in, line);
-  std::vector<std::string> header;
-  std::stringstream hs(line);
-  for (std::string cell; std::getline(hs, cell, ',');) header.push_back(cell);
-  std::map<std::string, std::vector<std::string>> columns;
-  while (std::getline(in, line)) {
-    std::vector<std::string> cells;
-    std::stringstream ls(line);
-    for (std::string cell; std::getline(ls, cell, ',');) cells.push_back(cell);
-    for (size_t i = 0; i < header.size(); ++i) columns[header[i]].push_back(i < cells.size() ? cells[i] : "");
-  }
-  return columns;
 }
 
 fs::path find_file(const fs::path& root, const std::string& name) {

@@ -169,6 +169,30 @@ inline ProcessRun run_process(const std::vector<std::string>& args, const std::m
   return r;
 }
 
+// A CSV file (a logger's metrics.csv) as column -> cells, empty cells kept, in row order.
+inline std::map<std::string, std::vector<std::string>> read_csv(const fs::path& file) {
+  std::ifstream in(file);
+  REQUIRE_MESSAGE(in.good(), "cannot read " << file.string());
+  std::string line;
+  std::getline(in, line);
+  std::vector<std::string> header;
+  std::stringstream hs(line);
+  for (std::string cell; std::getline(hs, cell, ',');) header.push_back(cell);
+  std::map<std::string, std::vector<std::string>> columns;
+  while (std::getline(in, line)) {
+    std::vector<std::string> cells;
+    size_t start = 0;
+    while (true) {
+      const size_t comma = line.find(',', start);
+      cells.push_back(line.substr(start, comma == std::string::npos ? std::string::npos : comma - start));
+      if (comma == std::string::npos) break;
+      start = comma + 1;
+    }
+    for (size_t i = 0; i < header.size(); ++i) columns[header[i]].push_back(i < cells.size() ? cells[i] : "");
+  }
+  return columns;
+}
+
 }  // namespace fulgur::test
 
 // CHECK that `text` contains `part`, printing both when it does not.

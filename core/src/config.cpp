@@ -487,6 +487,19 @@ void merge_into(toml::table& into, toml::table&& from) {
   }
 }
 
+// A TOML basic string: quotes, backslashes and control characters escaped.
+std::string toml_string(const std::string& s) {
+  std::string out = "\"";
+  for (char c : s) {
+    if (c == '"' || c == '\\') out += '\\';
+    if (static_cast<unsigned char>(c) < 0x20)
+      out += fmt::format("\\u{:04x}", static_cast<int>(c));
+    else
+      out += c;
+  }
+  return out + "\"";
+}
+
 const std::vector<std::string> kListTables = {"callbacks", "loggers"};
 
 // One `section.key=value` override. The value is TOML when it parses as TOML (3, 3e-4, true,
@@ -527,15 +540,7 @@ void apply_override(toml::table& root, const std::string& text) {
   try {
     parsed = toml::parse("v = " + value_text, std::string(flag));
   } catch (const toml::parse_error&) {
-    std::string quoted = "\"";
-    for (char c : value_text) {
-      if (c == '"' || c == '\\') quoted += '\\';
-      if (static_cast<unsigned char>(c) < 0x20)
-        quoted += fmt::format("\\u{:04x}", static_cast<int>(c));
-      else
-        quoted += c;
-    }
-    parsed = toml::parse("v = " + quoted + "\"", std::string(flag));
+    parsed = toml::parse("v = " + toml_string(value_text), std::string(flag));
   }
   toml::node& value = *parsed.get("v");
 
@@ -678,18 +683,6 @@ namespace {
 // TOML text of a value that reads back as the same OptionValue: a float always has a '.' or an
 // exponent (1.0, not 1, which would read back as an integer, and limit_*_batches = 1 is a count).
 std::string toml_text(const OptionValue& value);
-
-std::string toml_string(const std::string& s) {
-  std::string out = "\"";
-  for (char c : s) {
-    if (c == '"' || c == '\\') out += '\\';
-    if (static_cast<unsigned char>(c) < 0x20)
-      out += fmt::format("\\u{:04x}", static_cast<int>(c));
-    else
-      out += c;
-  }
-  return out + "\"";
-}
 
 std::string toml_float(double d) {
   if (std::isnan(d)) return "nan";

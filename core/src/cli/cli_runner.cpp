@@ -182,10 +182,11 @@ void require_user_tables(const CliApp& app, const Config& config) {
   if (!app.make_data && config.data_plugin.name.empty()) throw missing("data", "datamodule");
 }
 
-// --ckpt_path to a file: it must exist, be a checkpoint, and hold this model's weights. Checked
-// before the stage starts so that a typo or another model's file costs nothing.
-void check_checkpoint_file(const std::string& path, const std::string& flag) {
-  if (path.empty() || path == "last" || path == "best") return;
+// --ckpt_path to a file: it must exist and be a checkpoint (read once: its state_dict is what
+// check_checkpoint_matches compares with the model). Checked before the stage starts so that a typo
+// or another model's file costs nothing. nullopt for "", "last" and "best".
+std::optional<c10::impl::GenericDict> read_checkpoint_state(const std::string& path, const std::string& flag) {
+  if (path.empty() || path == "last" || path == "best") return std::nullopt;
   std::error_code ec;
   if (!fs::is_regular_file(path, ec))
     throw UsageError(fmt::format("{}: no checkpoint file at '{}' (give a file, \"last\" or \"best\")", flag, path));
@@ -201,16 +202,15 @@ void check_checkpoint_file(const std::string& path, const std::string& flag) {
         fmt::format("{}: '{}' is not a Fulgur or Lightning checkpoint (it has no state_dict); for bare weights "
                     "see `fulgur weights`",
                     flag, path));
+  return ckpt.toGenericDict().at("state_dict").toGenericDict();
 }
 
-void check_checkpoint_matches(const std::string& path, const std::string& flag, Module& model,
-                              const std::string& model_name) {
-  if (path.empty() || path == "last" || path == "best") return;
+void check_checkpoint_matches(const c10::impl::GenericDict& state, const std::string& path, const std::string& flag,
+                              Module& model, const std::string& model_name) {
   std::map<std::string, std::vector<int64_t>> expected;
   for (const auto& p : model.named_parameters(/*recurse=*/true)) expected[p.key()] = p.value().sizes().vec();
   for (const auto& b : model.named_buffers(/*recurse=*/true)) expected[b.key()] = b.value().sizes().vec();
   if (expected.empty()) return;  // layers made in configure_model: the restore itself checks them
-  const auto state = read_checkpoint_file(path).toGenericDict().at("state_dict").toGenericDict();
   std::vector<std::string> unexpected, mismatched;
   std::set<std::string> seen;
   for (const auto& entry : state) {
@@ -331,7 +331,7 @@ int run(const CliApp& app, const CliArgs& args) {
       args.subcommand == "fit" ? config.trainer.get_string("ckpt_path") : args.ckpt_path.value_or("");
   const std::string ckpt_flag =
       args.ckpt_path ? "--ckpt_path" : fmt::format("{}: [trainer] ckpt_path", config.file.string());
-  check_checkpoint_file(ckpt, ckpt_flag);
+  std::optional<c10::impl::GenericDict> ckpt_state = read_checkpoint_state(ckpt, ckpt_flag);
 
   // 2. The Trainer, then the model (its initial weights follow [trainer] seed) and the data.
   const std::string config_text = saved_config_text(config, args, app.program);
@@ -347,7 +347,8 @@ int run(const CliApp& app, const CliArgs& args) {
   const std::string model_name = app.make_model
                                      ? (app.model_type.empty() ? std::string("this program's model") : app.model_type)
                                      : fmt::format("model '{}'", config.model_plugin.name);
-  check_checkpoint_matches(ckpt, ckpt_flag, *user.model, model_name);
+  if (ckpt_state) check_checkpoint_matches(*ckpt_state, ckpt, ckpt_flag, *user.model, model_name);
+  ckpt_state.reset();  // the stage reads the file itself; do not hold a second copy of the weights
   auto save_config = std::make_shared<SaveConfig>(config_text);
   trainer.add_callback(save_config, "save_config");
 
