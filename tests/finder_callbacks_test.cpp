@@ -1,7 +1,7 @@
-// The tuning pieces of issue #18: the lr_finder callback (Lightning's LearningRateFinder) and the
-// search of Lightning's BatchSizeFinder. The arithmetic is tested on its own (the plugins'
-// headers), then lr_finder inside a real fit and through the shipped fashion_mnist program from
-// TOML, and the batch-size search against trials whose memory is counted.
+// The tuning pieces of issue #18: the lr_finder callback (Lightning's LearningRateFinder) and
+// Lightning's BatchSizeFinder. The arithmetic is tested on its own (the plugins' headers), then
+// each plugin with the testing kit, inside a real fit and through the shipped fashion_mnist
+// program from TOML; the batch-size search also against trials whose memory is counted.
 #include "test_support.h"
 #include "training_job.h"
 
@@ -439,4 +439,198 @@ TEST_CASE("batch size search against a CPU memory budget: the largest power of t
   CHECK(*bisect.first < 2 * found);
   CHECK(trial_peak(*bisect.first) <= kBudget);
   CHECK(trial_peak(*bisect.first + 1) > kBudget);
+}
+
+// ---- batch_size_finder -------------------------------------------------------------------------------
+
+namespace {
+
+// batch_size_finder.csv as (batch_size, fits, out_of_memory, peak_bytes) rows.
+struct TrialRow {
+  int64_t batch_size;
+  bool fits, out_of_memory;
+  int64_t peak_bytes, batches_run;
+};
+std::vector<TrialRow> read_trials(const fs::path& file) {
+  std::ifstream in(file);
+  std::string line;
+  std::getline(in, line);
+  REQUIRE(line == "trial,batch_size,fits,out_of_memory,peak_bytes,batches_run");
+  std::vector<TrialRow> rows;
+  while (std::getline(in, line)) {
+    long long trial = 0, size = 0, peak = 0, run = 0;
+    int fits = 0, oom = 0;
+    REQUIRE(std::sscanf(line.c_str(), "%lld,%lld,%d,%d,%lld,%lld", &trial, &size, &fits, &oom, &peak, &run) == 6);
+    rows.push_back({size, fits == 1, oom == 1, peak, run});
+  }
+  return rows;
+}
+
+std::vector<int64_t> sizes_of(const std::vector<TrialRow>& rows) {
+  std::vector<int64_t> sizes;
+  for (const auto& r : rows) sizes.push_back(r.batch_size);
+  return sizes;
+}
+
+}  // namespace
+
+TEST_CASE("batch_size_finder with the testing kit: the largest size without out-of-memory, trials on disk") {
+  TempDir dir;
+  const c10::Device cuda(c10::DeviceType::CUDA, 0);  // the callback only asks; the kit runs nothing there
+  auto fresh = [&](std::optional<int64_t> limit) {
+    auto trainer = std::make_unique<kit::FakeTrainer>(dir.path().string());
+    trainer->device_value = cuda;
+    trainer->batch_size = 32;
+    trainer->trial_size_limit = limit;
+    return trainer;
+  };
+  {
+    auto trainer = fresh(100);
+    auto finder = make("batch_size_finder");
+    trainer->start_fit(*finder);
+    CHECK(trainer->trials == std::vector<int64_t>{2, 4, 8, 16, 32, 64, 128});
+    CHECK(trainer->batch_size == 64);
+    const auto rows = read_trials(dir.path() / "batch_size_finder.csv");
+    CHECK(sizes_of(rows) == trainer->trials);
+    CHECK(rows.back().out_of_memory);
+    CHECK_FALSE(rows.back().fits);
+    CHECK(rows[5].fits);
+    CHECK(rows[5].peak_bytes == -1);  // on cuda the error decides; nothing is counted
+    REQUIRE(trainer->logged.size() == 1);
+    CHECK(trainer->logged[0].metrics.at("batch_size_finder/batch_size") == 64.0);
+
+    // The result goes into checkpoints; a resumed fit takes it without a new search.
+    c10::IValue state;
+    finder->state_dict(state);
+    auto resumed_trainer = fresh(100);
+    auto resumed = make("batch_size_finder");
+    resumed->load_state_dict(state);
+    resumed_trainer->start_fit(*resumed);
+    CHECK(resumed_trainer->trials.empty());
+    CHECK(resumed_trainer->batch_size == 64);
+  }
+  {
+    auto trainer = fresh(100);
+    auto finder = make("batch_size_finder", {{"mode", std::string("binsearch")}, {"init_val", int64_t{16}}});
+    trainer->start_fit(*finder);
+    CHECK(trainer->trials == std::vector<int64_t>{16, 32, 64, 128, 96, 112, 104, 100, 102, 101});
+    CHECK(trainer->batch_size == 100);
+  }
+  {
+    // max_trials ends the search with the last size that fit.
+    auto trainer = fresh(100);
+    auto finder = make("batch_size_finder", {{"max_trials", int64_t{3}}});
+    trainer->start_fit(*finder);
+    CHECK(trainer->trials == std::vector<int64_t>{2, 4, 8});
+    CHECK(trainer->batch_size == 8);
+  }
+  {
+    // A size whose one batch holds the whole training set (40 samples) ends the search.
+    auto trainer = fresh(std::nullopt);
+    trainer->train_samples = 40;
+    auto finder = make("batch_size_finder", {{"init_val", int64_t{8}}});
+    trainer->start_fit(*finder);
+    CHECK(trainer->trials == std::vector<int64_t>{8, 16, 32, 64});
+    CHECK(trainer->batch_size == 64);
+  }
+  {
+    // Nothing fits: the run stops with the smallest size tried and what to change.
+    auto trainer = fresh(0);
+    auto finder = make("batch_size_finder", {{"init_val", int64_t{4}}});
+    CHECK_THROWS_WITH_AS(trainer->start_fit(*finder),
+                         doctest::Contains("no batch size fits, down to 1 (out of memory)"), fulgur::Error);
+    CHECK(trainer->trials == std::vector<int64_t>{4, 2, 1});
+    CHECK(trainer->batch_size == 32);
+  }
+}
+
+TEST_CASE("batch_size_finder: what cannot work is refused with what to change") {
+  TempDir dir;
+  CHECK_THROWS_WITH_AS(make("batch_size_finder", {{"mode", std::string("linear")}}), doctest::Contains("\"binsearch\""),
+                       fulgur::Error);
+  CHECK_THROWS_WITH_AS(make("batch_size_finder", {{"steps_per_trial", int64_t{0}}}),
+                       doctest::Contains("steps_per_trial = 0 must be >= 1"), fulgur::Error);
+  CHECK_THROWS_WITH_AS(make("batch_size_finder", {{"max_memory_mb", -1.0}}), doctest::Contains("max_memory_mb = -1"),
+                       fulgur::Error);
+  kit::FakeTrainer cpu(dir.path().string());
+  cpu.batch_size = 32;
+  // On cpu running out of memory is no exception: a budget is required.
+  CHECK_THROWS_WITH_AS(cpu.start_fit(*make("batch_size_finder")), doctest::Contains("set max_memory_mb"),
+                       fulgur::Error);
+  kit::FakeTrainer cuda(dir.path().string());
+  cuda.batch_size = 32;
+  cuda.device_value = c10::Device(c10::DeviceType::CUDA, 0);
+  CHECK_THROWS_WITH_AS(cuda.start_fit(*make("batch_size_finder", {{"max_memory_mb", 100.0}})),
+                       doctest::Contains("set max_memory_mb = 0"), fulgur::Error);
+  kit::FakeTrainer no_handle(dir.path().string());  // batch_size = -1: the DataModule offers none
+  CHECK_THROWS_WITH_AS(no_handle.start_fit(*make("batch_size_finder", {{"max_memory_mb", 100.0}})),
+                       doctest::Contains("DataModule::batch_size() and set_batch_size(n)"), fulgur::Error);
+  CHECK(cpu.trials.empty());
+}
+
+TEST_CASE("batch_size_finder from TOML in the example: trials within the budget, then training as if at that size") {
+  TempDir dir;
+  namespace job = fulgur::test::job;
+  auto job_toml = [&](const std::string& name, int64_t batch_size, const std::string& extra, int epochs = 1,
+                      const std::string& trainer_extra = "") {
+    return "[trainer]\nmax_epochs = " + std::to_string(epochs) +
+           "\nseed = 7\nlimit_train_batches = 3\nlimit_val_batches = 2\nenable_progress_bar = false\n"
+           "default_root_dir = \"" +
+           (dir.path() / name / "runs").string() + "\"\n" + trainer_extra +
+           "[model]\narch = \"mlp\"\n[data]\nbatch_size = " + std::to_string(batch_size) + "\nnum_workers = 1\n" +
+           extra + job::checkpointing(dir.path() / name / "ckpt", 0);
+  };
+  const std::string finder =
+      "[[callbacks]]\nname = \"batch_size_finder\"\nmax_memory_mb = 8\nsteps_per_trial = 2\ninit_val = 16\n";
+  fulgur::test::write_bytes(dir.path() / "find.toml", job_toml("a", 32, finder));
+  const auto found_run = job::run_example(dir.path() / "find.toml", dir.path());
+  INFO(found_run.output);
+  REQUIRE(found_run.exit_code == 0);
+
+  fs::path csv;
+  for (const auto& entry : fs::recursive_directory_iterator(dir.path() / "a" / "runs"))
+    if (entry.path().filename() == "batch_size_finder.csv") csv = entry.path();
+  REQUIRE(!csv.empty());
+  const auto rows = read_trials(csv);
+  REQUIRE(rows.size() >= 2);
+  // Power mode from 16: every size that fit was within 8 MiB, the first that did not was above.
+  constexpr int64_t kBudget = 8 << 20;
+  for (size_t i = 0; i + 1 < rows.size(); ++i) {
+    CHECK(rows[i].fits);
+    CHECK(rows[i].peak_bytes <= kBudget);
+    CHECK(rows[i].batches_run == 2);
+    CHECK(rows[i + 1].batch_size == 2 * rows[i].batch_size);
+  }
+  CHECK_FALSE(rows.back().fits);
+  CHECK(rows.back().peak_bytes > kBudget);
+  CHECK(rows.back().peak_bytes > rows.front().peak_bytes);
+  const int64_t found = rows[rows.size() - 2].batch_size;
+  CHECK(contains(found_run.output, "training with batch size " + std::to_string(found) + " (configured 32"));
+  const auto checkpoint = job::checkpoint_dict(dir.path() / "a" / "ckpt" / "last.ckpt");
+  CHECK(checkpoint.at("callbacks")
+            .toGenericDict()
+            .at("BatchSizeFinder")
+            .toGenericDict()
+            .at("optimal_batch_size")
+            .toInt() == found);
+
+  // The trials left nothing behind: the same job at that batch size without the finder ends with
+  // the same weights, bit for bit (weights, Adam's state, the random state and the loaders were
+  // all restored).
+  fulgur::test::write_bytes(dir.path() / "plain.toml", job_toml("b", found, ""));
+  const auto plain = job::run_example(dir.path() / "plain.toml", dir.path());
+  INFO(plain.output);
+  REQUIRE(plain.exit_code == 0);
+  CHECK(job::same_weights(dir.path() / "a" / "ckpt" / "last.ckpt", dir.path() / "b" / "ckpt" / "last.ckpt"));
+
+  // Resumed for a second epoch: the size comes from the checkpoint, no trial runs again.
+  const fs::path last = dir.path() / "a" / "ckpt" / "last.ckpt";
+  fulgur::test::write_bytes(dir.path() / "resume.toml",
+                            job_toml("a", 32, finder, 2, "ckpt_path = \"" + last.string() + "\"\n"));
+  const auto resumed = job::run_example(dir.path() / "resume.toml", dir.path());
+  INFO(resumed.output);
+  REQUIRE(resumed.exit_code == 0);
+  CHECK(contains(resumed.output, "batch size " + std::to_string(found) + " from the checkpoint (no new search)"));
+  CHECK_FALSE(contains(resumed.output, "does not fit"));
+  CHECK(job::checkpoint_dict(last).at("epoch").toInt() == 1);
 }

@@ -68,6 +68,9 @@ class Trainer::Impl final : public TrainerContext {
   const std::string& default_root_dir() const override { return settings_.default_root_dir; }
   std::string log_dir() const override { return logging_.log_dir(); }
   void save_checkpoint(const std::string& path, bool weights_only) override { checkpoints_.save(path, weights_only); }
+  int64_t train_batch_size() const override;
+  void set_train_batch_size(int64_t n) override;
+  BatchSizeTrial run_batch_size_trial(int64_t batch_size, int64_t steps) override;
   torch::nn::Module& model() override;
   std::vector<torch::optim::Optimizer*> optimizers() override { return optimizer_ptrs_; }
 
@@ -114,6 +117,11 @@ class Trainer::Impl final : public TrainerContext {
   // Shared by the loops: a batch through the module's transfer hooks and the precision's input
   // conversion; the LR schedulers of `interval` that are due.
   Batch transfer(Batch batch);
+  // run_batch_size_trial's preconditions (a fit not yet training, one process, a DataModule that
+  // offers its batch size); `what` names the caller in the error.
+  void check_batch_size_change(std::string_view what) const;
+  // One trial batch (batch_size_trial.cpp): the step, backward and optimizer step, no hooks.
+  void run_trial_batch(Batch batch, int64_t batch_idx);
   void step_schedulers(SchedulerInterval interval, bool skip_monitored = false);
 
   Config config_;

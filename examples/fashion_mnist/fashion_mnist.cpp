@@ -124,6 +124,12 @@ FashionMnistDataModule::FashionMnistDataModule(Options hp) {
   hparams = std::move(hp);
 }
 
+void FashionMnistDataModule::set_batch_size(int64_t n) {
+  if (n <= 0) throw Error(ErrorKind::config, fmt::format("[data] batch_size = {} must be positive", n));
+  batch_size_ = n;
+  hparams.set("batch_size", n);  // checkpoints record the size trained with, as Lightning's hparams do
+}
+
 void FashionMnistDataModule::setup(Stage stage) {
   if (stage == Stage::fit || stage == Stage::validate || stage == Stage::sanity_check) {
     if (train_.images.defined()) return;

@@ -66,7 +66,9 @@ class FashionMnistDataModule : public DataModule {
   // The test images, in order.
   std::unique_ptr<BatchLoader> predict_loader() override;
 
-  int64_t batch_size() const { return batch_size_; }
+  // The batch-size finder's handle (the next train_loader() uses a new size).
+  int64_t batch_size() const override { return batch_size_; }
+  void set_batch_size(int64_t n) override;
   const FashionMnistSplit& train_split() const { return train_; }
   const FashionMnistSplit& val_split() const { return val_; }
   const FashionMnistSplit& test_split() const { return test_; }

@@ -148,6 +148,9 @@ class CharCorpusDataModule : public DataModule {
   std::unique_ptr<BatchLoader> train_loader() override;
   std::unique_ptr<BatchLoader> val_loader() override;
   std::unique_ptr<BatchLoader> predict_loader() override;
+  // The batch-size finder's handle: every loader reads [data] batch_size when it is made.
+  int64_t batch_size() const override { return hparams.get_int("batch_size"); }
+  void set_batch_size(int64_t n) override { hparams.set("batch_size", n); }
 
   // Where this corpus's token files are (they exist after prepare_data()).
   std::filesystem::path train_file() const { return token_dir_ / "train.bin"; }

@@ -159,9 +159,14 @@ void load_optimizer_state(torch::optim::Optimizer& optimizer, const c10::IValue&
     for (auto& p : group.params()) {
       auto it = state.find(index);
       ++index;
-      if (it == state.end()) continue;
-      const auto& s = it->value().toGenericDict();
       void* key = p.unsafeGetTensorImpl();
+      // No saved state: the parameter had not been stepped then. State it gained since (an LR
+      // sweep's or a batch-size trial's steps) must go, as torch's load_state_dict replaces all.
+      if (it == state.end()) {
+        optimizer.state().erase(key);
+        continue;
+      }
+      const auto& s = it->value().toGenericDict();
       auto clone = [&](const char* k) { return require_key(s, k, path, "").toTensor().clone().to(p.device()); };
       if (dynamic_cast<torch::optim::Adam*>(&optimizer)) {
         auto ps = std::make_unique<torch::optim::AdamParamState>();

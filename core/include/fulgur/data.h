@@ -83,6 +83,13 @@ class DataModule {
   virtual std::vector<std::unique_ptr<BatchLoader>> test_loaders();
   virtual std::unique_ptr<BatchLoader> predict_loader() { return nullptr; }
 
+  // The training batch size, for the batch-size finder (Lightning's `batch_size` attribute of a
+  // LightningDataModule); -1: this DataModule does not offer one (the default).
+  virtual int64_t batch_size() const { return -1; }
+  // Sets it; the next train_loader() uses it. A DataModule that offers batch_size() overrides this
+  // too. The default throws fulgur::Error(config): the finder then says what to implement.
+  virtual void set_batch_size(int64_t n);
+
   // Hyperparameters from the TOML [data] table.
   Options hparams;
 };

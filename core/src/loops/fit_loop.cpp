@@ -29,6 +29,11 @@ void set_cpu_rng_state(const at::Tensor& state) {
 
 void FitLoop::run() {
   Trainer::Impl& t = trainer_;
+  running_ = true;
+  struct Finished {
+    bool& running;
+    ~Finished() { running = false; }
+  } finished{running_};
   start_time_ = std::chrono::steady_clock::now();
   const SignalScope signals(t.config_, t.settings_.default_root_dir);  // SIGTERM & co.: safe points below
   setup_data();

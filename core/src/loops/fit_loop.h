@@ -33,6 +33,8 @@ class FitLoop {
     train_loader_.reset();
     val_loaders_.clear();
   }
+  // From run()'s start to its end: the loaders exist or are being built, batches are training.
+  bool running() const { return running_; }
   const RunPosition& position() const { return position_; }
   TrainingEpochLoop& epoch_loop() { return epoch_loop_; }
   const TrainingEpochLoop& epoch_loop() const { return epoch_loop_; }
@@ -58,6 +60,7 @@ class FitLoop {
   int64_t loaders_epoch_ = -1;  // the epoch the loaders were last asked for
   std::chrono::steady_clock::time_point start_time_ = std::chrono::steady_clock::now();
   double elapsed_before_resume_ = 0;
+  bool running_ = false;
 };
 
 }  // namespace fulgur

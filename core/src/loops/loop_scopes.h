@@ -9,6 +9,7 @@
 
 #include <optional>
 
+#include "../binding.h"
 #include "../metrics.h"
 
 namespace fulgur {

@@ -58,12 +58,14 @@ class BatchSizeSearch {
   // The largest size that fit so far.
   std::optional<int64_t> result() const { return best_; }
 
-  // Reports the outcome of the trial at next().
-  void report(bool fits) {
+  // Reports the outcome of the trial at next(). `whole_dataset`: that batch already held every
+  // training sample (one batch per epoch), so a larger size would train the same batch.
+  void report(bool fits, bool whole_dataset = false) {
     if (done_) return;
     ++trials_;
     if (fits) {
       best_ = std::max(best_.value_or(0), size_);
+      if (whole_dataset) return finish();
       // Power mode after a failure: twice this size is the one that failed.
       if (high_ && (o_.mode_ == SearchMode::power || *high_ - size_ <= 1)) return finish();
       const int64_t grown = high_ ? (size_ + *high_) / 2 : cap(size_ * 2);

@@ -27,8 +27,9 @@ extern "C" {
 /* Version of the six C++ interfaces as a whole; a new virtual function bumps it. */
 /* History: 2 added Strategy::launches_processes/before_training_step and GradientSync; 3 is
  * contract v2 (callback roles and checkpoint providers, a capability-only TrainerContext, the
- * Strategy owning model/optimizer state and checkpoint parts). */
-#define FULGUR_CXX_INTERFACE_MAJOR 3
+ * Strategy owning model/optimizer state and checkpoint parts); 4 added the TrainerContext's
+ * training batch size and batch-size trials. */
+#define FULGUR_CXX_INTERFACE_MAJOR 4
 
 #define FULGUR_PLUGIN_QUERY_SYMBOL "fulgur_plugin_query_v1"
 #define FULGUR_NOTE_OWNER "fulgur"

@@ -16,6 +16,7 @@
 #include <fulgur/trainer_context.h>
 
 #include <ATen/core/Tensor.h>
+#include <c10/util/Exception.h>
 #include <torch/nn/module.h>
 #include <torch/nn/modules/activation.h>
 #include <torch/nn/modules/container/sequential.h>
@@ -59,7 +60,13 @@ class FakeTrainer : public TrainerContext {
   int64_t max_steps_value = -1;
   std::map<Stage, int64_t> batches{{Stage::fit, 5}, {Stage::validate, 2}};
   bool last_batch = false;
-  int64_t accumulate = 1;    // accumulate_grad_batches, as a callback set it
+  int64_t accumulate = 1;   // accumulate_grad_batches, as a callback set it
+  int64_t batch_size = -1;  // train_batch_size(), as a callback set it (-1: none offered)
+  // run_batch_size_trial: the largest size that "fits"; a larger one throws
+  // c10::OutOfMemoryError as CUDA's caching allocator would. Unset: every size fits.
+  std::optional<int64_t> trial_size_limit;
+  // run_batch_size_trial's batches per epoch: samples / size, rounded up (-1: unknown).
+  int64_t train_samples = -1;
   int64_t loader_index = 0;  // dataloader_idx()
   MetricMap metrics;         // callback_metrics()
   MetricMap bar_metrics;     // progress_bar_metrics()
@@ -82,6 +89,7 @@ class FakeTrainer : public TrainerContext {
   std::vector<LoggedRow> logged;
   std::vector<std::pair<bool, bool>> decisions;  // agree(decision, all) calls
   int broadcasts = 0;
+  std::vector<int64_t> trials;  // run_batch_size_trial sizes, in order
   int device_syncs = 0;
   mutable int progress_bar_reads = 0;
 
@@ -147,6 +155,20 @@ class FakeTrainer : public TrainerContext {
     accumulate = n;
   }
   int64_t dataloader_idx() const override { return loader_index; }
+  int64_t train_batch_size() const override { return batch_size; }
+  void set_train_batch_size(int64_t n) override {
+    if (batch_size < 0) throw Error(ErrorKind::config, "the DataModule cannot change its batch size");
+    if (n < 1) throw Error(ErrorKind::config, "batch size must be >= 1");
+    batch_size = n;
+  }
+  BatchSizeTrial run_batch_size_trial(int64_t size, int64_t steps) override {
+    if (batch_size < 0) throw Error(ErrorKind::config, "the DataModule cannot change its batch size");
+    trials.push_back(size);
+    if (trial_size_limit && size > *trial_size_limit)
+      throw c10::OutOfMemoryError("FakeTrainer: batch size " + std::to_string(size) + " does not fit");
+    const int64_t per_epoch = train_samples < 0 ? -1 : (train_samples + size - 1) / size;
+    return {per_epoch < 0 ? steps : std::min(steps, per_epoch), per_epoch};
+  }
   const std::string& default_root_dir() const override { return root_dir; }
   std::string log_dir() const override { return root_dir; }
   // Writes a small text file (not a real checkpoint): callbacks decide names and times, not content.

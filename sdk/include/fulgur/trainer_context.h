@@ -15,6 +15,12 @@
 
 namespace fulgur {
 
+// What TrainerContext::run_batch_size_trial did.
+struct BatchSizeTrial {
+  int64_t batches_run = 0;         // fewer than asked when one epoch holds fewer
+  int64_t batches_per_epoch = -1;  // of the train loader at the tried size (-1: unknown)
+};
+
 class FULGUR_SDK_API TrainerContext {
  public:
   virtual ~TrainerContext();
@@ -88,6 +94,22 @@ class FULGUR_SDK_API TrainerContext {
   // Writes a complete checkpoint to `path` through the strategy (atomically). A collective.
   virtual void save_checkpoint(const std::string& path, bool weights_only) = 0;
 
+  // ---- the training batch size (the batch-size finder) ------------------------------------------
+  // The DataModule's training batch size (fulgur::DataModule::batch_size(), Lightning's
+  // `batch_size` attribute), or -1 when the DataModule does not offer one.
+  virtual int64_t train_batch_size() const = 0;
+  // Changes it for this fit (DataModule::set_batch_size). Only before fit builds its loaders: from
+  // setup() or on_fit_start. Throws fulgur::Error(config) after that, for n < 1, or when the
+  // DataModule cannot change its batch size.
+  virtual void set_train_batch_size(int64_t n) = 0;
+  // Trains `steps` batches of `batch_size` samples from a fresh train loader (training_step,
+  // backward, optimizer step; no callback hook runs, nothing is logged or counted), then puts the
+  // weights, the optimizer states, the CPU random state and the batch size back as they were: what
+  // a batch-size search measures. An error in the steps (c10::OutOfMemoryError on CUDA) reaches
+  // the caller after that restore. One process only (an out-of-memory rank would leave the others
+  // inside the gradient all-reduce), from setup() or on_fit_start; throws fulgur::Error(config)
+  // otherwise.
+  virtual BatchSizeTrial run_batch_size_trial(int64_t batch_size, int64_t steps) = 0;
   // ---- the model being trained -----------------------------------------------------------------
   // The user's module as written (not a strategy's wrapper).
   virtual torch::nn::Module& model() = 0;
