@@ -3,6 +3,9 @@
 //   --procs P --threads T --batch B [--accumulate K]  ->  a line "RESULT key=value ..." from rank 0
 // bench/ddp.sh runs the layouts side by side and prints the table. Timings are per training batch
 // (on_train_batch_start to on_train_batch_end: forward, backward with its all-reduce, step).
+// With several processes it also times the per-batch signal agreement (interrupt_due in
+// core/src/signal_connector.h: one boolean all-reduce through the strategy after every batch),
+// as back-to-back TrainerContext::agree calls: the same strategy, process group and path.
 #include <fulgur/callback.h>
 #include <fulgur/config.h>
 #include <fulgur/data.h>
@@ -10,6 +13,8 @@
 #include <fulgur/strategy.h>
 #include <fulgur/trainer.h>
 #include <fulgur/trainer_context.h>
+
+#include "fashion_mnist.h"
 
 #include <fmt/format.h>
 #include <torch/torch.h>
@@ -63,9 +68,10 @@ struct ConvNet : fulgur::Module {
 };
 
 struct RandomData : fulgur::DataModule {
-  RandomData(int64_t samples, int64_t batch) : batch(batch) {
+  // `images`: N x 1 x 28 x 28 (what the Fashion-MNIST example's nets take), else N x 784.
+  RandomData(int64_t samples, int64_t batch, bool images) : batch(batch) {
     auto gen = at::make_generator<at::CPUGeneratorImpl>(3);
-    inputs = at::randn({samples, 784}, gen);
+    inputs = images ? at::randn({samples, 1, 28, 28}, gen) : at::randn({samples, 784}, gen);
     targets = at::randint(0, 10, {samples}, gen, at::kLong);
   }
   std::unique_ptr<fulgur::BatchLoader> train_loader() override {
@@ -90,6 +96,15 @@ struct BatchTimer : fulgur::Callback {
       trainer.reduce(flat, fulgur::ReduceOp::mean);
       if (i >= 3) allreduce_ms.push_back(std::chrono::duration<double, std::milli>(Clock::now() - t0).count());
     }
+    if (trainer.cluster().world_size <= 1) return;  // interrupt_due does not communicate then
+    // The signal agreement: `agree_repeats` means of `agree_calls` calls, after one warm-up repeat.
+    for (int r = 0; r <= agree_repeats; ++r) {
+      trainer.barrier("bench");
+      const auto t0 = Clock::now();
+      for (int i = 0; i < agree_calls; ++i) (void)trainer.agree(false, /*all=*/false);
+      const double us = std::chrono::duration<double, std::micro>(Clock::now() - t0).count() / agree_calls;
+      if (r > 0) agree_us.push_back(us);
+    }
   }
   void on_train_batch_start(fulgur::TrainerContext&, const fulgur::Batch&, int64_t) override { t0 = Clock::now(); }
   void on_train_batch_end(fulgur::TrainerContext&, const fulgur::StepOutput&, const fulgur::Batch&,
@@ -102,8 +117,9 @@ struct BatchTimer : fulgur::Callback {
     std::nth_element(v.begin(), v.begin() + v.size() / 2, v.end());
     return v[v.size() / 2];
   }
+  int agree_repeats = 20, agree_calls = 200;
   Clock::time_point t0;
-  std::vector<double> batch_ms, allreduce_ms;
+  std::vector<double> batch_ms, allreduce_ms, agree_us;
 };
 
 std::string arg(int argc, char** argv, const std::string& name, const std::string& fallback) {
@@ -143,21 +159,36 @@ threads = {}
                                        procs > 1 ? "ddp" : "single_device", procs, steps, accumulate, threads,
                                        procs > 1 ? fmt::format("[strategy]\nbucket_cap_mb = {}\n", bucket_mb) : "");
   fulgur::Trainer trainer(fulgur::parse_config(toml, "bench_ddp.toml"));
-  std::unique_ptr<fulgur::Module> model;
-  if (model_name == "conv")
-    model = std::make_unique<ConvNet>();
-  else
-    model = std::make_unique<WideMlp>();
-  RandomData data(batch * steps, batch);
+  // fashion_cnn / fashion_mlp: the Fashion-MNIST example's nets (its TOML trains the CNN, batch 64).
+  const bool fashion = model_name.starts_with("fashion_");
+  std::shared_ptr<fulgur::Module> model;
+  if (fashion) {
+    fulgur::Options hp("[model]");
+    hp.set("arch", model_name.substr(8)).set("optimizer", std::string("adam")).set("lr", 1e-3);
+    model = fulgur::examples::make_fashion_mnist_model(hp);
+  } else if (model_name == "conv") {
+    model = std::make_shared<ConvNet>();
+  } else if (model_name == "mlp") {
+    model = std::make_shared<WideMlp>();
+  } else {
+    std::cerr << "bench_ddp: --model " << model_name << ": expected mlp, conv, fashion_cnn or fashion_mlp\n";
+    return 2;
+  }
+  RandomData data(batch * steps, batch, fashion);
   auto timer = std::make_shared<BatchTimer>();
   trainer.add_callback(timer);
   trainer.fit(*model, data);
   const char* rank = std::getenv("RANK");
-  if (!rank || std::string(rank) == "0")
+  if (!rank || std::string(rank) == "0") {
+    const auto& agree = timer->agree_us;
+    const bool agreed = !agree.empty();
     std::cout << fmt::format(
         "RESULT model={} procs={} threads={} batch={} accumulate={} batch_ms={:.3f} "
-        "allreduce_ms={:.3f}\n",
+        "allreduce_ms={:.3f} agree_us_min={:.2f} agree_us_median={:.2f} agree_us_max={:.2f}\n",
         model_name, procs, threads, batch, accumulate, BatchTimer::median(timer->batch_ms),
-        procs > 1 ? BatchTimer::median(timer->allreduce_ms) : 0.0);
+        procs > 1 ? BatchTimer::median(timer->allreduce_ms) : 0.0,
+        agreed ? *std::min_element(agree.begin(), agree.end()) : 0.0, agreed ? BatchTimer::median(agree) : 0.0,
+        agreed ? *std::max_element(agree.begin(), agree.end()) : 0.0);
+  }
   return 0;
 }

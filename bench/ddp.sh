@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
 # Data-parallel throughput on this machine: 2 ddp processes (1 intra-op thread each) vs 1 process
 # with 1 thread (one "device") and vs 1 process with 2 threads (the whole machine), plus the
-# all-reduce share of a step and how much of it overlaps backward. Runs are interleaved; medians.
-#   bench/ddp.sh [--model mlp|conv] [--rounds 3] [--batch 128] [--steps 40] [--bucket-mb 25]
+# all-reduce share of a step, how much of it overlaps backward, and what the per-batch signal
+# agreement (one boolean all-reduce after every batch) costs next to a step. Runs are
+# interleaved; medians.
+#   bench/ddp.sh [--model mlp|conv|fashion_cnn|fashion_mlp] [--rounds 3] [--batch 128] [--steps 40] [--bucket-mb 25]
 # mlp: 784-1024-1024-10, 7.6 MB of gradients per step (communication-heavy on loopback);
-# conv: three 3x3 convolutions, 0.2 MB of gradients (compute-bound).
+# conv: three 3x3 convolutions, 0.2 MB of gradients (compute-bound);
+# fashion_cnn / fashion_mlp: the Fashion-MNIST example's nets (its TOML: the CNN, --batch 64).
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 source "$here/../scripts/env.sh"
@@ -43,6 +46,9 @@ batch = int(sys.argv[2])
 med = lambda name, key: statistics.median(float(v[key]) for v in rows[name])
 t1, t1b, t2, t2n = (med(n, "batch_ms") for n in ("one_core", "one_proc_two_threads", "ddp", "ddp_nosync"))
 ar = med("ddp", "allreduce_ms")
+agree = [float(v[k]) for v in rows["ddp"] + rows["ddp_nosync"] for k in ("agree_us_min", "agree_us_max")]
+agree_med = statistics.median(float(v["agree_us_median"]) for v in rows["ddp"] + rows["ddp_nosync"])
+runs = len(rows["ddp"]) + len(rows["ddp_nosync"])
 print(f"| layout | ms/step | samples/s | vs 1 proc, 1 thread |")
 print(f"|---|---|---|---|")
 for name, t, procs in (("1 process, 1 thread", t1, 1), ("1 process, 2 threads", t1b, 1), ("ddp, 2 processes x 1 thread", t2, 2)):
@@ -54,5 +60,8 @@ print(f"- ddp vs 1 process with 2 threads: {(2 * batch / t2) / (batch / t1b):.2f
 print(f"- all-reduce of all gradients alone: {ar:.2f} ms; ddp step with sync {t2:.2f} ms, without (accumulation micro-step) {t2n:.2f} ms")
 print(f"- exposed communication: {exposed:.2f} ms = {100 * exposed / t2:.1f}% of a step; "
       f"hidden behind backward: {100 * max(0.0, 1 - exposed / ar) if ar > 0 else 0:.0f}% of the all-reduce time")
+print(f"- signal agreement (interrupt_due: one boolean all-reduce per batch): {agree_med:.0f} us per call "
+      f"(median; min {min(agree):.0f}, max {max(agree):.0f} over {runs} runs x 20 repeats of 200 calls) = "
+      f"{100 * agree_med / 1000 / t2:.2f}% of a {t2:.2f} ms ddp step")
 PY
 rm -f "$results"
