@@ -31,7 +31,7 @@ while (($#)); do
     -R) regex=$2; shift 2 ;;
     --target) targets+=("$2"); shift 2 ;;
     --no-tests) run_tests=0; shift ;;
-    -h|--help) sed -n '2,17p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,16p' "$0"; exit 0 ;;
     *) echo "sanitize.sh: unknown argument $1" >&2; exit 2 ;;
   esac
 done
