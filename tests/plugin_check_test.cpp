@@ -65,9 +65,16 @@ TEST_CASE("plugins check: each crash class is reported on one line and the check
   };
   const std::vector<Expect> expected = {
       {"fixture_abort_init", "ABORT", {"aborted with SIGABRT", "while loading (dlopen and static initializers)"}},
+#ifndef __SANITIZE_ADDRESS__
       // The exception leaves dlopen (glibc runs initializers with unwind tables) and the loader
       // reports it: a clean error, not a crash.
       {"fixture_throw_init", "ERROR", {"cannot be loaded: fixture static initializer fails"}},
+#else
+      // In an ASan build (scripts/sanitize.sh; seen with GCC 12's libasan, which intercepts dlopen)
+      // the exception does not get out of dlopen: std::terminate, reported as an abort that still
+      // names the exception, with the checking process alive.
+      {"fixture_throw_init", "ABORT", {"aborted with SIGABRT", "uncaught exception: fixture static initializer fails"}},
+#endif
       {"fixture_segv", "CRASH", {"crashed with SIGSEGV", "while creating its object with default options"}},
       {"fixture_hang", "HANG", {"hung: no result within 8 s while creating its object with default options"}},
       {"fixture_throw_ctor", "ERROR", {"failed to initialise: fixture constructor fails with greeting 'hello'"}},
