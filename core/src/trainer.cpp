@@ -213,6 +213,9 @@ StrategyEnvironment Trainer::Impl::make_strategy_environment() {
   }
   // Diagnostics come from rank zero only unless FULGUR_LOG_LEVEL asks otherwise.
   if (cluster.info.global_rank != 0 && !std::getenv("FULGUR_LOG_LEVEL")) spdlog::set_level(spdlog::level::warn);
+  if (cluster.info.world_size > 1)
+    spdlog::info("rank {} of {} ({} on this node), started by {}", cluster.info.global_rank, cluster.info.world_size,
+                 cluster.info.local_world_size, to_string(cluster.kind));
   const ClusterInfo info = cluster.info;
   env.connect = [info](const CommunicatorOptions& options) { return detail::connect_process_group(info, options); };
   return env;
