@@ -164,8 +164,9 @@ TEST_CASE("signals: SIGTERM to one rank of a 2-process ddp run stops both at the
   INFO(reference.output);
   REQUIRE(reference.exit_code == 0);
 
-  // Only rank 1 (a child of Fulgur's launcher) receives SIGTERM, at step 5: rank 0 learns it from
-  // the agreement after that step, both save step 5 and both exit 143 (the launcher's status too).
+  // Only rank 1 (a child of Fulgur's launcher) receives SIGTERM, at step 5. The ranks vote one
+  // batch behind (SignalVote): the vote started after step 5 is read after step 6, so both save
+  // step 6 and both exit 143 (the launcher's status too).
   std::ofstream(dir / "job.toml") << job::toml(
       dir.path(), plugins, 1, 16, ddp + "ckpt_path = \"last\"\n",
       job::checkpointing(dir / "ckpt", 4) + signal_at(5, "SIGTERM", dir / "signalled", /*rank=*/1));
@@ -176,7 +177,7 @@ TEST_CASE("signals: SIGTERM to one rank of a 2-process ddp run stops both at the
   CHECK(!contains(stopped.output, "[fulgur launcher] rank 1"));  // its 143 is no failure
   const fs::path interrupted = dir / "runs" / "interrupted.ckpt";
   REQUIRE(fs::exists(interrupted));
-  CHECK(job::checkpoint_dict(interrupted).at("global_step").toInt() == 5);
+  CHECK(job::checkpoint_dict(interrupted).at("global_step").toInt() == 6);
 
   const ProcessRun resumed = job::run_example(dir / "job.toml", dir.path());
   INFO(resumed.output);

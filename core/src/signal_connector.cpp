@@ -185,6 +185,20 @@ SignalScope::~SignalScope() {
 
 int signals::received() { return g_received.load(std::memory_order_relaxed); }
 
+bool SignalVote::after_batch() {
+  if (finish()) return true;
+  ballot_ = at::full({1}, static_cast<int64_t>(signals::received()), at::TensorOptions().dtype(at::kLong));
+  pending_ = communicator_->all_reduce_async(ballot_, ReduceOp::max);
+  return false;
+}
+
+bool SignalVote::finish() {
+  if (!pending_) return false;
+  pending_->wait();
+  pending_.reset();
+  return ballot_.item<int64_t>() != 0;
+}
+
 void interrupt_at_safe_point(TrainerContext& trainer) {
   const bool several = trainer.cluster().world_size > 1;
   int sig = signals::received();

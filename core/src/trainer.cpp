@@ -217,7 +217,11 @@ StrategyEnvironment Trainer::Impl::make_strategy_environment() {
     spdlog::info("rank {} of {} ({} on this node), started by {}", cluster.info.global_rank, cluster.info.world_size,
                  cluster.info.local_world_size, to_string(cluster.kind));
   const ClusterInfo info = cluster.info;
-  env.connect = [info](const CommunicatorOptions& options) { return detail::connect_process_group(info, options); };
+  env.connect = [this, info](const CommunicatorOptions& options) {
+    std::shared_ptr<Communicator> communicator = detail::connect_process_group(info, options);
+    world_communicator_ = communicator;
+    return communicator;
+  };
   return env;
 }
 

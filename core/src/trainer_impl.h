@@ -75,6 +75,8 @@ class Trainer::Impl final : public TrainerContext {
   std::vector<torch::optim::Optimizer*> optimizers() override { return optimizer_ptrs_; }
 
   int64_t global_rank() const { return environment_ready_ ? plugins_.strategy->cluster().global_rank : 0; }
+  // The process group every rank joined (null with one process): the loops' own votes use it.
+  std::shared_ptr<Communicator> world_communicator() const { return world_communicator_.lock(); }
 
   // ---- entry points ---------------------------------------------------------------------------
   void fit(Module& module, DataModule& data, const std::string& ckpt_path);
@@ -149,6 +151,7 @@ class Trainer::Impl final : public TrainerContext {
   bool should_stop_ = false;
   std::string stop_reason_;
   bool environment_ready_ = false;
+  std::weak_ptr<Communicator> world_communicator_;  // the strategy owns it
 };
 
 }  // namespace fulgur

@@ -50,6 +50,11 @@ void TrainingEpochLoop::run(BatchLoader& train) {
     if (agree_on_end && !strategy.reduce_boolean_decision(batch.has_value(), /*all=*/true)) batch.reset();
     return batch;
   };
+  // Signals: with several processes on Gloo the ranks vote one batch behind (SignalVote).
+  std::optional<SignalVote> vote;
+  if (strategy.cluster().world_size > 1)
+    if (auto communicator = t.world_communicator(); communicator && communicator->backend() == "gloo")
+      vote.emplace(std::move(communicator));
   if (!batches_done(skip)) next = fetch();
   for (int64_t batch_idx = skip; next; ++batch_idx) {
     Batch batch = std::move(*next);
@@ -60,11 +65,12 @@ void TrainingEpochLoop::run(BatchLoader& train) {
     run_batch(batch, batch_idx);
     if (validate_this_epoch && val_check_batches_ > 0 && (batch_idx + 1) % val_check_batches_ == 0 && !is_last_batch_)
       val_loop_.run(/*sanity=*/false);
-    if (interrupt_due(t)) interrupt_at_safe_point(t);  // after the step and its validation
+    if (vote ? vote->after_batch() : interrupt_due(t)) interrupt_at_safe_point(t);  // after the step and its validation
     // Mid-epoch, the fit loop's epoch limit cannot hold yet: this checks max_steps, max_time and
     // a requested stop.
     if (fit_.done()) break;
   }
+  if (vote && vote->finish()) interrupt_at_safe_point(t);  // the last batch's vote
   epoch_end_phase_ = true;
   // End-of-epoch validation runs before on_train_epoch_end (Lightning).
   if (validate_this_epoch) val_loop_.run(/*sanity=*/false);
