@@ -1,12 +1,14 @@
 // bench_sharding: what ZeRO sharding saves per rank. One real Fulgur run per layout (ddp, or fsdp
-// with zero_stage 1 or 2, under Fulgur's launcher) on a transformer-sized MLP stack trained with
+// with zero_stage 1, 2 or 3, under Fulgur's launcher) on a transformer-sized MLP stack trained with
 // AdamW; after the last step every rank counts the bytes it holds:
-//   parameters  the module's parameters (full on every rank in stages 1 and 2)
+//   parameters  the module's parameters (full on every rank in stages 1 and 2; in stage 3 the
+//               blocks' parameters hold no storage after the step, the head stays whole)
 //   gradients   every gradient tensor alive: the module's and the optimizer's (shards)
 //   optimizer   every tensor in the optimizer's state (Adam's moments, step counters)
 // and its peak RSS (getrusage) and median step time. bench/sharding.sh runs the layouts side by
 // side and prints the table against DeepSpeed's formulas.
-//   --strategy ddp|fsdp:1|fsdp:2 --procs N --width W --layers L --steps S --batch B
+//   --strategy ddp|fsdp:1|fsdp:2|fsdp:3 --procs N --width W --layers L --steps S --batch B
+#include <fulgur/blocks.h>
 #include <fulgur/callback.h>
 #include <fulgur/config.h>
 #include <fulgur/data.h>
@@ -29,25 +31,32 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-// L blocks of a transformer's MLP (W -> 4W -> W, with a residual): 8W^2 + 5W parameters each.
+// L blocks of a transformer's MLP (W -> 4W -> W, with a residual): 8W^2 + 5W parameters each. Each
+// runs through fulgur::run_block: a unit of zero_stage = 3, a plain call otherwise.
+struct MlpBlockImpl : torch::nn::Module {
+  explicit MlpBlockImpl(int64_t width)
+      : up(register_module("up", torch::nn::Linear(width, 4 * width))),
+        down(register_module("down", torch::nn::Linear(4 * width, width))) {}
+  at::Tensor forward(const at::Tensor& h) { return down->forward(torch::gelu(up->forward(h))); }
+  torch::nn::Linear up, down;
+};
+TORCH_MODULE(MlpBlock);
+
 struct MlpStack : fulgur::Module {
   MlpStack(int64_t width, int64_t layers) {
-    for (int64_t i = 0; i < layers; ++i) {
-      up.push_back(register_module(fmt::format("up{}", i), torch::nn::Linear(width, 4 * width)));
-      down.push_back(register_module(fmt::format("down{}", i), torch::nn::Linear(4 * width, width)));
-    }
+    for (int64_t i = 0; i < layers; ++i) blocks.push_back(register_module(fmt::format("block{}", i), MlpBlock(width)));
     head = register_module("head", torch::nn::Linear(width, 10));
   }
   fulgur::StepOutput training_step(const fulgur::Batch& b, int64_t) override {
     at::Tensor h = b.input;
-    for (size_t i = 0; i < up.size(); ++i) h = h + down[i]->forward(torch::gelu(up[i]->forward(h)));
+    for (auto& block : blocks) h = h + fulgur::run_block(block, h);
     return {torch::nn::functional::cross_entropy(head->forward(h), b.target)};
   }
   std::vector<fulgur::OptimizerConfig> configure_optimizers() override {
     return {fulgur::OptimizerConfig(
         std::make_shared<torch::optim::AdamW>(parameters(), torch::optim::AdamWOptions(1e-4).weight_decay(0.01)))};
   }
-  std::vector<torch::nn::Linear> up, down;
+  std::vector<MlpBlock> blocks;
   torch::nn::Linear head{nullptr};
 };
 
@@ -96,7 +105,8 @@ struct StateCounter : fulgur::Callback {
           count(adam->max_exp_avg_sq(), optimizer_bytes);
         }
       }
-      // The tensors the optimizer steps: fsdp's are views of the parameters (counted already).
+      // The tensors the optimizer steps: in stages 1 and 2 views of the parameters (counted
+      // already), in stage 3 tensors of their own.
       for (auto& group : optimizer->param_groups())
         for (auto& p : group.params()) count(p, shard_parameters);
     }

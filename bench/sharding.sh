@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Per-rank memory of ddp vs fsdp ZeRO-1 and ZeRO-2 at 2 and 3 ranks (AdamW, fp32), against
-# DeepSpeed's formulas (Ψ parameters, N ranks): ddp 16Ψ, ZeRO-1 8Ψ + 8Ψ/N, ZeRO-2 4Ψ + 12Ψ/N bytes of
+# Per-rank memory of ddp vs fsdp ZeRO-1, 2 and 3 at 2 and 3 ranks (AdamW, fp32), against
+# DeepSpeed's formulas (Ψ parameters, N ranks): ddp 16Ψ, ZeRO-1 8Ψ + 8Ψ/N, ZeRO-2 4Ψ + 12Ψ/N,
+# ZeRO-3 16Ψ/N bytes of
 # parameters + gradients + optimizer state (fsdp's shards of the parameters, which the optimizer
 # steps, count with the optimizer: they are DeepSpeed's fp32 master copy). Also peak RSS per rank
 # and the median step time (Gloo's reduce-scatter on CPU is an emulation: reported, not tuned).
@@ -21,7 +22,7 @@ export FULGUR_LOG_LEVEL=warn OMP_NUM_THREADS=1
 unset RANK WORLD_SIZE MASTER_ADDR MASTER_PORT
 results=$(mktemp)
 for procs in 2 3; do
-  for strategy in ddp fsdp:1 fsdp:2; do
+  for strategy in ddp fsdp:1 fsdp:2 fsdp:3; do
     "$FULGUR_BUILD_DIR/bin/bench_sharding" --strategy "$strategy" --procs "$procs" "${args[@]}" | grep RESULT >>"$results"
   done
 done
@@ -32,14 +33,15 @@ mb = lambda b: b / 2**20
 print("| strategy | ranks | Ψ (M) | params+grads+optimizer per rank, MiB (max over ranks) | formula MiB | ratio | vs ddp | peak RSS MiB (max) | ms/step (rank 0) |")
 print("|---|---|---|---|---|---|---|---|---|")
 ddp = {}
-for strategy in ("ddp", "fsdp:1", "fsdp:2"):
+for strategy in ("ddp", "fsdp:1", "fsdp:2", "fsdp:3"):
     for procs in ("2", "3"):
         rs = [r for r in rows if r["strategy"] == strategy and r["procs"] == procs]
         if not rs:
             continue
         psi, n = int(rs[0]["numel"]), int(procs)
         held = max(int(r["parameters"]) + int(r["shard_parameters"]) + int(r["gradients"]) + int(r["optimizer"]) for r in rs)
-        formula = {"ddp": 16 * psi, "fsdp:1": 8 * psi + 8 * psi / n, "fsdp:2": 4 * psi + 12 * psi / n}[strategy]
+        formula = {"ddp": 16 * psi, "fsdp:1": 8 * psi + 8 * psi / n, "fsdp:2": 4 * psi + 12 * psi / n,
+                   "fsdp:3": 16 * psi / n}[strategy]
         if strategy == "ddp":
             ddp[procs] = held
         rss = max(int(r["peak_rss"]) for r in rs)

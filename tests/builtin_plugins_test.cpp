@@ -764,16 +764,20 @@ TEST_CASE("every built-in plugin passes the testing kit's conformance checks for
                        doctest::Contains("conformance:"), std::runtime_error);
 }
 
-TEST_CASE("fsdp: zero_stage 3 and stages that do not exist are refused with what to use instead") {
-  const fulgur::Error three = fulgur::test::error_from([&] {
-    fulgur::create<fulgur::Strategy>(fulgur::PluginKind::strategy, "fsdp",
-                                     {{"zero_stage", fulgur::OptionValue(int64_t{3})}});
-  });
-  FULGUR_CHECK_CONTAINS(three.what(), "zero_stage = 3");
-  FULGUR_CHECK_CONTAINS(three.what(), "use 1");
+TEST_CASE("fsdp: stages that do not exist, and reshard_after_forward off a sharded-parameter stage, are refused") {
   const fulgur::Error seven = fulgur::test::error_from([&] {
     fulgur::create<fulgur::Strategy>(fulgur::PluginKind::strategy, "fsdp",
                                      {{"zero_stage", fulgur::OptionValue(int64_t{7})}});
   });
   FULGUR_CHECK_CONTAINS(seven.what(), "zero_stage = 7 is not a ZeRO stage");
+  FULGUR_CHECK_CONTAINS(seven.what(), "3 (and parameters)");
+  const fulgur::Error reshard = fulgur::test::error_from([&] {
+    fulgur::create<fulgur::Strategy>(
+        fulgur::PluginKind::strategy, "fsdp",
+        {{"zero_stage", fulgur::OptionValue(int64_t{2})}, {"reshard_after_forward", fulgur::OptionValue(false)}});
+  });
+  FULGUR_CHECK_CONTAINS(reshard.what(), "reshard_after_forward = false applies to zero_stage = 3");
+  CHECK_NOTHROW(fulgur::create<fulgur::Strategy>(
+      fulgur::PluginKind::strategy, "fsdp",
+      {{"zero_stage", fulgur::OptionValue(int64_t{3})}, {"reshard_after_forward", fulgur::OptionValue(false)}}));
 }

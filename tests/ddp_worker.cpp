@@ -8,8 +8,12 @@
 //   FULGUR_TEST_SCRAMBLE_INIT=1: ranks other than 0 perturb their initial weights.
 //   FULGUR_TEST_SHARDING_MODEL=1: adds a 0-dim parameter and a frozen layer (what sharding must handle).
 //   FULGUR_TEST_OPTIMIZER=adamw: AdamW with weight decay instead of SGD.
+//   FULGUR_TEST_BLOCKS=1: fc1 and fc2 run as blocks (fulgur::run_block): units of zero_stage = 3;
+//   FULGUR_TEST_CHECKPOINT=1 adds activation checkpointing to them. The metrics file then records
+//   the storage fc1.weight holds after fit (0 when resharded); the weights are read whole.
 //   FULGUR_TEST_UNKNOWN_LENGTH=1: the train loader does not know its length, and the last rank's
 //   yields one batch fewer per epoch than the others (a streaming dataset split unevenly).
+#include <fulgur/blocks.h>
 #include <fulgur/callback.h>
 #include <fulgur/config.h>
 #include <fulgur/data.h>
@@ -44,7 +48,15 @@ struct Mlp : fulgur::Module {
     }
   }
   at::Tensor forward(const at::Tensor& x) {
-    at::Tensor out = fc2->forward(torch::tanh(fc1->forward(x)));
+    at::Tensor out;
+    if (std::getenv("FULGUR_TEST_BLOCKS")) {
+      const auto options = fulgur::BlockOptions().checkpoint_activations(std::getenv("FULGUR_TEST_CHECKPOINT"));
+      const at::Tensor h = fulgur::run_block(
+          *fc1, x, [fc1 = fc1](const at::Tensor& in) mutable { return torch::tanh(fc1->forward(in)); }, options);
+      out = fulgur::run_block(fc2, h, options);
+    } else {
+      out = fc2->forward(torch::tanh(fc1->forward(x)));
+    }
     if (scale.defined()) out = frozen->forward(out) * scale;
     return out;
   }
@@ -192,10 +204,15 @@ int main(int argc, char** argv) {
     if (!save.empty()) trainer.save_checkpoint(save);
 
     const std::string rank = std::getenv("RANK") ? std::getenv("RANK") : "0";
+    const size_t fc1_weight_bytes = module->fc1->weight.storage().nbytes();
     std::vector<at::Tensor> weights;
-    for (const auto& p : module->parameters()) weights.push_back(p.detach().clone());
+    {
+      fulgur::FullParameters whole(*module);  // under zero_stage = 3: gathered for the copy
+      for (const auto& p : module->parameters()) weights.push_back(p.detach().clone());
+    }
     torch::save(weights, fmt::format("{}/weights_rank{}.pt", argv[2], rank));
     std::ofstream metrics(fmt::format("{}/metrics_rank{}.txt", argv[2], rank));
+    if (std::getenv("FULGUR_TEST_BLOCKS")) metrics << "fc1_weight_bytes " << fc1_weight_bytes << '\n';
     for (const auto& [k, v] : trainer.callback_metrics()) metrics << k << ' ' << fmt::format("{:.9g}", v) << '\n';
     metrics << "global_step " << trainer.global_step() << '\n';
     metrics << "current_epoch " << trainer.current_epoch() << '\n';

@@ -374,6 +374,114 @@ save_top_k = -1
   CHECK(max_difference(weights(*alone, 0), weights(*whole, 0)) < 1e-5);
 }
 
+// ---- fsdp ZeRO-3 and blocks ------------------------------------------------------------------
+
+namespace {
+std::map<std::string, std::string> block_env(bool checkpoint_activations = false) {
+  auto env = sharding_env();
+  env["FULGUR_TEST_BLOCKS"] = "1";
+  if (checkpoint_activations) env["FULGUR_TEST_CHECKPOINT"] = "1";
+  return env;
+}
+}  // namespace
+
+TEST_CASE("fsdp: ZeRO-3 on 2 and 3 ranks reaches the weights of one process and leaves block parameters freed") {
+  // fc1 and fc2 are blocks (units); the 0-dim scale, the frozen and the unused layer stay outside.
+  auto single = run_worker(worker_config("single_device", "1", 24, 6, 2), {}, sharding_env());
+  REQUIRE_SUCCESS(single);
+  struct Case {
+    int ranks;
+    bool reshard_after_forward;
+  };
+  for (const Case c : {Case{2, true}, Case{3, true}, Case{2, false}}) {
+    CAPTURE(c.ranks);
+    CAPTURE(c.reshard_after_forward);
+    auto env = block_env();
+    env["FULGUR_TEST_SCRAMBLE_INIT"] = "1";  // rank 0's initial weights must win
+    std::string toml = worker_config("fsdp:3", std::to_string(c.ranks), 24 / c.ranks, 6, 2);
+    if (!c.reshard_after_forward)
+      toml.replace(toml.find("zero_stage = 3"), 14, "zero_stage = 3\nreshard_after_forward = false");
+    auto run = run_worker(toml, {}, env);
+    REQUIRE_SUCCESS(run);
+    for (int r = 0; r < c.ranks; ++r) {
+      CHECK(max_difference(weights(*run, r), weights(*single, 0)) < 1e-5);
+      // After fit the blocks' parameters hold no storage; the weights above were gathered whole.
+      CHECK(metrics(*run, r).at("fc1_weight_bytes") == 0);
+    }
+    CHECK(metrics(*run, 0).at("global_step") == 6);
+  }
+}
+
+TEST_CASE("fsdp: ZeRO-3 runs the collectives it is designed to, per step and per unit") {
+  // Per optimizer step on 2 ranks, no accumulation. Forward: one all-gather per block (fc1, fc2),
+  // none on the first step (the parameters start whole). Backward: a hook on each block's output
+  // gathers it again (2); fc2's input needs a gradient, so fc2 reduce-scatters as soon as its
+  // backward is done (1); fc1 (input: data) and the parameters outside blocks reduce-scatter at the
+  // end of backward (1). After the step the parameters outside blocks are gathered (1).
+  auto env = block_env();
+  env["FULGUR_LOG_LEVEL"] = "debug";
+  auto run = run_worker(worker_config("fsdp:3", "2", 12, 3), {}, env);
+  REQUIRE_SUCCESS(run);
+  const std::string& out = run->result.output;
+  CHECK(contains(out, "since the previous optimizer step: 3 all-gathers, 2 reduce-scatters (2 units)"));
+  CHECK(contains(out, "since the previous optimizer step: 5 all-gathers, 2 reduce-scatters (2 units)"));
+  CHECK_FALSE(contains(out, "since the previous optimizer step: 5 all-gathers, 3 reduce-scatters"));
+  // With reshard_after_forward = false a block stays whole from its forward to its backward.
+  std::string toml = worker_config("fsdp:3", "2", 12, 3);
+  toml.replace(toml.find("zero_stage = 3"), 14, "zero_stage = 3\nreshard_after_forward = false");
+  auto kept = run_worker(toml, {}, env);
+  REQUIRE_SUCCESS(kept);
+  CHECK(contains(kept->result.output, "since the previous optimizer step: 3 all-gathers, 2 reduce-scatters (2 units)"));
+  CHECK_FALSE(contains(kept->result.output, "5 all-gathers"));
+}
+
+TEST_CASE("fsdp: a ZeRO-3 checkpoint holds whole tensors and resumes on 3 ranks and in one process") {
+  auto whole = run_worker(worker_config("fsdp:3", "2", 12, 10), {}, block_env());
+  REQUIRE_SUCCESS(whole);
+  const std::string checkpointing = R"(
+[[callbacks]]
+name = "model_checkpoint"
+dirpath = "ckpts"
+filename = "{step}"
+every_n_train_steps = 4
+save_top_k = -1
+)";
+  auto first = run_worker(worker_config("fsdp:3", "2", 12, 5) + checkpointing, {}, block_env());
+  REQUIRE_SUCCESS(first);
+  const fs::path ckpt = first->dir / "ckpts" / "step=4.ckpt";
+  REQUIRE_MESSAGE(fs::exists(ckpt), first->result.output);
+  const c10::IValue file = fulgur::read_checkpoint_file(ckpt.string());
+  const auto model = file.toGenericDict().at("state_dict").toGenericDict();
+  CHECK(model.at("fc1.weight").toTensor().sizes().vec() == std::vector<int64_t>{32, 16});
+  CHECK(model.at("fc1.weight").toTensor().abs().sum().item<double>() > 0);
+
+  auto on_three = run_worker(worker_config("fsdp:3", "3", 8, 10), {"--resume", ckpt.string()}, block_env());
+  REQUIRE_SUCCESS(on_three);
+  CHECK(contains(on_three->result.output, "global step 4"));
+  CHECK(max_difference(weights(*on_three, 0), weights(*whole, 0)) < 1e-5);
+  auto alone = run_worker(worker_config("single_device", "1", 24, 10), {"--resume", ckpt.string()}, block_env());
+  REQUIRE_SUCCESS(alone);
+  CHECK(max_difference(weights(*alone, 0), weights(*whole, 0)) < 1e-5);
+}
+
+TEST_CASE("activation checkpointing: blocks that recompute reach the same weights under one process, ddp and ZeRO-3") {
+  auto plain = run_worker(worker_config("single_device", "1", 24, 6, 2), {}, block_env());
+  REQUIRE_SUCCESS(plain);
+  auto single = run_worker(worker_config("single_device", "1", 24, 6, 2), {}, block_env(true));
+  REQUIRE_SUCCESS(single);
+  CHECK(max_difference(weights(*single, 0), weights(*plain, 0)) < 1e-6);
+  for (const std::string strategy : {"ddp", "fsdp:3"}) {
+    CAPTURE(strategy);
+    std::string toml = worker_config(strategy, "2", 12, 6, 2);
+    if (strategy == "ddp")  // the model's unused layer
+      toml.replace(toml.find("timeout = 30.0"), 14, "timeout = 30.0\nfind_unused_parameters = true");
+    auto run = run_worker(toml, {}, block_env(true));
+    REQUIRE_SUCCESS(run);
+    CHECK(max_difference(weights(*run, 0), weights(*plain, 0)) < 1e-5);
+    CHECK(max_difference(weights(*run, 1), weights(*plain, 0)) < 1e-5);
+  }
+}
+
 TEST_CASE("ddp: a killed rank ends the run with its rank named, without hanging") {
   auto env = clean_env();
   env["FULGUR_TEST_DIE_RANK"] = "1";

@@ -1,4 +1,4 @@
-// Built-in strategy `fsdp`: sharded data parallel, ZeRO stages 1 and 2, one process per device.
+// Built-in strategy `fsdp`: sharded data parallel, ZeRO stages 1, 2 and 3, one process per device.
 //
 // Every parameter the optimizers step is split on dim 0 into world_size chunks of
 // ceil(rows / world_size) rows, FSDP2's layout (the last ranks' chunks may be short or empty; a
@@ -9,15 +9,28 @@
 //
 //   zero_stage = 1  gradients are all-reduced, each rank keeps its rows of them   8Ψ + 8Ψ/N bytes*
 //   zero_stage = 2  gradients are reduce-scattered: each rank receives only its rows 4Ψ + 12Ψ/N
+//   zero_stage = 3  parameters are sharded too: whole only around the blocks that use them  16Ψ/N
 //   (* fp32 parameters and Adam, Ψ parameters, N ranks; DeepSpeed's accounting)
 //
-// After the step, one all-gather of the updated rows refreshes the full parameters, which every
-// rank keeps for forward and backward (stage 3, sharded parameters, is not built yet). Clipping by
+// Stages 1 and 2: after the step, one all-gather of the updated rows refreshes the full
+// parameters, which every rank keeps for forward and backward.
+//
+// Stage 3: the shards are tensors of their own and the parameters' storage is freed (their shape
+// stays, so autograd and the Module see the same parameters). The blocks a Module runs through
+// fulgur::run_block (fulgur/blocks.h) are the units: before a block's forward one all-gather makes
+// its parameters whole, after it they are freed again (reshard_after_forward); a hook on the
+// block's output gathers them again when backward reaches it, and an identity autograd node on its
+// input reduce-scatters their gradients as soon as the block's backward is done (the engine runs
+// the parameters' gradient accumulation before that node). What no hook saw (the first block, whose
+// input needs no gradient; parameters outside any block) is reduce-scattered at the end of
+// backward in one collective. Parameters outside blocks stay whole, as in stage 2. Clipping by
 // norm uses the global norm across shards, and a skipped step (inf/NaN gradients under a loss
 // scaler) is skipped on every rank together. Checkpoints hold the full, unsharded model and
 // optimizer state in torch.optim's layout, gathered on rank zero: they load under any world size
 // and any strategy.
+#include <fulgur/blocks.h>
 #include <fulgur/communicator.h>
+#include <fulgur/log.h>
 #include <fulgur/plugin.h>
 #include <fulgur/state_dict.h>
 
@@ -25,8 +38,12 @@
 #include <ATen/core/ivalue.h>
 #include <ATen/ops/cat.h>
 #include <ATen/ops/zeros.h>
+#include <c10/core/CPUAllocator.h>
+#include <c10/core/StorageImpl.h>
 #include <fmt/format.h>
 #include <fmt/ranges.h>
+#include <torch/autograd.h>
+#include <torch/custom_class.h>
 #include <torch/nn/module.h>
 #include <torch/optim/adam.h>
 #include <torch/optim/adamw.h>
@@ -34,6 +51,7 @@
 #include <torch/optim/sgd.h>
 
 #include <cmath>
+#include <functional>
 #include <limits>
 #include <map>
 #include <string>
@@ -54,6 +72,13 @@ struct ShardedParameter {
   int64_t begin = 0, end = 0;  // this rank's rows [begin, end)
   int64_t flat_offset = 0;     // its padded chunk's place in one rank's slice of the flat buffers
   bool trainable = true;       // frozen parameters (requires_grad false) never get gradients
+  // Stage 3 only.
+  at::Tensor full_alias;     // full's storage through a tensor with its own version counter: a
+                             // gather writes through it without invalidating what autograd saved
+  size_t full_nbytes = 0;    // the storage's size when whole
+  bool materialised = true;  // full's storage holds the current values (false: freed)
+  bool in_block = false;     // a block claimed it (else it stays whole, like stage 2)
+  bool reduced = false;      // its gradient was reduce-scattered during the current backward
 
   int64_t local_rows() const { return end - begin; }
   int64_t chunk_numel() const { return chunk_rows * row_numel; }
@@ -70,42 +95,93 @@ struct ShardedParameter {
   }
 };
 
-class FsdpStrategy final : public fulgur::strategy_support::ProcessGroupStrategy {
+// Stage 3: an identity on a block's input whose backward runs once the block's backward is done
+// (the engine accumulates the parameters' gradients before it), which is when the block's
+// gradients can be reduce-scattered and its parameters freed.
+struct AfterBlock : torch::CustomClassHolder {
+  std::function<void()> run;
+};
+
+struct AfterBlockBackward : torch::autograd::Function<AfterBlockBackward> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& input,
+                            c10::intrusive_ptr<AfterBlock> after) {
+    ctx->saved_data["after"] = c10::IValue::make_capsule(std::move(after));
+    return input;  // autograd makes it a view of the input with this node as its history
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grad_outputs) {
+    c10::static_intrusive_pointer_cast<AfterBlock>(ctx->saved_data["after"].toCapsule())->run();
+    return {grad_outputs[0], at::Tensor()};
+  }
+};
+
+class FsdpStrategy final : public fulgur::strategy_support::ProcessGroupStrategy, public fulgur::BlockHooks {
  public:
   explicit FsdpStrategy(const fulgur::Options& options)
-      : ProcessGroupStrategy("fsdp", options), zero_stage_(options.get_int("zero_stage")) {
-    if (zero_stage_ == 3)
+      : ProcessGroupStrategy("fsdp", options),
+        zero_stage_(options.get_int("zero_stage")),
+        reshard_after_forward_(options.get_bool("reshard_after_forward")) {
+    if (zero_stage_ < 1 || zero_stage_ > 3)
       throw Error(ErrorKind::config,
-                  "strategy 'fsdp': zero_stage = 3 (sharded parameters) is not available yet; use "
-                  "1 (sharded optimizer state) or 2 (sharded optimizer state and gradients)");
-    if (zero_stage_ != 1 && zero_stage_ != 2)
+                  fmt::format("strategy 'fsdp': zero_stage = {} is not a ZeRO stage; use 1 (sharded optimizer "
+                              "state), 2 (and gradients) or 3 (and parameters)",
+                              zero_stage_));
+    if (zero_stage_ != 3 && !reshard_after_forward_)
       throw Error(ErrorKind::config,
-                  fmt::format("strategy 'fsdp': zero_stage = {} is not a ZeRO stage; use 1 or 2", zero_stage_));
+                  fmt::format("strategy 'fsdp': reshard_after_forward = false applies to zero_stage = 3 (sharded "
+                              "parameters); stage {} keeps whole parameters anyway: remove the option",
+                              zero_stage_));
   }
+  ~FsdpStrategy() override { fulgur::remove_block_hooks(this); }
 
   void setup_module(torch::nn::Module& module) override {
+    if (zero_stage_ == 3 && !shards_.empty()) gather_group(ordered_);  // a second fit: whole again first
     shards_.clear();
     optimizer_shards_.clear();
+    ordered_.clear();
+    units_.clear();
     module.to(device_);
-    if (!communicator_) return;
-    // Every rank starts from rank 0's weights and buffers, as under ddp.
-    std::vector<at::Tensor> state;
-    for (auto& p : module.parameters()) state.push_back(p);
-    for (auto& b : module.buffers()) state.push_back(b);
-    communicator_->broadcast_coalesced(state, 0);
+    if (communicator_) {
+      // Every rank starts from rank 0's weights and buffers, as under ddp.
+      std::vector<at::Tensor> state;
+      for (auto& p : module.parameters()) state.push_back(p);
+      for (auto& b : module.buffers()) state.push_back(b);
+      communicator_->broadcast_coalesced(state, 0);
+    }
+    if (zero_stage_ == 3) {
+      // Every parameter is sharded, in the optimizers or not (frozen ones take memory too), in
+      // the Module's order: the same on every rank.
+      for (auto& parameter : module.parameters()) {
+        const bool new_one = !shards_.contains(parameter.unsafeGetTensorImpl());
+        ShardedParameter& sharded = shard_of(parameter);
+        if (new_one) ordered_.push_back(&sharded);
+      }
+      fulgur::install_block_hooks(this);
+    }
+  }
+
+  void teardown() override {
+    fulgur::remove_block_hooks(this);
+    ProcessGroupStrategy::teardown();
   }
 
   // The optimizers step this rank's rows: each parameter in their groups is swapped for its shard.
   void setup_optimizers(std::vector<std::shared_ptr<torch::optim::Optimizer>>& optimizers) override {
-    shards_.clear();
+    if (zero_stage_ != 3) {
+      shards_.clear();
+      ordered_.clear();
+    }
     optimizer_shards_.clear();
-    ordered_.clear();
     for (auto& optimizer : optimizers) {
       check_supported(*optimizer);
       std::vector<ShardedParameter*>& order = optimizer_shards_[optimizer.get()];
       for (auto& group : optimizer->param_groups())
         for (at::Tensor& parameter : group.params()) {
           const bool new_one = !shards_.contains(parameter.unsafeGetTensorImpl());
+          if (zero_stage_ == 3 && new_one)
+            throw Error(ErrorKind::config,
+                        "strategy 'fsdp': configure_optimizers passed a tensor that is not a parameter of the "
+                        "Module; with zero_stage = 3 the optimizers may hold only the Module's parameters");
           ShardedParameter& sharded = shard_of(parameter);
           // The collectives' layout follows the optimizers' param groups: the same order on every rank.
           if (new_one) ordered_.push_back(&sharded);
@@ -114,9 +190,19 @@ class FsdpStrategy final : public fulgur::strategy_support::ProcessGroupStrategy
         }
     }
     layout_flat_buffers();
+    all_gathers_ = reduce_scatters_ = 0;
   }
 
+  void before_training_step(bool sync_gradients) override { sync_gradients_ = sync_gradients; }
+
   void backward(const at::Tensor& loss, fulgur::Precision& precision, bool sync_gradients) override {
+    sync_gradients_ = sync_gradients;
+    if (zero_stage_ == 3) {
+      for (ShardedParameter* p : ordered_) p->reduced = false;
+      precision.scale_loss(loss).backward();
+      finish_backward();
+      return;
+    }
     precision.scale_loss(loss).backward();
     // Micro-steps of an accumulation window add up locally, without communication.
     if (sync_gradients && !shards_.empty()) reduce_gradients();
@@ -144,16 +230,84 @@ class FsdpStrategy final : public fulgur::strategy_support::ProcessGroupStrategy
     check_groups_unchanged(optimizer);
     agree_on_non_finite_gradients(optimizer);
     const bool stepped = precision.optimizer_step(optimizer);
-    if (stepped) gather_parameters(optimizer);
+    if (stepped && zero_stage_ == 3) {
+      // Whole copies of blocks' parameters are stale now (the next forward gathers them); the
+      // parameters outside blocks are refreshed at once, as in stage 2.
+      std::vector<ShardedParameter*> outside;
+      for (ShardedParameter* p : ordered_) {
+        if (p->in_block)
+          release(*p);
+        else
+          outside.push_back(p);
+      }
+      gather_group(outside, /*refresh=*/true);
+    } else if (stepped) {
+      gather_parameters(optimizer);
+    }
+    if (fulgur::log::enabled(fulgur::log::Level::debug))
+      fulgur::log::debug(
+          fmt::format("strategy 'fsdp': since the previous optimizer step: {} all-gathers, {} "
+                      "reduce-scatters ({} units)",
+                      all_gathers_, reduce_scatters_, units_.size()));
+    all_gathers_ = reduce_scatters_ = 0;
     return stepped;
+  }
+
+  // ---- blocks (stage 3): fulgur::BlockHooks ----------------------------------------------------
+
+  at::Tensor run_block(torch::nn::Module& block, const at::Tensor& input,
+                       const fulgur::BlockForward& forward) override {
+    Unit& unit = unit_of(block);
+    if (unit.parameters.empty()) return forward(input);
+    const bool with_gradients = torch::GradMode::is_enabled();
+    gather_group(unit.parameters);
+    at::Tensor x = input;
+    if (with_gradients && input.requires_grad()) x = AfterBlockBackward::apply(input, unit_capsule(unit));
+    at::Tensor output = forward(x);
+    if (with_gradients && output.requires_grad())
+      output.register_hook([this, &unit](const at::Tensor&) { gather_group(unit.parameters); });
+    if ((reshard_after_forward_ || !with_gradients) && full_parameters_held_ == 0)
+      for (ShardedParameter* p : unit.parameters) release(*p);
+    return output;
+  }
+
+  void gather_full_parameters(torch::nn::Module&) override {
+    ++full_parameters_held_;
+    gather_group(ordered_);
+  }
+  void release_full_parameters(torch::nn::Module&) override {
+    if (full_parameters_held_ > 0 && --full_parameters_held_ == 0)
+      for (ShardedParameter* p : ordered_)
+        if (p->in_block) release(*p);
   }
 
   // ---- state: full tensors, gathered, in torch.optim's layout --------------------------------
 
+  // Stage 3: the whole parameters, gathered (a collective) and copied (their storage is freed again).
+  c10::IValue module_state_dict(torch::nn::Module& module) override {
+    if (zero_stage_ != 3) return ProcessGroupStrategy::module_state_dict(module);
+    fulgur::FullParameters whole(module);
+    const c10::IValue shared = ProcessGroupStrategy::module_state_dict(module);
+    const auto entries = shared.toGenericDict();
+    auto copies = c10::impl::GenericDict(entries.keyType(), entries.valueType());
+    for (const auto& entry : entries)
+      copies.insert(entry.key(),
+                    entry.value().isTensor() ? c10::IValue(entry.value().toTensor().clone()) : entry.value());
+    return copies;
+  }
+
   void load_module_state_dict(torch::nn::Module& module, const c10::IValue& state, bool strict,
                               const std::string& origin) override {
-    // The shards are views of the parameters, which load in place: they follow the new weights.
+    if (zero_stage_ != 3) {
+      // The shards are views of the parameters, which load in place: they follow the new weights.
+      fulgur::load_module_state_dict(module, state, strict, origin);
+      return;
+    }
+    fulgur::FullParameters whole(module);
     fulgur::load_module_state_dict(module, state, strict, origin);
+    torch::NoGradGuard no_grad;
+    for (ShardedParameter* p : ordered_)
+      p->shard.copy_(p->rows_of(p->full_alias, p->begin, p->local_rows()).reshape(p->shard_shape()));
   }
 
   c10::IValue optimizer_state_dict(torch::optim::Optimizer& optimizer) override {
@@ -221,6 +375,21 @@ class FsdpStrategy final : public fulgur::strategy_support::ProcessGroupStrategy
     p.chunk_rows = (p.rows + world - 1) / world;
     p.begin = std::min(p.rows, rank * p.chunk_rows);
     p.end = std::min(p.rows, (rank + 1) * p.chunk_rows);
+    if (zero_stage_ == 3) {
+      // A tensor of its own: the parameter's storage is freed between uses.
+      const c10::Storage& storage = parameter.storage();
+      if (!parameter.is_contiguous() || parameter.storage_offset() != 0 ||
+          storage.nbytes() != static_cast<size_t>(parameter.numel()) * parameter.element_size())
+        throw Error(ErrorKind::config,
+                    "strategy 'fsdp': zero_stage = 3 frees each parameter's storage between uses, and a parameter "
+                    "shares its storage with other tensors (a view, tied weights, a slice of a larger tensor); "
+                    "give each parameter its own contiguous tensor or use zero_stage = 2");
+      torch::NoGradGuard no_grad;
+      p.full_alias = at::empty({0}, parameter.options()).set_(storage, 0, parameter.sizes(), parameter.strides());
+      p.full_nbytes = storage.nbytes();
+      p.shard = p.rows_of(p.full_alias, p.begin, p.local_rows()).clone().reshape(p.shard_shape());
+      return shards_.emplace(parameter.unsafeGetTensorImpl(), std::move(p)).first->second;
+    }
     // A view, not a copy: the optimizer updates this rank's rows of the parameter in place, and the
     // model holds no second copy of them (DeepSpeed's accounting: no extra 4 bytes per parameter).
     p.shard = p.rows_of(parameter.detach(), p.begin, p.local_rows()).reshape(p.shard_shape());
@@ -395,7 +564,171 @@ class FsdpStrategy final : public fulgur::strategy_support::ProcessGroupStrategy
     return out;
   }
 
+  // ---- stage 3 ---------------------------------------------------------------------------------
+
+  struct Unit {
+    std::vector<ShardedParameter*> parameters;  // those no other block claimed first
+    c10::intrusive_ptr<AfterBlock> after;
+  };
+
+  Unit& unit_of(torch::nn::Module& block) {
+    auto found = units_.find(&block);
+    if (found != units_.end()) return found->second;
+    Unit unit;
+    for (const at::Tensor& parameter : block.parameters()) {
+      auto sharded = shards_.find(parameter.unsafeGetTensorImpl());
+      if (sharded == shards_.end() || sharded->second.in_block) continue;
+      sharded->second.in_block = true;
+      unit.parameters.push_back(&sharded->second);
+    }
+    return units_.emplace(&block, std::move(unit)).first->second;
+  }
+
+  c10::intrusive_ptr<AfterBlock> unit_capsule(Unit& unit) {
+    if (!unit.after) {
+      unit.after = c10::make_intrusive<AfterBlock>();
+      unit.after->run = [this, &unit] { after_block_backward(unit); };
+    }
+    return unit.after;
+  }
+
+  void after_block_backward(Unit& unit) {
+    if (sync_gradients_) reduce_scatter_group(unit.parameters);
+    if (full_parameters_held_ == 0)
+      for (ShardedParameter* p : unit.parameters) release(*p);
+  }
+
+  // The end of backward: whatever no block hook reduced (the first block, parameters outside
+  // blocks) in one reduce-scatter; blocks' parameters freed. Micro-steps keep whole gradients.
+  void finish_backward() {
+    if (sync_gradients_) {
+      std::vector<ShardedParameter*> rest;
+      for (ShardedParameter* p : ordered_)
+        if (!p->reduced) rest.push_back(p);
+      reduce_scatter_group(rest);
+    }
+    if (full_parameters_held_ == 0)
+      for (ShardedParameter* p : ordered_)
+        if (p->in_block) release(*p);
+  }
+
+  // Frees a parameter's storage; its shape, autograd identity and gradient stay.
+  static void release(ShardedParameter& p) {
+    if (!p.materialised || p.full_nbytes == 0) return;
+    c10::StorageImpl* storage = p.full.storage().unsafeGetStorageImpl();
+    storage->set_data_ptr_noswap(at::DataPtr(nullptr, p.full.device()));
+    storage->set_nbytes(0);
+    p.materialised = false;
+  }
+
+  static void allocate(ShardedParameter& p) {
+    if (p.materialised) return;
+    c10::StorageImpl* storage = p.full.storage().unsafeGetStorageImpl();
+    c10::Allocator* allocator = storage->allocator();
+    if (!allocator) allocator = c10::GetAllocator(p.full.device().type());
+    storage->set_data_ptr_noswap(allocator->allocate(p.full_nbytes));
+    storage->set_nbytes(p.full_nbytes);
+    p.materialised = true;
+  }
+
+  // One all-gather makes the group's parameters whole from every rank's shards (each padded to
+  // its chunk size). A group already whole on this rank is whole on every rank (the same hooks ran
+  // everywhere), so it costs nothing, unless `refresh` (the shards were stepped).
+  void gather_group(const std::vector<ShardedParameter*>& group, bool refresh = false) {
+    bool needed = refresh;
+    for (ShardedParameter* p : group) needed = needed || !p->materialised;
+    if (group.empty() || !needed) return;
+    torch::NoGradGuard no_grad;
+    int64_t unit_numel = 0;
+    for (ShardedParameter* p : group) unit_numel += p->chunk_numel();
+    at::Tensor mine = at::zeros({unit_numel}, flat_options());
+    int64_t offset = 0;
+    for (ShardedParameter* p : group) {
+      mine.narrow(0, offset, p->local_rows() * p->row_numel).copy_(p->shard.reshape({-1}));
+      offset += p->chunk_numel();
+    }
+    at::Tensor all = mine;
+    if (communicator_) {
+      all = at::empty({cluster_.world_size * unit_numel}, flat_options());
+      communicator_->all_gather_into_tensor(all, mine);
+    }
+    ++all_gathers_;
+    offset = 0;
+    for (ShardedParameter* p : group) {
+      allocate(*p);
+      for (int64_t j = 0; j < cluster_.world_size; ++j) {
+        const int64_t first = std::min(p->rows, j * p->chunk_rows);
+        const int64_t count = std::min(p->rows, (j + 1) * p->chunk_rows) - first;
+        if (count <= 0) continue;
+        p->rows_of(p->full_alias, first, count)
+            .copy_(all.narrow(0, j * unit_numel + offset, count * p->row_numel).view({count, p->row_numel}));
+      }
+      offset += p->chunk_numel();
+    }
+  }
+
+  // Averages the group's gradients across ranks and leaves each rank its rows, on the shards, in
+  // one reduce-scatter. Each rank's slice ends with one flag per parameter (1: it has a gradient
+  // here), summed with the gradients: a parameter no rank gave a gradient keeps none, as in one
+  // process, without a second collective.
+  void reduce_scatter_group(const std::vector<ShardedParameter*>& candidates) {
+    std::vector<ShardedParameter*> group;
+    for (ShardedParameter* p : candidates)
+      if (p->trainable && !p->reduced) group.push_back(p);
+    if (group.empty()) return;
+    torch::NoGradGuard no_grad;
+    const int64_t world = cluster_.world_size, n = static_cast<int64_t>(group.size());
+    int64_t slice = n;
+    for (ShardedParameter* p : group) slice += p->chunk_numel();
+    at::Tensor flat = at::zeros({world * slice}, flat_options());
+    int64_t offset = 0;
+    for (ShardedParameter* p : group) {
+      const at::Tensor grad = p->full.grad();
+      if (grad.defined())
+        for (int64_t j = 0; j < world; ++j) {
+          const int64_t first = std::min(p->rows, j * p->chunk_rows);
+          const int64_t count = std::min(p->rows, (j + 1) * p->chunk_rows) - first;
+          if (count > 0)
+            flat.narrow(0, j * slice + offset, count * p->row_numel)
+                .view({count, p->row_numel})
+                .copy_(p->rows_of(grad, first, count));
+        }
+      offset += p->chunk_numel();
+    }
+    for (int64_t j = 0; j < world; ++j)
+      for (int64_t i = 0; i < n; ++i)
+        if (group[i]->full.grad().defined()) flat[j * slice + offset + i] = 1;
+    at::Tensor mine = at::zeros({slice}, flat_options());
+    if (communicator_)
+      communicator_->reduce_scatter(mine, flat, fulgur::ReduceOp::sum);
+    else
+      mine.copy_(flat);
+    ++reduce_scatters_;
+    const auto flags = mine.narrow(0, offset, n).to(at::kCPU);
+    mine.narrow(0, 0, offset).div_(static_cast<double>(world));
+    offset = 0;
+    for (int64_t i = 0; i < n; ++i) {
+      ShardedParameter& p = *group[i];
+      p.reduced = true;
+      p.full.mutable_grad().reset();
+      if (flags[i].item<double>() > 0) {
+        at::Tensor rows = mine.narrow(0, offset, p.local_rows() * p.row_numel).reshape(p.shard_shape());
+        at::Tensor& grad = p.shard.mutable_grad();
+        if (grad.defined())
+          grad.add_(rows);
+        else
+          grad = rows.clone();
+      }
+      offset += p.chunk_numel();
+    }
+  }
+
   int64_t zero_stage_;
+  bool reshard_after_forward_;
+  bool sync_gradients_ = true;
+  int full_parameters_held_ = 0;  // FullParameters guards alive (nested ones count)
+  int64_t all_gathers_ = 0, reduce_scatters_ = 0;
+  std::map<const torch::nn::Module*, Unit> units_;
   at::ScalarType dtype_ = at::kFloat;
   std::map<const c10::TensorImpl*, ShardedParameter> shards_;
   std::map<const torch::optim::Optimizer*, std::vector<ShardedParameter*>> optimizer_shards_;
@@ -406,11 +739,19 @@ class FsdpStrategy final : public fulgur::strategy_support::ProcessGroupStrategy
 }  // namespace
 
 FULGUR_PLUGIN(
-    FsdpStrategy, "fsdp", "0.1.0",
-    "Sharded data parallel (ZeRO-1/2): optimizer state, and with stage 2 gradients, split across ranks; "
+    FsdpStrategy, "fsdp", "0.2.0",
+    "Sharded data parallel (ZeRO-1/2/3): optimizer state, with stage 2 gradients, with stage 3 parameters split "
+    "across ranks (stage 3 gathers each fulgur::run_block block's parameters around its forward and backward); "
     "checkpoints hold the full state and load under any world size",
     FULGUR_OPTION(integer, zero_stage,
-                  "1: shard optimizer state (gradients all-reduced); 2: also shard gradients (reduce-scattered)", 2),
+                  "1: shard optimizer state (gradients all-reduced); 2: also shard gradients (reduce-scattered); 3: "
+                  "also shard parameters (whole only inside the blocks that use them)",
+                  2),
+    FULGUR_OPTION(boolean, reshard_after_forward,
+                  "zero_stage = 3: free a block's gathered parameters after its forward and gather them again for its "
+                  "backward (false: keep them until the block's backward is done: one all-gather fewer per block, "
+                  "more memory)",
+                  true),
     FULGUR_OPTION(string, backend, "Process group backend: \"auto\" (the accelerator's), \"gloo\", \"nccl\"", "auto"),
     FULGUR_OPTION(floating, timeout,
                   "Seconds a collective or the rendezvous may wait for the other ranks before failing", 1800.0))
