@@ -17,12 +17,14 @@
 #include <fulgur/trainer_context.h>
 
 #include <fmt/format.h>
+#include <malloc.h>
 #include <sys/resource.h>
 #include <torch/torch.h>
 
 #include <algorithm>
 #include <chrono>
 #include <cstdlib>
+#include <fstream>
 #include <iostream>
 #include <set>
 #include <string>
@@ -76,14 +78,27 @@ struct RandomData : fulgur::DataModule {
 // Counts, once training is over, what this rank holds; times each step.
 struct StateCounter : fulgur::Callback {
   fulgur::HookSet hooks() const override {
-    return fulgur::Hook::train_batch_start | fulgur::Hook::train_batch_end | fulgur::Hook::train_end;
+    return fulgur::Hook::train_start | fulgur::Hook::train_batch_start | fulgur::Hook::train_batch_end |
+           fulgur::Hook::train_end;
   }
+  void on_train_start(fulgur::TrainerContext&) override { peak_before_training = status_bytes("VmHWM:"); }
   void on_train_batch_start(fulgur::TrainerContext&, const fulgur::Batch&, int64_t) override { t0 = Clock::now(); }
   void on_train_batch_end(fulgur::TrainerContext&, const fulgur::StepOutput&, const fulgur::Batch&,
                           int64_t i) override {
     if (i >= 1) step_ms.push_back(std::chrono::duration<double, std::milli>(Clock::now() - t0).count());
   }
+  // A line of /proc/self/status in bytes (VmHWM: peak resident set so far; VmRSS: now).
+  static int64_t status_bytes(const std::string& key) {
+    std::ifstream status("/proc/self/status");
+    std::string line;
+    while (std::getline(status, line))
+      if (line.starts_with(key)) return std::stoll(line.substr(key.size())) * 1024;
+    return 0;
+  }
   void on_train_end(fulgur::TrainerContext& trainer) override {
+    rss_at_end = status_bytes("VmRSS:");
+    const struct mallinfo2 heap = mallinfo2();
+    malloc_in_use = static_cast<int64_t>(heap.uordblks + heap.hblkhd);
     std::set<const void*> seen;  // memory counted once, whoever holds it (views share their storage)
     auto count = [&](const at::Tensor& t, int64_t& into) {
       if (t.defined() && t.has_storage() && seen.insert(t.storage().unsafeGetStorageImpl()).second)
@@ -114,6 +129,8 @@ struct StateCounter : fulgur::Callback {
   Clock::time_point t0;
   std::vector<double> step_ms;
   int64_t parameters = 0, shard_parameters = 0, gradients = 0, optimizer_bytes = 0, numel = 0;
+  int64_t peak_before_training = 0, rss_at_end = 0;
+  int64_t malloc_in_use = 0;  // bytes malloc has handed out and not taken back, at the end
 };
 
 std::string arg(int argc, char** argv, const std::string& name, const std::string& fallback) {
@@ -166,9 +183,9 @@ threads = 1
   std::nth_element(ms.begin(), ms.begin() + ms.size() / 2, ms.end());
   std::cout << fmt::format(
       "RESULT strategy={} procs={} rank={} numel={} parameters={} shard_parameters={} gradients={} optimizer={} "
-      "peak_rss={} step_ms={:.1f}\n",
+      "peak_rss={} peak_rss_before_training={} rss_at_end={} malloc_in_use={} step_ms={:.1f}\n",
       strategy, procs, std::getenv("RANK") ? std::getenv("RANK") : "0", counter->numel, counter->parameters,
       counter->shard_parameters, counter->gradients, counter->optimizer_bytes, usage.ru_maxrss * 1024L,
-      ms.empty() ? 0.0 : ms[ms.size() / 2]);
+      counter->peak_before_training, counter->rss_at_end, counter->malloc_in_use, ms.empty() ? 0.0 : ms[ms.size() / 2]);
   return 0;
 }

@@ -418,20 +418,33 @@ TEST_CASE("fsdp: ZeRO-3 runs the collectives it is designed to, per step and per
   // gathers it again (2); fc2's input needs a gradient, so fc2 reduce-scatters as soon as its
   // backward is done (1); fc1 (input: data) and the parameters outside blocks reduce-scatter at the
   // end of backward (1). After the step the parameters outside blocks are gathered (1).
+  // Prefetching starts some of these ahead, one unit at a time, without adding any: in backward,
+  // fc1's while fc2 computes (from step 1); in forward, fc2's while fc1 computes (from step 2, which
+  // follows the order step 1 ran).
   auto env = block_env();
   env["FULGUR_LOG_LEVEL"] = "debug";
   auto run = run_worker(worker_config("fsdp:3", "2", 12, 3), {}, env);
   REQUIRE_SUCCESS(run);
   const std::string& out = run->result.output;
-  CHECK(contains(out, "since the previous optimizer step: 3 all-gathers, 2 reduce-scatters (2 units)"));
-  CHECK(contains(out, "since the previous optimizer step: 5 all-gathers, 2 reduce-scatters (2 units)"));
-  CHECK_FALSE(contains(out, "since the previous optimizer step: 5 all-gathers, 3 reduce-scatters"));
-  // With reshard_after_forward = false a block stays whole from its forward to its backward.
+  const std::string line = "since the previous optimizer step: ";
+  CHECK(contains(out, line + "3 all-gathers (1 started ahead), 2 reduce-scatters (2 units)"));
+  CHECK(contains(out, line + "5 all-gathers (2 started ahead), 2 reduce-scatters (2 units)"));
+  CHECK_FALSE(contains(out, "3 reduce-scatters"));
+  // Without prefetching: the same collectives, none started ahead.
   std::string toml = worker_config("fsdp:3", "2", 12, 3);
+  toml.replace(toml.find("zero_stage = 3"), 14, "zero_stage = 3\nprefetch = false");
+  auto plain = run_worker(toml, {}, env);
+  REQUIRE_SUCCESS(plain);
+  CHECK(contains(plain->result.output, line + "5 all-gathers (0 started ahead), 2 reduce-scatters (2 units)"));
+  // With reshard_after_forward = false a block stays whole from its forward to its backward:
+  // backward gathers nothing (step 1: only the parameters outside blocks after the step; then
+  // fc1, fc2 started ahead, and those).
+  toml = worker_config("fsdp:3", "2", 12, 3);
   toml.replace(toml.find("zero_stage = 3"), 14, "zero_stage = 3\nreshard_after_forward = false");
   auto kept = run_worker(toml, {}, env);
   REQUIRE_SUCCESS(kept);
-  CHECK(contains(kept->result.output, "since the previous optimizer step: 3 all-gathers, 2 reduce-scatters (2 units)"));
+  CHECK(contains(kept->result.output, line + "1 all-gathers (0 started ahead), 2 reduce-scatters (2 units)"));
+  CHECK(contains(kept->result.output, line + "3 all-gathers (1 started ahead), 2 reduce-scatters (2 units)"));
   CHECK_FALSE(contains(kept->result.output, "5 all-gathers"));
 }
 

@@ -120,11 +120,17 @@ class FsdpStrategy final : public fulgur::strategy_support::ProcessGroupStrategy
   explicit FsdpStrategy(const fulgur::Options& options)
       : ProcessGroupStrategy("fsdp", options),
         zero_stage_(options.get_int("zero_stage")),
-        reshard_after_forward_(options.get_bool("reshard_after_forward")) {
+        reshard_after_forward_(options.get_bool("reshard_after_forward")),
+        prefetch_(options.get_bool("prefetch")) {
     if (zero_stage_ < 1 || zero_stage_ > 3)
       throw Error(ErrorKind::config,
                   fmt::format("strategy 'fsdp': zero_stage = {} is not a ZeRO stage; use 1 (sharded optimizer "
                               "state), 2 (and gradients) or 3 (and parameters)",
+                              zero_stage_));
+    if (zero_stage_ != 3 && !prefetch_)
+      throw Error(ErrorKind::config,
+                  fmt::format("strategy 'fsdp': prefetch = false applies to zero_stage = 3 (sharded parameters); "
+                              "stage {} gathers nothing ahead: remove the option",
                               zero_stage_));
     if (zero_stage_ != 3 && !reshard_after_forward_)
       throw Error(ErrorKind::config,
@@ -140,6 +146,8 @@ class FsdpStrategy final : public fulgur::strategy_support::ProcessGroupStrategy
     optimizer_shards_.clear();
     ordered_.clear();
     units_.clear();
+    forward_order_.clear();
+    this_forward_.clear();
     module.to(device_);
     if (communicator_) {
       // Every rank starts from rank 0's weights and buffers, as under ddp.
@@ -190,15 +198,19 @@ class FsdpStrategy final : public fulgur::strategy_support::ProcessGroupStrategy
         }
     }
     layout_flat_buffers();
-    all_gathers_ = reduce_scatters_ = 0;
+    all_gathers_ = reduce_scatters_ = prefetches_ = 0;
   }
 
-  void before_training_step(bool sync_gradients) override { sync_gradients_ = sync_gradients; }
+  void before_training_step(bool sync_gradients) override {
+    sync_gradients_ = sync_gradients;
+    remember_forward_order();
+  }
 
   void backward(const at::Tensor& loss, fulgur::Precision& precision, bool sync_gradients) override {
     sync_gradients_ = sync_gradients;
     if (zero_stage_ == 3) {
       for (ShardedParameter* p : ordered_) p->reduced = false;
+      remember_forward_order();  // backward prefetches in the reverse of the forward just run
       precision.scale_loss(loss).backward();
       finish_backward();
       return;
@@ -246,10 +258,10 @@ class FsdpStrategy final : public fulgur::strategy_support::ProcessGroupStrategy
     }
     if (fulgur::log::enabled(fulgur::log::Level::debug))
       fulgur::log::debug(
-          fmt::format("strategy 'fsdp': since the previous optimizer step: {} all-gathers, {} "
-                      "reduce-scatters ({} units)",
-                      all_gathers_, reduce_scatters_, units_.size()));
-    all_gathers_ = reduce_scatters_ = 0;
+          fmt::format("strategy 'fsdp': since the previous optimizer step: {} all-gathers ({} started "
+                      "ahead), {} reduce-scatters ({} units)",
+                      all_gathers_, prefetches_, reduce_scatters_, units_.size()));
+    all_gathers_ = reduce_scatters_ = prefetches_ = 0;
     return stepped;
   }
 
@@ -260,12 +272,17 @@ class FsdpStrategy final : public fulgur::strategy_support::ProcessGroupStrategy
     Unit& unit = unit_of(block);
     if (unit.parameters.empty()) return forward(input);
     const bool with_gradients = torch::GradMode::is_enabled();
-    gather_group(unit.parameters);
+    if (with_gradients) this_forward_.push_back(&unit);
+    gather_unit(unit);
+    prefetch_after(unit, +1);
     at::Tensor x = input;
     if (with_gradients && input.requires_grad()) x = AfterBlockBackward::apply(input, unit_capsule(unit));
     at::Tensor output = forward(x);
     if (with_gradients && output.requires_grad())
-      output.register_hook([this, &unit](const at::Tensor&) { gather_group(unit.parameters); });
+      output.register_hook([this, &unit](const at::Tensor&) {
+        gather_unit(unit);
+        prefetch_after(unit, -1);
+      });
     if ((reshard_after_forward_ || !with_gradients) && full_parameters_held_ == 0)
       for (ShardedParameter* p : unit.parameters) release(*p);
     return output;
@@ -566,9 +583,12 @@ class FsdpStrategy final : public fulgur::strategy_support::ProcessGroupStrategy
 
   // ---- stage 3 ---------------------------------------------------------------------------------
 
+  struct InFlightGather;
   struct Unit {
     std::vector<ShardedParameter*> parameters;  // those no other block claimed first
     c10::intrusive_ptr<AfterBlock> after;
+    int64_t order = -1;                          // its place in the previous training forward
+    std::unique_ptr<InFlightGather> prefetched;  // an all-gather started ahead of its use
   };
 
   Unit& unit_of(torch::nn::Module& block) {
@@ -582,6 +602,17 @@ class FsdpStrategy final : public fulgur::strategy_support::ProcessGroupStrategy
       unit.parameters.push_back(&sharded->second);
     }
     return units_.emplace(&block, std::move(unit)).first->second;
+  }
+
+  // The order blocks ran in during the last training forward: what prefetching follows, in this
+  // step's backward and the next step's forward (the same on every rank, so the prefetches pair up).
+  void remember_forward_order() {
+    if (this_forward_.empty()) return;
+    forward_order_ = std::move(this_forward_);
+    this_forward_.clear();
+    for (auto& [module, unit] : units_) unit.order = -1;
+    for (size_t i = 0; i < forward_order_.size(); ++i)
+      if (forward_order_[i]->order < 0) forward_order_[i]->order = static_cast<int64_t>(i);
   }
 
   c10::intrusive_ptr<AfterBlock> unit_capsule(Unit& unit) {
@@ -601,6 +632,7 @@ class FsdpStrategy final : public fulgur::strategy_support::ProcessGroupStrategy
   // The end of backward: whatever no block hook reduced (the first block, parameters outside
   // blocks) in one reduce-scatter; blocks' parameters freed. Micro-steps keep whole gradients.
   void finish_backward() {
+    drain_prefetches();
     if (sync_gradients_) {
       std::vector<ShardedParameter*> rest;
       for (ShardedParameter* p : ordered_)
@@ -631,29 +663,53 @@ class FsdpStrategy final : public fulgur::strategy_support::ProcessGroupStrategy
     p.materialised = true;
   }
 
+  // An all-gather under way: this rank's padded shards and the buffer every rank's arrive in.
+  struct InFlightGather {
+    at::Tensor mine, all;
+    int64_t unit_numel = 0;
+    std::unique_ptr<fulgur::PendingCollective> pending;  // null: already complete
+  };
+
   // One all-gather makes the group's parameters whole from every rank's shards (each padded to
   // its chunk size). A group already whole on this rank is whole on every rank (the same hooks ran
   // everywhere), so it costs nothing, unless `refresh` (the shards were stepped).
-  void gather_group(const std::vector<ShardedParameter*>& group, bool refresh = false) {
+  void gather_group(const std::vector<ShardedParameter*>& group, bool refresh = false, bool drain = true) {
+    if (drain) drain_prefetches();  // a prefetched unit may overlap the group
     bool needed = refresh;
     for (ShardedParameter* p : group) needed = needed || !p->materialised;
     if (group.empty() || !needed) return;
+    InFlightGather gather = start_gather(group, /*async=*/false);
+    finish_gather(group, gather);
+  }
+
+  InFlightGather start_gather(const std::vector<ShardedParameter*>& group, bool async) {
     torch::NoGradGuard no_grad;
-    int64_t unit_numel = 0;
-    for (ShardedParameter* p : group) unit_numel += p->chunk_numel();
-    at::Tensor mine = at::zeros({unit_numel}, flat_options());
+    InFlightGather gather;
+    for (ShardedParameter* p : group) gather.unit_numel += p->chunk_numel();
+    gather.mine = at::zeros({gather.unit_numel}, flat_options());
     int64_t offset = 0;
     for (ShardedParameter* p : group) {
-      mine.narrow(0, offset, p->local_rows() * p->row_numel).copy_(p->shard.reshape({-1}));
+      gather.mine.narrow(0, offset, p->local_rows() * p->row_numel).copy_(p->shard.reshape({-1}));
       offset += p->chunk_numel();
     }
-    at::Tensor all = mine;
+    gather.all = gather.mine;
     if (communicator_) {
-      all = at::empty({cluster_.world_size * unit_numel}, flat_options());
-      communicator_->all_gather_into_tensor(all, mine);
+      gather.all = at::empty({cluster_.world_size * gather.unit_numel}, flat_options());
+      if (async)
+        gather.pending = communicator_->all_gather_into_tensor_async(gather.all, gather.mine);
+      else
+        communicator_->all_gather_into_tensor(gather.all, gather.mine);
     }
     ++all_gathers_;
-    offset = 0;
+    return gather;
+  }
+
+  void finish_gather(const std::vector<ShardedParameter*>& group, InFlightGather& gather) {
+    torch::NoGradGuard no_grad;
+    if (gather.pending) gather.pending->wait();
+    gather.pending.reset();
+    const int64_t unit_numel = gather.unit_numel;
+    int64_t offset = 0;
     for (ShardedParameter* p : group) {
       allocate(*p);
       for (int64_t j = 0; j < cluster_.world_size; ++j) {
@@ -661,9 +717,49 @@ class FsdpStrategy final : public fulgur::strategy_support::ProcessGroupStrategy
         const int64_t count = std::min(p->rows, (j + 1) * p->chunk_rows) - first;
         if (count <= 0) continue;
         p->rows_of(p->full_alias, first, count)
-            .copy_(all.narrow(0, j * unit_numel + offset, count * p->row_numel).view({count, p->row_numel}));
+            .copy_(gather.all.narrow(0, j * unit_numel + offset, count * p->row_numel).view({count, p->row_numel}));
       }
       offset += p->chunk_numel();
+    }
+  }
+
+  // A unit whole for its forward or backward: from its prefetch when one is under way.
+  void gather_unit(Unit& unit) {
+    if (unit.prefetched) {
+      finish_gather(unit.parameters, *unit.prefetched);
+      unit.prefetched.reset();
+      return;
+    }
+    gather_group(unit.parameters, /*refresh=*/false, /*drain=*/false);  // units never overlap
+  }
+
+  // Starts the all-gather of the unit that ran `step` places away from `unit` in the previous
+  // training forward (+1 in forward, -1 in backward), so that it overlaps this unit's compute.
+  void prefetch_after(const Unit& unit, int step) {
+    if (!prefetch_ || unit.order < 0) return;
+    const int64_t next = unit.order + step;
+    if (next < 0 || next >= static_cast<int64_t>(forward_order_.size())) return;
+    Unit& target = *forward_order_[next];
+    if (target.prefetched || prefetch_in_flight()) return;  // one ahead at most: two units whole, not more
+    bool needed = false;
+    for (ShardedParameter* p : target.parameters) needed = needed || !p->materialised;
+    if (!needed) return;
+    target.prefetched = std::make_unique<InFlightGather>(start_gather(target.parameters, /*async=*/true));
+    ++prefetches_;
+  }
+
+  bool prefetch_in_flight() const {
+    for (const auto& [module, unit] : units_)
+      if (unit.prefetched) return true;
+    return false;
+  }
+
+  void drain_prefetches() {
+    for (auto& [module, unit] : units_) {
+      (void)module;
+      if (!unit.prefetched) continue;
+      auto gather = std::move(unit.prefetched);
+      finish_gather(unit.parameters, *gather);
     }
   }
 
@@ -727,8 +823,10 @@ class FsdpStrategy final : public fulgur::strategy_support::ProcessGroupStrategy
   bool reshard_after_forward_;
   bool sync_gradients_ = true;
   int full_parameters_held_ = 0;  // FullParameters guards alive (nested ones count)
-  int64_t all_gathers_ = 0, reduce_scatters_ = 0;
+  int64_t all_gathers_ = 0, reduce_scatters_ = 0, prefetches_ = 0;
+  bool prefetch_;
   std::map<const torch::nn::Module*, Unit> units_;
+  std::vector<Unit*> forward_order_, this_forward_;
   at::ScalarType dtype_ = at::kFloat;
   std::map<const c10::TensorImpl*, ShardedParameter> shards_;
   std::map<const torch::optim::Optimizer*, std::vector<ShardedParameter*>> optimizer_shards_;
@@ -751,6 +849,10 @@ FULGUR_PLUGIN(
                   "zero_stage = 3: free a block's gathered parameters after its forward and gather them again for its "
                   "backward (false: keep them until the block's backward is done: one all-gather fewer per block, "
                   "more memory)",
+                  true),
+    FULGUR_OPTION(boolean, prefetch,
+                  "zero_stage = 3: start the all-gather of the next block (in the order of the previous training "
+                  "forward; backward: the previous block) before the current one computes, so that they overlap",
                   true),
     FULGUR_OPTION(string, backend, "Process group backend: \"auto\" (the accelerator's), \"gloo\", \"nccl\"", "auto"),
     FULGUR_OPTION(floating, timeout,
