@@ -501,6 +501,75 @@ save_top_k = -1
   CHECK(max_difference(weights(*resumed, 1), weights(*whole, 1)) == 0.0);
 }
 
+TEST_CASE("fsdp: sharded checkpoints, each rank writing its rows, resume on 2 and 3 ranks and in one process") {
+  const std::string checkpointing = R"(
+[[callbacks]]
+name = "model_checkpoint"
+dirpath = "ckpts"
+filename = "{step}"
+every_n_train_steps = 4
+save_top_k = -1
+)";
+  auto sharded = [](std::string toml) {
+    toml.replace(toml.find("timeout = 30.0"), 14, "timeout = 30.0\nstate_dict_type = \"sharded\"");
+    return toml;
+  };
+  for (const std::string stage : {"fsdp:2", "fsdp:3"}) {
+    CAPTURE(stage);
+    auto whole = run_worker(worker_config(stage, "2", 12, 10), {}, block_env());
+    REQUIRE_SUCCESS(whole);
+    auto first = run_worker(sharded(worker_config(stage, "2", 12, 5)) + checkpointing, {}, block_env());
+    REQUIRE_SUCCESS(first);
+    // A directory in torch.distributed.checkpoint's layout: one data file per rank, the metadata.
+    const fs::path ckpt = first->dir / "ckpts" / "step=4.ckpt";
+    REQUIRE_MESSAGE(fs::is_directory(ckpt), first->result.output);
+    CHECK(fs::exists(ckpt / ".metadata"));
+    CHECK(fs::exists(ckpt / "__0_0.distcp"));
+    CHECK(fs::exists(ckpt / "__1_0.distcp"));
+    // The same full checkpoint, gathered, for comparison.
+    auto full = run_worker(worker_config(stage, "2", 12, 5) + checkpointing, {}, block_env());
+    REQUIRE_SUCCESS(full);
+    const c10::IValue gathered = fulgur::read_checkpoint_file((full->dir / "ckpts" / "step=4.ckpt").string());
+
+    // Python's own tool consolidates it; every tensor equals the gathered checkpoint's.
+    const fs::path consolidated = first->dir / "consolidated.pt";
+    auto python = run_process({FULGUR_TEST_PYTHON, "-c",
+                               "import sys; from torch.distributed.checkpoint.format_utils import dcp_to_torch_save; "
+                               "dcp_to_torch_save(sys.argv[1], sys.argv[2])",
+                               ckpt.string(), consolidated.string()},
+                              clean_env(), first->dir / "python.log");
+    REQUIRE_MESSAGE(python.status == 0, python.output);
+    const c10::IValue from_python = fulgur::read_checkpoint_file(consolidated.string());
+    const auto expected = gathered.toGenericDict().at("state_dict").toGenericDict();
+    const auto actual = from_python.toGenericDict().at("state_dict").toGenericDict();
+    CHECK(actual.size() == expected.size());
+    for (const auto& entry : expected)
+      CHECK_MESSAGE(torch::equal(actual.at(entry.key()).toTensor(), entry.value().toTensor()),
+                    entry.key().toStringRef());
+    const auto moments = from_python.toGenericDict().at("optimizer_states").toList();
+    CHECK(moments.size() == 1);
+
+    auto on_two = run_worker(sharded(worker_config(stage, "2", 12, 10)), {"--resume", ckpt.string()}, block_env());
+    REQUIRE_SUCCESS(on_two);
+    CHECK(contains(on_two->result.output, "global step 4"));
+    CHECK(max_difference(weights(*on_two, 0), weights(*whole, 0)) == 0.0);
+    auto on_three = run_worker(worker_config(stage, "3", 8, 10), {"--resume", ckpt.string()}, block_env());
+    REQUIRE_SUCCESS(on_three);
+    CHECK(max_difference(weights(*on_three, 0), weights(*whole, 0)) < 1e-5);
+    auto alone = run_worker(worker_config("single_device", "1", 24, 10), {"--resume", ckpt.string()}, block_env());
+    REQUIRE_SUCCESS(alone);
+    CHECK(max_difference(weights(*alone, 0), weights(*whole, 0)) < 1e-5);
+  }
+}
+
+TEST_CASE("fsdp: state_dict_type other than full or sharded is refused") {
+  std::string toml = worker_config("fsdp:2", "2", 12, 2);
+  toml.replace(toml.find("timeout = 30.0"), 14, "timeout = 30.0\nstate_dict_type = \"local\"");
+  auto run = run_worker(toml, {}, sharding_env());
+  CHECK(run->result.status != 0);
+  CHECK(contains(run->result.output, "state_dict_type = \"local\" is not known"));
+}
+
 TEST_CASE("activation checkpointing: blocks that recompute reach the same weights under one process, ddp and ZeRO-3") {
   auto plain = run_worker(worker_config("single_device", "1", 24, 6, 2), {}, block_env());
   REQUIRE_SUCCESS(plain);

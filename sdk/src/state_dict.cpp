@@ -145,6 +145,16 @@ void load_optimizer_state(torch::optim::Optimizer& optimizer, const c10::IValue&
     throw Error(ErrorKind::checkpoint, fmt::format("checkpoint {}: optimizer has {} param groups, checkpoint has {}",
                                                    path, optimizer.param_groups().size(), groups.size()));
   auto state = as_dict(require_key(dict, "state", path, "the optimizer state is incomplete"), "state", path);
+  // torch.optim keys per-parameter state by the parameter's index. Anything else (FSDP's optimizer
+  // state dicts key it by parameter name) would match nothing and lose the state silently.
+  for (const auto& entry : state)
+    if (!entry.key().isInt())
+      throw Error(ErrorKind::checkpoint,
+                  fmt::format("checkpoint {}: the optimizer state is keyed by {} '{}', not by parameter index as "
+                              "torch.optim's state_dict() is; convert it (e.g. FSDP's "
+                              "get_optimizer_state_dict(..., options=StateDictOptions(flatten_optimizer_state_dict="
+                              "False)) keys by name)",
+                              path, entry.key().tagKind(), entry.key().isString() ? entry.key().toStringRef() : ""));
   int64_t index = 0;
   for (size_t gi = 0; gi < groups.size(); ++gi) {
     auto& group = optimizer.param_groups()[gi];

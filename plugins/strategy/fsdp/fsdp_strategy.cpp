@@ -30,9 +30,11 @@
 // and any strategy.
 #include <fulgur/blocks.h>
 #include <fulgur/communicator.h>
+#include <fulgur/distributed_checkpoint.h>
 #include <fulgur/log.h>
 #include <fulgur/plugin.h>
 #include <fulgur/state_dict.h>
+#include <fulgur/strategy.h>
 
 #include <ATen/core/Dict.h>
 #include <ATen/core/ivalue.h>
@@ -50,10 +52,12 @@
 #include <torch/optim/optimizer.h>
 #include <torch/optim/sgd.h>
 
+#include <algorithm>
 #include <cmath>
 #include <functional>
 #include <limits>
 #include <map>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -121,7 +125,8 @@ class FsdpStrategy final : public fulgur::strategy_support::ProcessGroupStrategy
       : ProcessGroupStrategy("fsdp", options),
         zero_stage_(options.get_int("zero_stage")),
         reshard_after_forward_(options.get_bool("reshard_after_forward")),
-        prefetch_(options.get_bool("prefetch")) {
+        prefetch_(options.get_bool("prefetch")),
+        sharded_checkpoints_(parse_state_dict_type(options.get_string("state_dict_type"))) {
     if (zero_stage_ < 1 || zero_stage_ > 3)
       throw Error(ErrorKind::config,
                   fmt::format("strategy 'fsdp': zero_stage = {} is not a ZeRO stage; use 1 (sharded optimizer "
@@ -180,8 +185,10 @@ class FsdpStrategy final : public fulgur::strategy_support::ProcessGroupStrategy
       ordered_.clear();
     }
     optimizer_shards_.clear();
+    optimizer_order_.clear();
     for (auto& optimizer : optimizers) {
       check_supported(*optimizer);
+      optimizer_order_.push_back(optimizer.get());
       std::vector<ShardedParameter*>& order = optimizer_shards_[optimizer.get()];
       for (auto& group : optimizer->param_groups())
         for (at::Tensor& parameter : group.params()) {
@@ -298,11 +305,17 @@ class FsdpStrategy final : public fulgur::strategy_support::ProcessGroupStrategy
         if (p->in_block) release(*p);
   }
 
-  // ---- state: full tensors, gathered, in torch.optim's layout --------------------------------
+  // ---- state: full tensors, gathered, in torch.optim's layout; or each rank's rows -------------
+  //
+  // state_dict_type = "full": rank zero writes one file holding whole tensors (gathered).
+  // state_dict_type = "sharded": every rank writes its own rows into a DCP directory
+  // (fulgur/distributed_checkpoint.h), nothing is gathered; any strategy and world size reads it back
+  // (Strategy::load_checkpoint reads it whole, and the loaders below take their rows).
 
-  // Stage 3: the whole parameters, gathered (a collective) and copied (their storage is freed again).
   c10::IValue module_state_dict(torch::nn::Module& module) override {
+    if (sharded_checkpoints_) return sharded_module_state(module);
     if (zero_stage_ != 3) return ProcessGroupStrategy::module_state_dict(module);
+    // Stage 3: the whole parameters, gathered (a collective) and copied (their storage is freed again).
     fulgur::FullParameters whole(module);
     const c10::IValue shared = ProcessGroupStrategy::module_state_dict(module);
     const auto entries = shared.toGenericDict();
@@ -311,6 +324,14 @@ class FsdpStrategy final : public fulgur::strategy_support::ProcessGroupStrategy
       copies.insert(entry.key(),
                     entry.value().isTensor() ? c10::IValue(entry.value().toTensor().clone()) : entry.value());
     return copies;
+  }
+
+  void save_checkpoint(const fulgur::CheckpointParts& parts, const std::string& path) override {
+    if (!sharded_checkpoints_) {
+      ProcessGroupStrategy::save_checkpoint(parts, path);
+      return;
+    }
+    fulgur::dcp::save(path, fulgur::join_checkpoint(parts), placements_, communicator_.get());
   }
 
   void load_module_state_dict(torch::nn::Module& module, const c10::IValue& state, bool strict,
@@ -330,6 +351,7 @@ class FsdpStrategy final : public fulgur::strategy_support::ProcessGroupStrategy
   c10::IValue optimizer_state_dict(torch::optim::Optimizer& optimizer) override {
     c10::IValue local = fulgur::optimizer_state_dict(optimizer);
     const std::vector<ShardedParameter*>& order = shards_for(optimizer);
+    if (sharded_checkpoints_) return sharded_optimizer_state(optimizer, local, order);
     return map_parameter_states(local, order,
                                 [&](const ShardedParameter& p, const at::Tensor& t) { return gather_rows(p, t); });
   }
@@ -581,6 +603,86 @@ class FsdpStrategy final : public fulgur::strategy_support::ProcessGroupStrategy
     return out;
   }
 
+  // ---- sharded checkpoints ---------------------------------------------------------------------
+
+  static bool parse_state_dict_type(const std::string& value) {
+    if (value == "full") return false;
+    if (value == "sharded") return true;
+    throw Error(ErrorKind::config,
+                fmt::format("strategy 'fsdp': state_dict_type = \"{}\" is not known; use \"full\" (one file, "
+                            "gathered on rank 0) or \"sharded\" (a directory, every rank writing its rows)",
+                            value));
+  }
+
+  // Where this rank's rows of `p` sit in the whole tensor; nullopt when it holds none of them or
+  // the tensor is not split (a 0-dim parameter: rank 0 writes it, as a replicated tensor).
+  static std::optional<fulgur::dcp::Chunk> chunk_of(const ShardedParameter& p) {
+    if (p.full.dim() == 0) return std::nullopt;
+    std::vector<int64_t> offsets(p.full.dim(), 0);
+    offsets[0] = p.begin;
+    return fulgur::dcp::Chunk().set_global_shape(p.full.sizes().vec()).set_offsets(std::move(offsets));
+  }
+
+  // The parameters as this rank holds them: its rows (no copy, no collective); buffers whole.
+  c10::IValue sharded_module_state(torch::nn::Module& module) {
+    placements_.clear();
+    auto state = c10::impl::GenericDict(c10::StringType::get(), c10::AnyType::get());
+    for (const auto& item : module.named_parameters()) {
+      auto found = shards_.find(item.value().unsafeGetTensorImpl());
+      if (found == shards_.end()) {  // not split (no optimizer set up yet): whole, like a buffer
+        state.insert(item.key(), item.value().detach());
+        continue;
+      }
+      const ShardedParameter& p = found->second;
+      if (p.local_rows() == 0) continue;  // nothing of it here
+      state.insert(item.key(), p.shard.detach());
+      if (auto chunk = chunk_of(p)) placements_["state_dict." + item.key()] = *chunk;
+    }
+    for (const auto& item : module.named_buffers()) state.insert(item.key(), item.value().detach());
+    return state;
+  }
+
+  // torch.optim's layout with this rank's rows of each per-element state (Adam's moments);
+  // "step" and the param groups are the same on every rank (written once).
+  c10::IValue sharded_optimizer_state(torch::optim::Optimizer& optimizer, const c10::IValue& local,
+                                      const std::vector<ShardedParameter*>& order) {
+    const auto position = std::find(optimizer_order_.begin(), optimizer_order_.end(), &optimizer);
+    const int64_t index = position - optimizer_order_.begin();
+    if (!local.isGenericDict()) return local;
+    const auto whole = local.toGenericDict();
+    auto out = c10::impl::GenericDict(whole.keyType(), whole.valueType());
+    for (const auto& entry : whole) {
+      if (!(entry.key().isString() && entry.key().toStringRef() == "state") || !entry.value().isGenericDict()) {
+        out.insert(entry.key(), entry.value());
+        continue;
+      }
+      const auto per_parameter = entry.value().toGenericDict();
+      auto kept = c10::impl::GenericDict(per_parameter.keyType(), per_parameter.valueType());
+      for (const auto& item : per_parameter) {
+        const int64_t i = item.key().isInt() ? item.key().toInt() : -1;
+        if (i < 0 || i >= static_cast<int64_t>(order.size()) || !item.value().isGenericDict()) {
+          kept.insert(item.key(), item.value());
+          continue;
+        }
+        const ShardedParameter& p = *order[i];
+        const auto chunk = chunk_of(p);
+        auto tensors =
+            c10::impl::GenericDict(item.value().toGenericDict().keyType(), item.value().toGenericDict().valueType());
+        for (const auto& t : item.value().toGenericDict()) {
+          const std::string name = t.key().isString() ? t.key().toStringRef() : std::string();
+          const bool per_element = t.value().isTensor() && name != "step";
+          if (per_element && p.local_rows() == 0) continue;  // nothing of it here
+          tensors.insert(t.key(), t.value());
+          if (per_element && chunk)
+            placements_[fmt::format("optimizer_states.{}.state.{}.{}", index, i, name)] = *chunk;
+        }
+        kept.insert(item.key(), tensors);
+      }
+      out.insert(entry.key(), kept);
+    }
+    return out;
+  }
+
   // ---- stage 3 ---------------------------------------------------------------------------------
 
   struct InFlightGather;
@@ -827,6 +929,9 @@ class FsdpStrategy final : public fulgur::strategy_support::ProcessGroupStrategy
   bool prefetch_;
   std::map<const torch::nn::Module*, Unit> units_;
   std::vector<Unit*> forward_order_, this_forward_;
+  bool sharded_checkpoints_;
+  std::map<std::string, fulgur::dcp::Chunk> placements_;  // of the state dicts made for the next save
+  std::vector<const torch::optim::Optimizer*> optimizer_order_;
   at::ScalarType dtype_ = at::kFloat;
   std::map<const c10::TensorImpl*, ShardedParameter> shards_;
   std::map<const torch::optim::Optimizer*, std::vector<ShardedParameter*>> optimizer_shards_;
@@ -854,6 +959,12 @@ FULGUR_PLUGIN(
                   "zero_stage = 3: start the all-gather of the next block (in the order of the previous training "
                   "forward; backward: the previous block) before the current one computes, so that they overlap",
                   true),
+    FULGUR_OPTION(
+        string, state_dict_type,
+        "\"full\": checkpoints are one file of whole tensors, gathered on rank 0; \"sharded\": a directory in "
+        "torch.distributed.checkpoint's format, each rank writing its own rows (no gathering); both resume "
+        "under any world size and strategy",
+        "full"),
     FULGUR_OPTION(string, backend, "Process group backend: \"auto\" (the accelerator's), \"gloo\", \"nccl\"", "auto"),
     FULGUR_OPTION(floating, timeout,
                   "Seconds a collective or the rendezvous may wait for the other ranks before failing", 1800.0))
