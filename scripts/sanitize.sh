@@ -63,6 +63,7 @@ for mode in "${modes[@]}"; do
   dir="build-$mode"
   reports="$PWD/$dir/sanitizer-reports"
   exclude=""
+  lsan_crashes=""
   case "$mode" in
     asan)
       flags="-fsanitize=address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer"
@@ -79,6 +80,13 @@ for mode in "${modes[@]}"; do
       #                     the tuned glibc policy (core/src/host_memory.cpp) cannot apply, and
       #                     the page-fault comparison measures ASan's allocator.
       exclude="^host malloc: "
+      # Tests whose processes crash LeakSanitizer itself at exit, run again below with leak
+      # detection off (ASan and UBSan stay on). The resumed run of this test exits normally, then
+      # LSan's tracer dies scanning a thread's dynamic TLS ("DTLS 27 at 0x000000058568-
+      # 0x00640005966a", "Tracer caught signal 11"): a bogus range from GCC 12's sanitizer runtime
+      # reading glibc's DTV, not a finding. Reproduced 3 of 3; with detect_leaks=0 it passes with no
+      # report; use_tls=0 avoids the crash but reports objects only TLS points to as leaks.
+      lsan_crashes='^contract v2: ckpt_path = "last" resumes a run killed mid-epoch'
       ;;
     tsan)
       flags="-fsanitize=thread -fno-omit-frame-pointer"
@@ -98,11 +106,20 @@ for mode in "${modes[@]}"; do
   mkdir -p "$reports"
   cmake --build "$dir" --target "${targets[@]}"
   ((run_tests)) || continue
-  echo "== $mode: ctest ${test_regex:+-R '$test_regex'} ${exclude:+-E '$exclude'}"
+  echo "== $mode: ctest ${test_regex:+-R '$test_regex'} ${exclude:+-E '$exclude'}${lsan_crashes:+ (and, below, $lsan_crashes)}"
   # Plugins are shared objects loaded into sanitized executables: the runtime is already there.
-  if ! ctest --test-dir "$dir" -j2 --output-on-failure ${test_regex:+-R "$test_regex"} ${exclude:+-E "$exclude"} \
+  skip="$exclude"
+  [ -n "$lsan_crashes" ] && skip="${skip:+$skip|}$lsan_crashes"
+  if ! ctest --test-dir "$dir" -j2 --output-on-failure ${test_regex:+-R "$test_regex"} ${skip:+-E "$skip"} \
       -LE 'bench|packaging' 2>&1 | tee "$dir/sanitize.log"; then
     status=1
+  fi
+  if [ -n "${lsan_crashes:-}" ] && [ -z "$test_regex" ]; then
+    echo "== $mode: without leak detection (LeakSanitizer crashes in these): $lsan_crashes"
+    if ! ASAN_OPTIONS="${ASAN_OPTIONS/detect_leaks=1/detect_leaks=0}" ctest --test-dir "$dir" --output-on-failure \
+        -R "$lsan_crashes" 2>&1 | tee -a "$dir/sanitize.log"; then
+      status=1
+    fi
   fi
   shopt -s nullglob
   found=("$reports"/*)
