@@ -548,6 +548,13 @@ save_top_k = -1
                     entry.key().toStringRef());
     const auto moments = from_python.toGenericDict().at("optimizer_states").toList();
     CHECK(moments.size() == 1);
+    // A PyTorch FSDP2 run of the same model on 2 Gloo ranks loads it into its DTensor shards.
+    auto fsdp2 = run_process({FULGUR_TEST_PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                              FULGUR_TEST_SOURCE_DIR "/tests/python/fsdp2_load.py", ckpt.string(),
+                              (full->dir / "ckpts" / "step=4.ckpt").string()},
+                             clean_env(), first->dir / "fsdp2.log");
+    CHECK_MESSAGE(fsdp2.status == 0, fsdp2.output);
+    CHECK(contains(fsdp2.output, "fsdp2-load-ok"));
 
     auto on_two = run_worker(sharded(worker_config(stage, "2", 12, 10)), {"--resume", ckpt.string()}, block_env());
     REQUIRE_SUCCESS(on_two);
