@@ -569,6 +569,27 @@ save_top_k = -1
   }
 }
 
+TEST_CASE("fsdp: gradients averaged in bfloat16 (reduce_dtype) land near the float32 run, and not on it") {
+  auto single = run_worker(worker_config("single_device", "1", 24, 6, 2), {}, sharding_env());
+  REQUIRE_SUCCESS(single);
+  for (const std::string stage : {"fsdp:1", "fsdp:2", "fsdp:3"}) {
+    CAPTURE(stage);
+    std::string toml = worker_config(stage, "2", 12, 6, 2);
+    toml.replace(toml.find("timeout = 30.0"), 14, "timeout = 30.0\nreduce_dtype = \"bfloat16\"");
+    auto run = run_worker(toml, {}, block_env());
+    REQUIRE_SUCCESS(run);
+    CHECK(max_difference(weights(*run, 0), weights(*run, 1)) == 0.0);
+    const double difference = max_difference(weights(*run, 0), weights(*single, 0));
+    CHECK(difference > 1e-6);  // the rounding is real: the option is not ignored
+    CHECK(difference < 5e-2);
+  }
+  std::string toml = worker_config("fsdp:2", "2", 12, 2);
+  toml.replace(toml.find("timeout = 30.0"), 14, "timeout = 30.0\nreduce_dtype = \"int8\"");
+  auto refused = run_worker(toml, {}, sharding_env());
+  CHECK(refused->result.status != 0);
+  CHECK(contains(refused->result.output, "reduce_dtype = \"int8\" is not known"));
+}
+
 TEST_CASE("fsdp: state_dict_type other than full or sharded is refused") {
   std::string toml = worker_config("fsdp:2", "2", 12, 2);
   toml.replace(toml.find("timeout = 30.0"), 14, "timeout = 30.0\nstate_dict_type = \"local\"");

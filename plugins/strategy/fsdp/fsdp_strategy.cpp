@@ -126,7 +126,8 @@ class FsdpStrategy final : public fulgur::strategy_support::ProcessGroupStrategy
         zero_stage_(options.get_int("zero_stage")),
         reshard_after_forward_(options.get_bool("reshard_after_forward")),
         prefetch_(options.get_bool("prefetch")),
-        sharded_checkpoints_(parse_state_dict_type(options.get_string("state_dict_type"))) {
+        sharded_checkpoints_(parse_state_dict_type(options.get_string("state_dict_type"))),
+        reduce_dtype_(parse_reduce_dtype(options.get_string("reduce_dtype"))) {
     if (zero_stage_ < 1 || zero_stage_ > 3)
       throw Error(ErrorKind::config,
                   fmt::format("strategy 'fsdp': zero_stage = {} is not a ZeRO stage; use 1 (sharded optimizer "
@@ -456,6 +457,11 @@ class FsdpStrategy final : public fulgur::strategy_support::ProcessGroupStrategy
   }
 
   at::TensorOptions flat_options() const { return at::TensorOptions().dtype(dtype_).device(device_); }
+  // Gradients travel in the reduce dtype (bfloat16 halves the bytes) and land on the shards in the
+  // parameters' dtype.
+  at::TensorOptions reduce_options() const {
+    return at::TensorOptions().dtype(reduce_dtype_.value_or(dtype_)).device(device_);
+  }
 
   // Averages the gradients of a step across ranks and leaves each rank its rows of them, on the
   // shards; the full gradients are dropped (stage 2 never holds the averaged full gradient).
@@ -472,15 +478,15 @@ class FsdpStrategy final : public fulgur::strategy_support::ProcessGroupStrategy
     at::Tensor mine;  // this rank's averaged rows, in flat layout
     if (zero_stage_ == 1) {
       // All-reduce the whole gradient in one flat buffer, then keep this rank's rows.
-      at::Tensor flat = at::zeros({world * flat_numel_}, flat_options());
+      at::Tensor flat = at::zeros({world * flat_numel_}, reduce_options());
       for (int64_t i = 0; i < n; ++i) copy_rows_rank_major(*ordered_[i], used[i], flat);
       if (communicator_) communicator_->all_reduce(flat, fulgur::ReduceOp::mean);
       mine = flat.narrow(0, cluster_.global_rank * flat_numel_, flat_numel_);
     } else {
       // Reduce-scatter: every rank sends its gradient cut into per-rank chunks, receives its own.
-      at::Tensor flat = at::zeros({world * flat_numel_}, flat_options());
+      at::Tensor flat = at::zeros({world * flat_numel_}, reduce_options());
       for (int64_t i = 0; i < n; ++i) copy_rows_rank_major(*ordered_[i], used[i], flat);
-      mine = at::zeros({flat_numel_}, flat_options());
+      mine = at::zeros({flat_numel_}, reduce_options());
       if (communicator_)
         communicator_->reduce_scatter(mine, flat, fulgur::ReduceOp::mean);
       else
@@ -495,7 +501,7 @@ class FsdpStrategy final : public fulgur::strategy_support::ProcessGroupStrategy
       if (grad.defined())
         grad.add_(rows);  // not zeroed since the last step (manual optimization): accumulate, as in one process
       else
-        grad = rows.clone();
+        grad = rows.to(p.shard.scalar_type(), /*non_blocking=*/false, /*copy=*/true);
     }
   }
 
@@ -604,6 +610,18 @@ class FsdpStrategy final : public fulgur::strategy_support::ProcessGroupStrategy
   }
 
   // ---- sharded checkpoints ---------------------------------------------------------------------
+
+  static std::optional<at::ScalarType> parse_reduce_dtype(const std::string& value) {
+    if (value == "auto") return std::nullopt;
+    if (value == "float32") return at::kFloat;
+    if (value == "bfloat16") return at::kBFloat16;
+    if (value == "float16") return at::kHalf;
+    if (value == "float64") return at::kDouble;
+    throw Error(ErrorKind::config,
+                fmt::format("strategy 'fsdp': reduce_dtype = \"{}\" is not known; use \"auto\" (the parameters' "
+                            "dtype), \"float32\", \"bfloat16\", \"float16\" or \"float64\"",
+                            value));
+  }
 
   static bool parse_state_dict_type(const std::string& value) {
     if (value == "full") return false;
@@ -878,7 +896,7 @@ class FsdpStrategy final : public fulgur::strategy_support::ProcessGroupStrategy
     const int64_t world = cluster_.world_size, n = static_cast<int64_t>(group.size());
     int64_t slice = n;
     for (ShardedParameter* p : group) slice += p->chunk_numel();
-    at::Tensor flat = at::zeros({world * slice}, flat_options());
+    at::Tensor flat = at::zeros({world * slice}, reduce_options());
     int64_t offset = 0;
     for (ShardedParameter* p : group) {
       const at::Tensor grad = p->full.grad();
@@ -896,7 +914,7 @@ class FsdpStrategy final : public fulgur::strategy_support::ProcessGroupStrategy
     for (int64_t j = 0; j < world; ++j)
       for (int64_t i = 0; i < n; ++i)
         if (group[i]->full.grad().defined()) flat[j * slice + offset + i] = 1;
-    at::Tensor mine = at::zeros({slice}, flat_options());
+    at::Tensor mine = at::zeros({slice}, reduce_options());
     if (communicator_)
       communicator_->reduce_scatter(mine, flat, fulgur::ReduceOp::sum);
     else
@@ -915,7 +933,7 @@ class FsdpStrategy final : public fulgur::strategy_support::ProcessGroupStrategy
         if (grad.defined())
           grad.add_(rows);
         else
-          grad = rows.clone();
+          grad = rows.to(p.shard.scalar_type(), /*non_blocking=*/false, /*copy=*/true);
       }
       offset += p.chunk_numel();
     }
@@ -930,6 +948,7 @@ class FsdpStrategy final : public fulgur::strategy_support::ProcessGroupStrategy
   std::map<const torch::nn::Module*, Unit> units_;
   std::vector<Unit*> forward_order_, this_forward_;
   bool sharded_checkpoints_;
+  std::optional<at::ScalarType> reduce_dtype_;            // nullopt: the parameters' dtype
   std::map<std::string, fulgur::dcp::Chunk> placements_;  // of the state dicts made for the next save
   std::vector<const torch::optim::Optimizer*> optimizer_order_;
   at::ScalarType dtype_ = at::kFloat;
@@ -959,6 +978,11 @@ FULGUR_PLUGIN(
                   "zero_stage = 3: start the all-gather of the next block (in the order of the previous training "
                   "forward; backward: the previous block) before the current one computes, so that they overlap",
                   true),
+    FULGUR_OPTION(string, reduce_dtype,
+                  "dtype the gradients are averaged in across ranks: \"auto\" (the parameters'), \"float32\", "
+                  "\"bfloat16\" (half the bytes on the wire), \"float16\", \"float64\"; the shards' gradients are in "
+                  "the parameters' dtype",
+                  "auto"),
     FULGUR_OPTION(
         string, state_dict_type,
         "\"full\": checkpoints are one file of whole tensors, gathered on rank 0; \"sharded\": a directory in "
