@@ -71,7 +71,7 @@ TEST_CASE("host malloc: tuned by default in any program that links the core, wit
                  "tuned=1 source=FULGUR_HOST_MALLOC"));
 }
 
-TEST_CASE("host malloc: the example program faults far fewer pages per training step than with glibc's defaults") {
+TEST_CASE("host malloc: the example program faults almost no pages per training step, tuned") {
   // Page faults of the training steps alone: a run of `long_run` batches minus a run of
   // `short_run`, so loading libtorch and the data (the same in both) cancels out.
   constexpr int short_run = 5, long_run = 45;
@@ -95,7 +95,9 @@ TEST_CASE("host malloc: the example program faults far fewer pages per training 
   const double system =
       static_cast<double>(faults(long_run, "system") - faults(short_run, "system")) / (long_run - short_run);
   MESSAGE("minor page faults per CNN training step: ", tuned, " tuned, ", system, " with glibc's defaults");
-  // Measured on the issue's machine: ~3300 per step with glibc's defaults, about zero tuned. The
-  // bound leaves a wide margin and does not depend on timing.
-  CHECK(tuned * 4 <= system);
+  // Tuned: measured 20-120 per step (the difference of two whole runs: ±10 of it is run-to-run
+  // noise). glibc's defaults: 3200-3600 per step on most runs, with its adaptive mmap threshold
+  // sometimes catching up early and faulting few (a history-dependent outcome, so no comparison is
+  // asserted; bench/real.sh reports both). The bound leaves a wide margin and does not depend on timing.
+  CHECK(tuned < 500);
 }

@@ -94,11 +94,31 @@ FashionMnistSplit read_split(const fs::path& dir, bool train) {
   return {images, labels.to(torch::kInt64)};
 }
 
-// uint8 pixels -> float32 [N, 1, 28, 28], (x / 255 - mean) / std.
-FashionMnistSplit normalized(const FashionMnistSplit& raw) {
-  return {raw.images.to(torch::kFloat32).div_(255.0).sub_(kFashionMnistMean).div_(kFashionMnistStd).unsqueeze(1),
-          raw.labels};
+// uint8 pixels [N, 28, 28] -> float32 [N, 1, 28, 28], (x / 255 - mean) / std.
+at::Tensor normalized_images(const at::Tensor& pixels) {
+  return pixels.to(torch::kFloat32).div_(255.0).sub_(kFashionMnistMean).div_(kFashionMnistStd).unsqueeze(1);
 }
+
+FashionMnistSplit normalized(const FashionMnistSplit& raw) { return {normalized_images(raw.images), raw.labels}; }
+
+// Serves another loader's uint8 batches normalized. The data module keeps its splits in uint8 and
+// converts 64 images per batch instead of 60000 up front: 188 MB less memory for the training set,
+// and the page faults of filling it (issue #16).
+class NormalizingLoader final : public BatchLoader {
+ public:
+  explicit NormalizingLoader(std::unique_ptr<BatchLoader> inner) : inner_(std::move(inner)) {}
+  int64_t num_batches() const override { return inner_->num_batches(); }
+  void start_epoch(int64_t epoch, int64_t skip_batches) override { inner_->start_epoch(epoch, skip_batches); }
+  std::optional<Batch> next() override {
+    std::optional<Batch> batch = inner_->next();
+    if (batch) batch->input = normalized_images(batch->input);
+    return batch;
+  }
+  void set_replica(int64_t rank, int64_t num_replicas) override { inner_->set_replica(rank, num_replicas); }
+
+ private:
+  std::unique_ptr<BatchLoader> inner_;
+};
 
 }  // namespace
 
@@ -142,8 +162,6 @@ void FashionMnistDataModule::set_batch_size(int64_t n) {
 void FashionMnistDataModule::setup(Stage stage) {
   if (stage == Stage::fit || stage == Stage::validate || stage == Stage::sanity_check) {
     if (train_.images.defined()) return;
-    // Split the uint8 pixels, then convert each part: one float copy of the images, not two
-    // (the float training set is 172 MB; issue #16 counted ~45 k page faults for the second).
     const FashionMnistSplit all = read_split(dir_, /*train=*/true);
     const int64_t n = all.images.size(0);
     if (val_count_ >= n)
@@ -155,10 +173,10 @@ void FashionMnistDataModule::setup(Stage stage) {
     at::Tensor perm = torch::randperm(n, at::detail::createCPUGenerator(seed_), torch::kInt64);
     at::Tensor val_idx = std::get<0>(perm.narrow(0, 0, val_count_).sort());
     at::Tensor train_idx = std::get<0>(perm.narrow(0, val_count_, n - val_count_).sort());
-    train_ = normalized({all.images.index_select(0, train_idx), all.labels.index_select(0, train_idx)});
-    if (val_count_ > 0) val_ = normalized({all.images.index_select(0, val_idx), all.labels.index_select(0, val_idx)});
+    train_ = {all.images.index_select(0, train_idx), all.labels.index_select(0, train_idx)};
+    if (val_count_ > 0) val_ = {all.images.index_select(0, val_idx), all.labels.index_select(0, val_idx)};
   } else if (stage == Stage::test || stage == Stage::predict) {
-    if (!test_.images.defined()) test_ = load_fashion_mnist(dir_, /*train=*/false);
+    if (!test_.images.defined()) test_ = read_split(dir_, /*train=*/false);
   }
 }
 
@@ -166,9 +184,9 @@ std::unique_ptr<BatchLoader> FashionMnistDataModule::loader(const FashionMnistSp
                                                             const char* stage) const {
   if (!split.images.defined())
     throw Error(ErrorKind::runtime, fmt::format("FashionMnistDataModule: {} loader requested before setup()", stage));
-  return make_tensor_loader(
+  return std::make_unique<NormalizingLoader>(make_tensor_loader(
       split.images, split.labels,
-      TensorLoaderOptions().batch_size(batch_size_).shuffle(shuffle).seed(seed_).num_workers(num_workers_));
+      TensorLoaderOptions().batch_size(batch_size_).shuffle(shuffle).seed(seed_).num_workers(num_workers_)));
 }
 
 std::unique_ptr<BatchLoader> FashionMnistDataModule::train_loader() {

@@ -69,6 +69,8 @@ class FashionMnistDataModule : public DataModule {
   // The batch-size finder's handle (the next train_loader() uses a new size).
   int64_t batch_size() const override { return batch_size_; }
   void set_batch_size(int64_t n) override;
+  // The splits as held: uint8 pixels [N, 28, 28] (a quarter of float32's bytes); the loaders
+  // normalize each batch as they serve it, to what load_fashion_mnist returns.
   const FashionMnistSplit& train_split() const { return train_; }
   const FashionMnistSplit& val_split() const { return val_; }
   const FashionMnistSplit& test_split() const { return test_; }
