@@ -124,10 +124,12 @@ class TensorLoader final : public BatchLoader {
 
   // Worker threads assemble batches in order (each takes the next index) into a bounded queue.
   void start_workers() {
-    produced_all_ = false;
+    const int64_t end = num_batches();
+    // Set before the first worker starts: from then on every shared field is the workers' and is
+    // touched under mutex_ only (ThreadSanitizer caught this check after the spawn loop).
+    produced_all_ = next_batch_ >= end;
     stopping_ = false;
     next_to_emit_ = next_batch_;
-    const int64_t end = num_batches();
     for (int64_t w = 0; w < options_.num_workers_; ++w) {
       workers_.emplace_back([this, end] {
         // index_select runs parallel regions: one thread here, or each worker opens an OpenMP team
@@ -161,7 +163,6 @@ class TensorLoader final : public BatchLoader {
         ready_cv_.notify_all();
       });
     }
-    if (next_batch_ >= end) produced_all_ = true;
   }
 
   void stop_workers() {
