@@ -1,0 +1,140 @@
+// Distributed checkpoints in PyTorch's torch.distributed.checkpoint (DCP) format, written and read
+// from C++ without Python: a directory with one `__<rank>_0.distcp` data file per rank (each entry a
+// complete torch.save archive) and one `.metadata` file (a pickled Metadata object) that says which
+// byte range of which file holds which chunk of which tensor.
+//
+// Python opens what this writes with torch.distributed.checkpoint.load (any number of ranks, any
+// sharding) or format_utils.dcp_to_torch_save; the Reader opens what Python's dcp.save wrote. A
+// sharded strategy saves each rank's chunks with save() and re-shards on load by reading any region.
+#pragma once
+
+#include <fulgur/export.h>
+
+#include <ATen/core/Tensor.h>
+#include <c10/core/ScalarType.h>
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <variant>
+#include <vector>
+
+namespace c10 {
+struct IValue;
+}
+
+namespace fulgur {
+
+class Communicator;
+
+namespace dcp {
+
+// A leaf's place in the nested state: dict keys (strings) and list indices (integers). The
+// flattened key is DCP's: the elements joined by '.' ("state_dict.layer.weight",
+// "optimizer_states.0.state.3.exp_avg").
+using PathElement = std::variant<std::string, int64_t>;
+using Path = std::vector<PathElement>;
+FULGUR_SDK_API std::string flatten_key(const Path& path);
+
+// A tensor leaf this rank holds only part of: the whole tensor's shape and where this rank's
+// part (the leaf itself, whose sizes are the chunk's) starts in it.
+struct Chunk {
+  std::vector<int64_t> global_shape;
+  std::vector<int64_t> offsets;
+
+  Chunk& set_global_shape(std::vector<int64_t> v) {
+    global_shape = std::move(v);
+    return *this;
+  }
+  Chunk& set_offsets(std::vector<int64_t> v) {
+    offsets = std::move(v);
+    return *this;
+  }
+};
+
+// What one rank's data file holds, as the metadata needs it. Ranks send it to rank 0 as a string.
+struct RankWrite {
+  struct Entry {
+    std::string key;  // the flattened key
+    Path path;        // how to rebuild the nesting (DCP's planner_data)
+    bool is_tensor = false;
+    at::ScalarType dtype = at::ScalarType::Float;  // tensors only
+    std::vector<int64_t> global_shape;             // tensors only
+    std::vector<int64_t> offsets;                  // tensors only: where this chunk starts
+    std::vector<int64_t> sizes;                    // tensors only: this chunk's sizes
+    int64_t offset = 0;                            // the entry's byte range in `file`
+    int64_t length = 0;
+  };
+  int64_t rank = 0;
+  std::string file;  // relative to the checkpoint directory
+  std::vector<Entry> entries;
+
+  FULGUR_SDK_API std::string serialize() const;
+  // Throws fulgur::Error(distributed) when `bytes` is not what serialize() produced.
+  FULGUR_SDK_API static RankWrite deserialize(std::string_view bytes);
+};
+
+// Writes this rank's data file `__<rank>_0.distcp` into `dir` (which must exist), fsynced, and
+// returns what the metadata needs. `state` is a nested dict/list (GenericDict with string or int
+// keys, GenericList) whose leaves are flattened as DCP flattens them: dicts and lists holding a
+// tensor or a container are walked, any other list or tuple is one leaf. Tensor leaves named in
+// `placements` are this rank's chunk of a sharded tensor; other tensors are replicated and, like
+// non-tensor leaves (numbers, strings, None, lists of them: torch.save bytes), written by rank 0
+// only. Empty dicts have no leaves and vanish, as in DCP. Throws fulgur::Error (checkpoint, io).
+FULGUR_SDK_API RankWrite write_rank_file(const std::string& dir, int64_t rank, const c10::IValue& state,
+                                         const std::map<std::string, Chunk>& placements);
+
+// Writes `dir`/.metadata from every rank's RankWrite (via .metadata.tmp, fsync, rename). Checks
+// that the ranks agree on each tensor's shape and dtype and that its chunks cover it exactly once.
+FULGUR_SDK_API void write_metadata(const std::string& dir, const std::vector<RankWrite>& ranks);
+
+// The collective save: every rank calls it with its own part. The checkpoint is assembled in a
+// temporary sibling directory (`.<name>.dcp-tmp`) and only then swapped into `dir`, so an
+// existing checkpoint at `dir` is replaced only by a complete one and a rank killed mid-save leaves
+// the previous checkpoint loadable. A failure on any rank throws on every rank.
+// `communicator` == nullptr: a single process (rank 0 of 1).
+FULGUR_SDK_API void save(const std::string& dir, const c10::IValue& state,
+                         const std::map<std::string, Chunk>& placements, Communicator* communicator);
+
+// A checkpoint directory opened for reading: Fulgur's or Python's, any number of writer ranks.
+// Re-sharding is reading whatever region this rank needs. Errors are fulgur::Error(checkpoint)
+// naming the directory and file.
+class FULGUR_SDK_API Reader {
+ public:
+  explicit Reader(const std::string& dir);
+  ~Reader();
+  Reader(Reader&&) noexcept;
+  Reader& operator=(Reader&&) noexcept;
+
+  const std::string& directory() const;
+  std::vector<std::string> keys() const;  // flattened keys, in the checkpoint's order
+  bool contains(const std::string& key) const;
+  bool is_tensor(const std::string& key) const;
+  std::vector<int64_t> shape(const std::string& key) const;
+  at::ScalarType dtype(const std::string& key) const;
+  Path path(const std::string& key) const;  // where the leaf sits in the nested state
+
+  // The region [offsets, offsets + sizes) of a tensor, assembled from every chunk that overlaps it.
+  at::Tensor read(const std::string& key, const std::vector<int64_t>& offsets, const std::vector<int64_t>& sizes) const;
+  at::Tensor read(const std::string& key) const;         // the whole tensor
+  c10::IValue read_value(const std::string& key) const;  // a non-tensor leaf
+  // The nested state, every tensor whole (string-keyed dicts, lists), as dcp_to_torch_save builds it.
+  c10::IValue read_all() const;
+
+  struct Impl;
+
+ private:
+  std::unique_ptr<Impl> impl_;
+};
+
+// Whether `dir` is a directory holding a `.metadata` file.
+FULGUR_SDK_API bool is_distributed_checkpoint(const std::string& dir);
+
+// Writes the whole checkpoint at `dir` into one torch.save file (atomically):
+// torch.load(out_file, weights_only=True) opens it; Fulgur reads it with read_checkpoint_file.
+FULGUR_SDK_API void consolidate(const std::string& dir, const std::string& out_file);
+
+}  // namespace dcp
+}  // namespace fulgur
