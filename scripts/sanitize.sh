@@ -110,6 +110,11 @@ for mode in "${modes[@]}"; do
       # detector tracks at most 64 locks held by one thread and CHECK-fails past that (seen in the
       # ddp runs: c10d and libtorch hold more); data races are still detected.
       export TSAN_OPTIONS="halt_on_error=1:ignore_noninstrumented_modules=1:handle_segv=0:handle_sigbus=0:handle_sigfpe=0:detect_deadlocks=0:suppressions=$tsan_supp:log_path=$reports/tsan"
+      # Cannot hold under TSan: a fixture plugin that throws from its static initialiser unwinds
+      # through TSan's __cxa_atexit interceptor, which then never ends the "ignore" it began, and
+      # TSan fails the checking child at exit ("main thread finished with ignores enabled"); the
+      # test runs under ASan and in the normal suite.
+      exclude="^plugins check: each crash class"
       ;;
   esac
   probe_runtime "$flags"
