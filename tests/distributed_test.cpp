@@ -569,6 +569,40 @@ save_top_k = -1
   }
 }
 
+TEST_CASE("fsdp: a rank killed during a sharded save leaves the previous checkpoint whole and resumable") {
+  const std::string checkpointing = R"(
+[[callbacks]]
+name = "model_checkpoint"
+dirpath = "ckpts"
+filename = "{step}"
+every_n_train_steps = 4
+save_top_k = -1
+)";
+  auto sharded = [](std::string toml) {
+    toml.replace(toml.find("timeout = 30.0"), 14, "timeout = 30.0\nstate_dict_type = \"sharded\"");
+    return toml;
+  };
+  auto whole = run_worker(worker_config("fsdp:3", "2", 12, 10), {}, block_env());
+  REQUIRE_SUCCESS(whole);
+  // Rank 1 dies (SIGKILL) in its second save, at step 8, once its data file is written and before
+  // the metadata and the swap into place (the test-only seam FULGUR_FAULT_INJECT).
+  auto env = block_env();
+  env["FULGUR_FAULT_INJECT"] = "dcp_save:2:1";
+  auto killed = run_worker(sharded(worker_config("fsdp:3", "2", 12, 10)) + checkpointing, {}, env);
+  INFO(killed->result.output);
+  CHECK(killed->result.status != 0);
+  CHECK_FALSE(killed->result.timed_out);
+  CHECK(contains(killed->result.output, "rank 1"));
+  const fs::path previous = killed->dir / "ckpts" / "step=4.ckpt";
+  REQUIRE(fs::exists(previous / ".metadata"));
+  CHECK_FALSE(fs::exists(killed->dir / "ckpts" / "step=8.ckpt"));  // never a half-written checkpoint
+  auto resumed =
+      run_worker(sharded(worker_config("fsdp:3", "2", 12, 10)), {"--resume", previous.string()}, block_env());
+  REQUIRE_SUCCESS(resumed);
+  CHECK(contains(resumed->result.output, "global step 4"));
+  CHECK(max_difference(weights(*resumed, 0), weights(*whole, 0)) == 0.0);
+}
+
 TEST_CASE("fsdp: gradients averaged in bfloat16 (reduce_dtype) land near the float32 run, and not on it") {
   auto single = run_worker(worker_config("single_device", "1", 24, 6, 2), {}, sharding_env());
   REQUIRE_SUCCESS(single);

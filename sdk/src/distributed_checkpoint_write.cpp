@@ -17,8 +17,11 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include <atomic>
 #include <cerrno>
+#include <csignal>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <functional>
@@ -550,6 +553,24 @@ void write_metadata(const std::string& dir, const std::vector<RankWrite>& ranks)
   atomic_write_text((fs::path(dir) / ".metadata").string(), bytes);
 }
 
+namespace {
+
+// Test-only fault injection (as checkpoint_io.cpp's): FULGUR_FAULT_INJECT = "dcp_save:N:R" kills
+// rank R with SIGKILL in this process's N-th distributed save, right after its data file is
+// written, before the metadata and the swap into place. The sharded-save kill test
+// (tests/distributed_test.cpp) uses it. Unset, it costs a getenv per save.
+void die_if_injected(int64_t rank) {
+  static std::atomic<long> saves{0};
+  const long this_save = saves.fetch_add(1) + 1;
+  const char* spec = std::getenv("FULGUR_FAULT_INJECT");
+  long save_number = 0, victim = -1;
+  if (spec && std::sscanf(spec, "dcp_save:%ld:%ld", &save_number, &victim) == 2 && save_number == this_save &&
+      victim == rank)
+    ::raise(SIGKILL);
+}
+
+}  // namespace
+
 void save(const std::string& dir, const c10::IValue& state, const std::map<std::string, Chunk>& placements,
           Communicator* communicator) {
   const int64_t rank = communicator ? communicator->rank() : 0;
@@ -573,6 +594,7 @@ void save(const std::string& dir, const c10::IValue& state, const std::map<std::
   // 2. Every rank writes its file; rank 0 gathers what they wrote (or why they could not).
   RankWrite mine;
   error = outcome([&] { mine = write_rank_file(temp.string(), rank, state, placements); });
+  die_if_injected(rank);
   std::vector<std::string> messages;
   if (communicator) {
     messages = all_gather_strings(*communicator, error.empty() ? "k" + mine.serialize() : "e" + error);
