@@ -6,6 +6,7 @@
 #include <fulgur/communicator.h>
 #include <fulgur/distributed_checkpoint.h>
 #include <fulgur/error.h>
+#include <fulgur/weights.h>
 
 #include <ATen/ATen.h>
 #include <ATen/core/Dict.h>
@@ -545,6 +546,24 @@ TEST_CASE("dcp: fulgur checkpoint consolidate IN OUT in a real process") {
   REQUIRE(run.exit_code == 0);
   FULGUR_CHECK_CONTAINS(run.output, out.string());
   check_same(fulgur::read_checkpoint_file(out.string()), full_state(full), "consolidated");
+
+  const ProcessRun listed =
+      run_process({FULGUR_TEST_FULGUR_BIN, "checkpoint", "inspect", dir.string()}, {}, tmp.path());
+  INFO(listed.output);
+  CHECK(listed.exit_code == 0);
+  FULGUR_CHECK_CONTAINS(listed.output, "2 data files");
+  FULGUR_CHECK_CONTAINS(listed.output, "optimizer_states.0.state.0.exp_avg");
+
+  // The consolidated file is a checkpoint like any other: its weights convert to safetensors.
+  const fs::path weights = tmp / "model.safetensors";
+  const ProcessRun converted =
+      run_process({FULGUR_TEST_FULGUR_BIN, "weights", "convert", out.string(), weights.string()}, {}, tmp.path());
+  INFO(converted.output);
+  REQUIRE(converted.exit_code == 0);
+  const fulgur::TensorMap tensors = fulgur::read_weights(weights.string());
+  CHECK(tensors.size() == 5);
+  CHECK(at::equal(tensors.at("layer.weight"), full.weight));
+  CHECK(at::equal(tensors.at("layer.bias"), full.bias));
 
   const ProcessRun bad = run_process(
       {FULGUR_TEST_FULGUR_BIN, "checkpoint", "consolidate", (tmp / "nope").string(), (tmp / "x.ckpt").string()}, {},

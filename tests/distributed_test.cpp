@@ -18,6 +18,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cstdio>
 #include <fstream>
 #include <map>
 #include <set>
@@ -556,9 +557,29 @@ save_top_k = -1
     CHECK_MESSAGE(fsdp2.status == 0, fsdp2.output);
     CHECK(contains(fsdp2.output, "fsdp2-load-ok"));
 
-    auto on_two = run_worker(sharded(worker_config(stage, "2", 12, 10)), {"--resume", ckpt.string()}, block_env());
+    auto debug_env = block_env();
+    debug_env["FULGUR_LOG_LEVEL"] = "debug";
+    auto on_two = run_worker(sharded(worker_config(stage, "2", 12, 10)), {"--resume", ckpt.string()}, debug_env);
     REQUIRE_SUCCESS(on_two);
     CHECK(contains(on_two->result.output, "global step 4"));
+    if (stage == "fsdp:3") {
+      // Under ZeRO-3 each rank reads only its rows of the parameters and their moments: the two
+      // ranks' reads partition the checkpoint's bytes, neither reads them all.
+      const std::string& log = on_two->result.output;
+      int64_t ranks = 0, read_by_all = 0, total = 0;
+      for (size_t at = log.find("read its rows of"); at != std::string::npos;
+           at = log.find("read its rows of", at + 1)) {
+        int64_t tensors = 0, read = 0;
+        REQUIRE(std::sscanf(log.c_str() + at, "read its rows of %ld tensors from %*s %ld of %ld bytes", &tensors, &read,
+                            &total) == 3);
+        CHECK(tensors > 0);
+        CHECK(read < total);
+        read_by_all += read;
+        ++ranks;
+      }
+      CHECK_MESSAGE(ranks == 2, log);
+      CHECK(read_by_all == total);
+    }
     CHECK(max_difference(weights(*on_two, 0), weights(*whole, 0)) == 0.0);
     auto on_three = run_worker(worker_config(stage, "3", 8, 10), {"--resume", ckpt.string()}, block_env());
     REQUIRE_SUCCESS(on_three);

@@ -9,6 +9,7 @@
 //   fulgur config check FILE       (parses the TOML and checks every plugin table)
 //   fulgur weights convert IN OUT  (between .pt / .ckpt and .safetensors)
 //   fulgur weights inspect FILE    (names, dtypes, shapes)
+//   fulgur checkpoint consolidate DIR OUT | inspect DIR   (distributed checkpoint directories)
 //   fulgur fit | validate | test | predict --config FILE ...   (fulgur/cli.h: runs training with the
 //                                  model and datamodule plugins that [model] / [data] name)
 #include <fulgur/cli.h>
@@ -18,6 +19,7 @@
 #include <fulgur/registry/registry.h>
 #include <fulgur/suggest.h>
 
+#include "checkpoint_command.h"
 #include "plugin_check.h"
 #include "weights_command.h"
 
@@ -45,7 +47,9 @@ constexpr const char* kUsage =
     "  fulgur plugins check [NAME | --all] [--kind KIND] [--config FILE] [--timeout SECONDS] [--force]\n"
     "  fulgur config check FILE\n"
     "  fulgur weights convert IN OUT\n"
-    "  fulgur weights inspect FILE\n";
+    "  fulgur weights inspect FILE\n"
+    "  fulgur checkpoint consolidate DIR OUT\n"
+    "  fulgur checkpoint inspect DIR\n";
 
 struct Args {
   std::vector<std::string> positional;
@@ -259,8 +263,10 @@ int main(int argc, char** argv) {
     if (p.size() >= 2 && p[0] == "plugins" && p[1] == "check") return check_plugins(args);
     if (p.size() >= 2 && p[0] == "config" && p[1] == "check") return check_config(args);
     if (!p.empty() && p[0] == "weights") return cli::weights_main(p);
+    if (!p.empty() && p[0] == "checkpoint") return cli::checkpoint_main(p);
     if (!p.empty()) {
-      const std::vector<std::string> commands = {"fit", "validate", "test", "predict", "plugins", "config", "weights"};
+      const std::vector<std::string> commands = {"fit",     "validate", "test",    "predict",
+                                                 "plugins", "config",   "weights", "checkpoint"};
       std::string message = fmt::format("unknown command '{}'", p[0]);
       if (std::string s = closest_match(p[0], commands); !s.empty()) message += fmt::format("; did you mean '{}'?", s);
       std::cerr << "fulgur: error: " << message << "\n";

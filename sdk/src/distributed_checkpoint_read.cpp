@@ -14,9 +14,11 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <map>
 #include <system_error>
 
@@ -266,11 +268,48 @@ c10::IValue Reader::read_value(const std::string& key) const {
   return impl_->load(item.bytes, key);
 }
 
-c10::IValue Reader::read_all() const {
+c10::IValue Reader::read_all() const { return read_all(nullptr); }
+
+c10::IValue Reader::read_all(const std::function<at::Tensor(const std::string& key)>& read_tensor) const {
   c10::impl::GenericDict root(c10::StringType::get(), c10::AnyType::get());
-  for (const detail::Item& item : impl_->index.items)
-    set_element(root, item.path, item.is_tensor ? read(item.key) : read_value(item.key), impl_->dir);
+  for (const detail::Item& item : impl_->index.items) {
+    c10::IValue value;
+    if (item.is_tensor) {
+      at::Tensor tensor = read_tensor ? read_tensor(item.key) : at::Tensor();
+      value = tensor.defined() ? tensor : read(item.key);
+    } else {
+      value = read_value(item.key);
+    }
+    set_element(root, item.path, value, impl_->dir);
+  }
   return root;
+}
+
+namespace {
+
+bool is_index(const std::string& key) {
+  return !key.empty() && key.size() < 19 &&
+         std::all_of(key.begin(), key.end(), [](char c) { return c >= '0' && c <= '9'; });
+}
+
+}  // namespace
+
+// An optimizer state whose "state" dict has decimal-string keys, with integer keys instead.
+c10::IValue with_index_keys(const c10::IValue& optimizer) {
+  if (!optimizer.isGenericDict()) return optimizer;
+  const auto dict = optimizer.toGenericDict();
+  auto found = dict.find("state");
+  if (found == dict.end() || !found->value().isGenericDict()) return optimizer;
+  auto state = c10::impl::GenericDict(c10::AnyType::get(), c10::AnyType::get());
+  for (const auto& entry : found->value().toGenericDict()) {
+    const bool index = entry.key().isString() && is_index(entry.key().toStringRef());
+    state.insert(index ? c10::IValue(static_cast<int64_t>(std::stoll(entry.key().toStringRef()))) : entry.key(),
+                 entry.value());
+  }
+  auto copy = c10::impl::GenericDict(dict.keyType(), dict.valueType());
+  for (const auto& entry : dict)
+    copy.insert(entry.key(), entry.key() == c10::IValue("state") ? c10::IValue(state) : entry.value());
+  return copy;
 }
 
 bool is_distributed_checkpoint(const std::string& dir) {

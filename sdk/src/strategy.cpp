@@ -11,7 +11,6 @@
 #include <fmt/format.h>
 #include <torch/optim/optimizer.h>
 
-#include <algorithm>
 #include <filesystem>
 #include <system_error>
 
@@ -57,33 +56,6 @@ void Strategy::save_checkpoint(const CheckpointParts& parts, const std::string& 
   if (cluster().world_size > 1) barrier("save_checkpoint");
 }
 
-namespace {
-
-bool is_index(const std::string& key) {
-  return !key.empty() && key.size() < 19 &&
-         std::all_of(key.begin(), key.end(), [](char c) { return c >= '0' && c <= '9'; });
-}
-
-// An optimizer state whose "state" dict has decimal-string keys, with integer keys instead.
-c10::IValue with_index_keys(const c10::IValue& optimizer) {
-  if (!optimizer.isGenericDict()) return optimizer;
-  const auto dict = optimizer.toGenericDict();
-  auto found = dict.find("state");
-  if (found == dict.end() || !found->value().isGenericDict()) return optimizer;
-  auto state = c10::impl::GenericDict(c10::AnyType::get(), c10::AnyType::get());
-  for (const auto& entry : found->value().toGenericDict()) {
-    const bool index = entry.key().isString() && is_index(entry.key().toStringRef());
-    state.insert(index ? c10::IValue(static_cast<int64_t>(std::stoll(entry.key().toStringRef()))) : entry.key(),
-                 entry.value());
-  }
-  auto copy = c10::impl::GenericDict(dict.keyType(), dict.valueType());
-  for (const auto& entry : dict)
-    copy.insert(entry.key(), entry.key() == c10::IValue("state") ? c10::IValue(state) : entry.value());
-  return copy;
-}
-
-}  // namespace
-
 // A sharded checkpoint (a DCP directory, written by a sharded strategy or by PyTorch) is read whole:
 // any strategy resumes from one, whatever world size wrote it.
 void Strategy::load_checkpoint(const std::string& path, const CheckpointParts& out) {
@@ -92,7 +64,7 @@ void Strategy::load_checkpoint(const std::string& path, const CheckpointParts& o
     // DCP stores dict keys as strings: torch.optim's per-parameter state comes back keyed "0",
     // "1", ...; they are parameter indices again.
     if (out.optimizer_states)
-      for (c10::IValue& optimizer : *out.optimizer_states) optimizer = with_index_keys(optimizer);
+      for (c10::IValue& optimizer : *out.optimizer_states) optimizer = dcp::with_index_keys(optimizer);
     return;
   }
   split_checkpoint(read_checkpoint_file(path), out, path);

@@ -26,8 +26,9 @@
 // backward in one collective. Parameters outside blocks stay whole, as in stage 2. Clipping by
 // norm uses the global norm across shards, and a skipped step (inf/NaN gradients under a loss
 // scaler) is skipped on every rank together. Checkpoints hold the full, unsharded model and
-// optimizer state in torch.optim's layout, gathered on rank zero: they load under any world size
-// and any strategy.
+// optimizer state in torch.optim's layout, gathered on rank zero (state_dict_type = "full"), or
+// each rank's rows in a torch.distributed.checkpoint directory ("sharded"), which stage 3 reads
+// back row by row; both load under any world size and any strategy.
 #include <fulgur/blocks.h>
 #include <fulgur/communicator.h>
 #include <fulgur/distributed_checkpoint.h>
@@ -54,10 +55,12 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <functional>
 #include <limits>
 #include <map>
 #include <optional>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -152,6 +155,7 @@ class FsdpStrategy final : public fulgur::strategy_support::ProcessGroupStrategy
     optimizer_shards_.clear();
     ordered_.clear();
     units_.clear();
+    named_.clear();
     forward_order_.clear();
     this_forward_.clear();
     module.to(device_);
@@ -165,10 +169,11 @@ class FsdpStrategy final : public fulgur::strategy_support::ProcessGroupStrategy
     if (zero_stage_ == 3) {
       // Every parameter is sharded, in the optimizers or not (frozen ones take memory too), in
       // the Module's order: the same on every rank.
-      for (auto& parameter : module.parameters()) {
-        const bool new_one = !shards_.contains(parameter.unsafeGetTensorImpl());
-        ShardedParameter& sharded = shard_of(parameter);
+      for (const auto& item : module.named_parameters()) {
+        const bool new_one = !shards_.contains(item.value().unsafeGetTensorImpl());
+        ShardedParameter& sharded = shard_of(item.value());
         if (new_one) ordered_.push_back(&sharded);
+        named_[item.key()] = &sharded;
       }
       fulgur::install_block_hooks(this);
     }
@@ -342,11 +347,59 @@ class FsdpStrategy final : public fulgur::strategy_support::ProcessGroupStrategy
       fulgur::load_module_state_dict(module, state, strict, origin);
       return;
     }
+    if (holds_rows(state)) {
+      load_module_rows(module, state, strict, origin);
+      return;
+    }
     fulgur::FullParameters whole(module);
     fulgur::load_module_state_dict(module, state, strict, origin);
     torch::NoGradGuard no_grad;
     for (ShardedParameter* p : ordered_)
       p->shard.copy_(p->rows_of(p->full_alias, p->begin, p->local_rows()).reshape(p->shard_shape()));
+  }
+
+  // Stage 3 and a sharded checkpoint: each rank reads its rows of the parameters and of their
+  // optimizer state, not the whole tensors (Strategy::load_checkpoint would read every tensor whole
+  // on every rank); the loaders above and below take row-shaped tensors as they come.
+  void load_checkpoint(const std::string& path, const fulgur::CheckpointParts& out) override {
+    if (zero_stage_ != 3 || !fulgur::dcp::is_distributed_checkpoint(path)) {
+      ProcessGroupStrategy::load_checkpoint(path, out);
+      return;
+    }
+    const fulgur::dcp::Reader reader(path);
+    int64_t row_bytes = 0, whole_bytes = 0, sliced = 0;
+    auto rows = [&](const ShardedParameter& p, const std::string& key) -> at::Tensor {
+      if (p.full.dim() == 0 || reader.shape(key) != p.full.sizes().vec()) return {};  // whole; the loaders judge it
+      std::vector<int64_t> offsets(p.full.dim(), 0), sizes = p.full.sizes().vec();
+      offsets[0] = p.begin;
+      sizes[0] = p.local_rows();
+      at::Tensor t = reader.read(key, offsets, sizes);
+      row_bytes += static_cast<int64_t>(t.nbytes());
+      whole_bytes += p.full.numel() * static_cast<int64_t>(c10::elementSize(reader.dtype(key)));
+      ++sliced;
+      return t;
+    };
+    const c10::IValue whole = reader.read_all([&](const std::string& key) -> at::Tensor {
+      if (key.starts_with("state_dict.")) {
+        auto found = named_.find(key.substr(std::string_view("state_dict.").size()));
+        return found == named_.end() ? at::Tensor() : rows(*found->second, key);
+      }
+      // optimizer_states.<optimizer>.state.<parameter index>.<name>; "step" is not per element.
+      int64_t optimizer = -1, index = -1;
+      int consumed = 0;
+      if (std::sscanf(key.c_str(), "optimizer_states.%ld.state.%ld.%n", &optimizer, &index, &consumed) != 2 ||
+          consumed == 0 || key.substr(consumed) == "step" || optimizer < 0 ||
+          optimizer >= static_cast<int64_t>(optimizer_order_.size()))
+        return {};
+      const auto& order = optimizer_shards_.at(optimizer_order_[optimizer]);
+      return index >= 0 && index < static_cast<int64_t>(order.size()) ? rows(*order[index], key) : at::Tensor();
+    });
+    if (fulgur::log::enabled(fulgur::log::Level::debug))
+      fulgur::log::debug(fmt::format("strategy 'fsdp': rank {} read its rows of {} tensors from {}: {} of {} bytes",
+                                     cluster_.global_rank, sliced, path, row_bytes, whole_bytes));
+    fulgur::split_checkpoint(whole, out, path);
+    if (out.optimizer_states)
+      for (c10::IValue& state : *out.optimizer_states) state = fulgur::dcp::with_index_keys(state);
   }
 
   c10::IValue optimizer_state_dict(torch::optim::Optimizer& optimizer) override {
@@ -361,6 +414,9 @@ class FsdpStrategy final : public fulgur::strategy_support::ProcessGroupStrategy
                                  const std::string& origin) override {
     const std::vector<ShardedParameter*>& order = shards_for(optimizer);
     c10::IValue local = map_parameter_states(state, order, [&](const ShardedParameter& p, const at::Tensor& t) {
+      // This rank's rows already (read so from a sharded checkpoint under stage 3).
+      if (p.full.dim() > 0 && p.local_rows() < p.rows && t.sizes().vec() == p.shard_shape())
+        return t.to(p.shard.device()).clone();
       if (t.numel() != p.full.numel())
         throw Error(ErrorKind::checkpoint,
                     fmt::format("{}: an optimizer state tensor of {} elements for a parameter of {} (shape {}); the "
@@ -607,6 +663,67 @@ class FsdpStrategy final : public fulgur::strategy_support::ProcessGroupStrategy
       out.insert(entry.key(), mapped);
     }
     return out;
+  }
+
+  // Whether a model state holds this rank's rows of the split parameters rather than whole tensors.
+  bool holds_rows(const c10::IValue& state) const {
+    if (!state.isGenericDict()) return false;
+    const auto dict = state.toGenericDict();
+    for (const auto& [name, p] : named_) {
+      auto found = dict.find(name);
+      if (found == dict.end() || !found->value().isTensor()) continue;
+      if (p->full.dim() > 0 && p->local_rows() < p->rows && found->value().toTensor().sizes().vec() == p->shard_shape())
+        return true;
+    }
+    return false;
+  }
+
+  // Rows into the shards (whole tensors are cut, as above), buffers as usual; the same checks of
+  // missing, unexpected and mis-shaped keys as fulgur::load_module_state_dict.
+  void load_module_rows(torch::nn::Module& module, const c10::IValue& state, bool strict, const std::string& origin) {
+    const auto dict = state.toGenericDict();
+    auto buffers = c10::impl::GenericDict(c10::StringType::get(), c10::AnyType::get());
+    std::vector<std::string> missing, unexpected, mismatched;
+    std::set<std::string> known;
+    for (const auto& item : module.named_buffers()) known.insert(item.key());
+    torch::NoGradGuard no_grad;
+    for (const auto& [name, p] : named_) {
+      known.insert(name);
+      auto found = dict.find(name);
+      if (found == dict.end() || !found->value().isTensor()) {
+        missing.push_back(name);
+        continue;
+      }
+      const at::Tensor t = found->value().toTensor();
+      if (t.sizes().vec() == p->shard_shape() && p->full.dim() > 0)
+        p->shard.copy_(t);
+      else if (t.sizes() == p->full.sizes())
+        p->shard.copy_(p->rows_of(t.to(p->shard.device()), p->begin, p->local_rows()).reshape(p->shard_shape()));
+      else
+        mismatched.push_back(fmt::format("{} (checkpoint {}, model {} of which rank {} holds rows {}..{})", name,
+                                         c10::str(t.sizes()), c10::str(p->full.sizes()), cluster_.global_rank, p->begin,
+                                         p->end));
+    }
+    for (const auto& entry : dict) {
+      const std::string name = entry.key().isString() ? entry.key().toStringRef() : std::string();
+      if (!known.contains(name))
+        unexpected.push_back(name);
+      else if (!named_.contains(name))
+        buffers.insert(entry.key(), entry.value());
+    }
+    if (!strict) missing.clear(), unexpected.clear();
+    if (!missing.empty() || !unexpected.empty() || !mismatched.empty())
+      throw Error(
+          ErrorKind::checkpoint,
+          fmt::format("checkpoint {}: the model state does not fit the model: missing [{}], unexpected [{}], "
+                      "mis-shaped [{}]",
+                      origin, fmt::join(missing, ", "), fmt::join(unexpected, ", "), fmt::join(mismatched, ", ")));
+    fulgur::load_module_state_dict(module, buffers, /*strict=*/false, origin);
+    // Whole copies held now are stale: refresh them from the new shards (the others gather later).
+    std::vector<ShardedParameter*> whole;
+    for (ShardedParameter* p : ordered_)
+      if (p->materialised) whole.push_back(p);
+    gather_group(whole, /*refresh=*/true);
   }
 
   // ---- sharded checkpoints ---------------------------------------------------------------------
@@ -950,6 +1067,7 @@ class FsdpStrategy final : public fulgur::strategy_support::ProcessGroupStrategy
   bool sharded_checkpoints_;
   std::optional<at::ScalarType> reduce_dtype_;            // nullopt: the parameters' dtype
   std::map<std::string, fulgur::dcp::Chunk> placements_;  // of the state dicts made for the next save
+  std::map<std::string, ShardedParameter*> named_;        // stage 3: every parameter by its dotted name
   std::vector<const torch::optim::Optimizer*> optimizer_order_;
   at::ScalarType dtype_ = at::kFloat;
   std::map<const c10::TensorImpl*, ShardedParameter> shards_;

@@ -14,6 +14,7 @@
 #include <c10/core/ScalarType.h>
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -122,12 +123,19 @@ class FULGUR_SDK_API Reader {
   c10::IValue read_value(const std::string& key) const;  // a non-tensor leaf
   // The nested state, every tensor whole (string-keyed dicts, lists), as dcp_to_torch_save builds it.
   c10::IValue read_all() const;
+  // The same, with each tensor leaf from `read_tensor(key)` (e.g. a sharded strategy reading only
+  // its rows with read(key, offsets, sizes)); an undefined tensor from it means "read it whole".
+  c10::IValue read_all(const std::function<at::Tensor(const std::string& key)>& read_tensor) const;
 
   struct Impl;
 
  private:
   std::unique_ptr<Impl> impl_;
 };
+
+// DCP stores dict keys as strings, so torch.optim's per-parameter state comes back keyed "0", "1",
+// ...: this returns an optimizer state dict with those keys as integers again (other keys as they are).
+FULGUR_SDK_API c10::IValue with_index_keys(const c10::IValue& optimizer_state);
 
 // Whether `dir` is a directory holding a `.metadata` file.
 FULGUR_SDK_API bool is_distributed_checkpoint(const std::string& dir);

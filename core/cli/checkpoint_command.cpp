@@ -1,0 +1,61 @@
+// `fulgur checkpoint consolidate DIR OUT` and `fulgur checkpoint inspect DIR` on top of
+// fulgur/distributed_checkpoint.h: a sharded checkpoint (one file per writer rank) becomes one
+// torch.save file that a single process, Python's torch.load or `fulgur weights` opens.
+#include "checkpoint_command.h"
+
+#include <fulgur/distributed_checkpoint.h>
+#include <fulgur/error.h>
+
+#include <c10/core/ScalarType.h>
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include <algorithm>
+#include <filesystem>
+#include <iostream>
+
+namespace fulgur::cli {
+
+namespace {
+
+constexpr const char* kCheckpointUsage =
+    "usage:\n"
+    "  fulgur checkpoint consolidate DIR OUT   (a distributed checkpoint directory into one torch.save file)\n"
+    "  fulgur checkpoint inspect DIR           (keys, dtypes, shapes and writer files)\n";
+
+int consolidate(const std::string& dir, const std::string& out) {
+  dcp::consolidate(dir, out);
+  std::cout << fmt::format("wrote {} ({} bytes) from {}\n", out, std::filesystem::file_size(out), dir);
+  return 0;
+}
+
+int inspect(const std::string& dir) {
+  const dcp::Reader reader(dir);
+  const std::vector<std::string> keys = reader.keys();
+  size_t width = 4;
+  for (const auto& k : keys) width = std::max(width, k.size());
+  int64_t files = 0;
+  for (const auto& entry : std::filesystem::directory_iterator(dir))
+    if (entry.path().extension() == ".distcp") ++files;
+  std::cout << fmt::format("{}: distributed checkpoint, {} entries, {} data files\n", dir, keys.size(), files);
+  for (const auto& k : keys) {
+    if (reader.is_tensor(k))
+      std::cout << fmt::format("{:<{}}  {:<9} [{}]\n", k, width, c10::toString(reader.dtype(k)),
+                               fmt::join(reader.shape(k), ", "));
+    else
+      std::cout << fmt::format("{:<{}}  value\n", k, width);
+  }
+  return 0;
+}
+
+}  // namespace
+
+int checkpoint_main(const std::vector<std::string>& p) {
+  if (p.size() == 4 && p[1] == "consolidate") return consolidate(p[2], p[3]);
+  if (p.size() == 3 && p[1] == "inspect") return inspect(p[2]);
+  std::cerr << kCheckpointUsage;
+  return 2;
+}
+
+}  // namespace fulgur::cli
