@@ -645,6 +645,53 @@ TEST_CASE("fsdp: gradients averaged in bfloat16 (reduce_dtype) land near the flo
   CHECK(contains(refused->result.output, "reduce_dtype = \"int8\" is not known"));
 }
 
+TEST_CASE(
+    "fsdp: blocks gathered in bfloat16 (param_dtype) train near the float32 run, keep float32 shards and checkpoints") {
+  const std::string checkpointing = R"(
+[[callbacks]]
+name = "model_checkpoint"
+dirpath = "ckpts"
+filename = "{step}"
+every_n_train_steps = 3
+save_top_k = -1
+)";
+  auto single = run_worker(worker_config("single_device", "1", 24, 6, 2), {}, sharding_env());
+  REQUIRE_SUCCESS(single);
+  std::string toml = worker_config("fsdp:3", "2", 12, 6, 2);
+  toml.replace(toml.find("timeout = 30.0"), 14, "timeout = 30.0\nparam_dtype = \"bfloat16\"");
+  auto env = block_env();
+  env["FULGUR_LOG_LEVEL"] = "debug";
+  auto run = run_worker(toml + checkpointing, {}, env);
+  REQUIRE_SUCCESS(run);
+  // Gathered in bfloat16: the all-gathers carry half the bytes (logged per collective).
+  CHECK_MESSAGE(contains(run->result.output, "computes in BFloat16"), run->result.output);
+  // The weights fulgur::FullParameters hands out are the float32 shards, the same on both ranks.
+  const auto mine = weights(*run, 0);
+  for (const at::Tensor& w : mine) CHECK(w.dtype() == at::kFloat);
+  CHECK(max_difference(mine, weights(*run, 1)) == 0.0);
+  const double difference = max_difference(mine, weights(*single, 0));
+  CHECK(difference > 1e-6);  // bfloat16 forward and backward: the option is not ignored
+  CHECK(difference < 5e-2);
+  // The checkpoint holds float32 parameters: the master weights, not the bfloat16 copies.
+  const c10::IValue checkpoint = fulgur::read_checkpoint_file((run->dir / "ckpts" / "step=3.ckpt").string());
+  for (const auto& entry : checkpoint.toGenericDict().at("state_dict").toGenericDict())
+    CHECK_MESSAGE(entry.value().toTensor().dtype() == at::kFloat, entry.key().toStringRef());
+  // Resumed from it, the run ends where the uninterrupted one did.
+  auto resumed = run_worker(toml, {"--resume", (run->dir / "ckpts" / "step=3.ckpt").string()}, block_env());
+  REQUIRE_SUCCESS(resumed);
+  CHECK(max_difference(weights(*resumed, 0), mine) == 0.0);
+  // Blocks that recompute in backward (activation checkpointing) recompute in bfloat16 too.
+  auto recomputed = run_worker(toml, {}, block_env(/*checkpoint_activations=*/true));
+  REQUIRE_SUCCESS(recomputed);
+  CHECK(max_difference(weights(*recomputed, 0), mine) == 0.0);
+
+  std::string stage2 = worker_config("fsdp:2", "2", 12, 2);
+  stage2.replace(stage2.find("timeout = 30.0"), 14, "timeout = 30.0\nparam_dtype = \"bfloat16\"");
+  auto refused = run_worker(stage2, {}, sharding_env());
+  CHECK(refused->result.status != 0);
+  CHECK(contains(refused->result.output, "param_dtype = \"BFloat16\" applies to zero_stage = 3"));
+}
+
 TEST_CASE("fsdp: state_dict_type other than full or sharded is refused") {
   std::string toml = worker_config("fsdp:2", "2", 12, 2);
   toml.replace(toml.find("timeout = 30.0"), 14, "timeout = 30.0\nstate_dict_type = \"local\"");

@@ -130,7 +130,8 @@ class FsdpStrategy final : public fulgur::strategy_support::ProcessGroupStrategy
         reshard_after_forward_(options.get_bool("reshard_after_forward")),
         prefetch_(options.get_bool("prefetch")),
         sharded_checkpoints_(parse_state_dict_type(options.get_string("state_dict_type"))),
-        reduce_dtype_(parse_reduce_dtype(options.get_string("reduce_dtype"))) {
+        reduce_dtype_(parse_dtype("reduce_dtype", options.get_string("reduce_dtype"))),
+        param_dtype_(parse_dtype("param_dtype", options.get_string("param_dtype"))) {
     if (zero_stage_ < 1 || zero_stage_ > 3)
       throw Error(ErrorKind::config,
                   fmt::format("strategy 'fsdp': zero_stage = {} is not a ZeRO stage; use 1 (sharded optimizer "
@@ -141,6 +142,12 @@ class FsdpStrategy final : public fulgur::strategy_support::ProcessGroupStrategy
                   fmt::format("strategy 'fsdp': prefetch = false applies to zero_stage = 3 (sharded parameters); "
                               "stage {} gathers nothing ahead: remove the option",
                               zero_stage_));
+    if (zero_stage_ != 3 && param_dtype_)
+      throw Error(ErrorKind::config,
+                  fmt::format("strategy 'fsdp': param_dtype = \"{}\" applies to zero_stage = 3, which gathers the "
+                              "blocks' parameters for each use; stage {} keeps the model's parameters whole: "
+                              "use bf16-mixed precision (autocast) or reduce_dtype instead",
+                              c10::toString(*param_dtype_), zero_stage_));
     if (zero_stage_ != 3 && !reshard_after_forward_)
       throw Error(ErrorKind::config,
                   fmt::format("strategy 'fsdp': reshard_after_forward = false applies to zero_stage = 3 (sharded "
@@ -290,6 +297,12 @@ class FsdpStrategy final : public fulgur::strategy_support::ProcessGroupStrategy
     prefetch_after(unit, +1);
     at::Tensor x = input;
     if (with_gradients && input.requires_grad()) x = AfterBlockBackward::apply(input, unit_capsule(unit));
+    // param_dtype: the block computes in the gathered parameters' dtype (FSDP2's cast_forward_inputs)
+    // and hands its output back in the input's dtype, so the code around blocks needs no change.
+    const at::ScalarType compute = unit.parameters.front()->full.scalar_type();
+    const bool cast =
+        param_dtype_ && compute == *param_dtype_ && input.is_floating_point() && input.scalar_type() != compute;
+    if (cast) x = x.to(compute);
     at::Tensor output = forward(x);
     if (with_gradients && output.requires_grad())
       output.register_hook([this, &unit](const at::Tensor&) {
@@ -298,17 +311,26 @@ class FsdpStrategy final : public fulgur::strategy_support::ProcessGroupStrategy
       });
     if ((reshard_after_forward_ || !with_gradients) && full_parameters_held_ == 0)
       for (ShardedParameter* p : unit.parameters) release(*p);
-    return output;
+    return cast && output.is_floating_point() ? output.to(input.scalar_type()) : output;
   }
 
+  // Whole in the shards' dtype (param_dtype is for computing, not for saving): exactly the weights
+  // the optimizer steps.
   void gather_full_parameters(torch::nn::Module&) override {
-    ++full_parameters_held_;
+    if (full_parameters_held_++ == 0 && param_dtype_) {
+      drain_prefetches();
+      for (ShardedParameter* p : ordered_)
+        if (p->in_block) set_storage_dtype(*p, dtype_);
+    }
     gather_group(ordered_);
   }
   void release_full_parameters(torch::nn::Module&) override {
     if (full_parameters_held_ > 0 && --full_parameters_held_ == 0)
       for (ShardedParameter* p : ordered_)
-        if (p->in_block) release(*p);
+        if (p->in_block) {
+          release(*p);
+          if (param_dtype_) set_storage_dtype(*p, *param_dtype_);
+        }
   }
 
   // ---- state: full tensors, gathered, in torch.optim's layout; or each rank's rows -------------
@@ -516,7 +538,7 @@ class FsdpStrategy final : public fulgur::strategy_support::ProcessGroupStrategy
   // Gradients travel in the reduce dtype (bfloat16 halves the bytes) and land on the shards in the
   // parameters' dtype.
   at::TensorOptions reduce_options() const {
-    return at::TensorOptions().dtype(reduce_dtype_.value_or(dtype_)).device(device_);
+    return at::TensorOptions().dtype(reduce_dtype_.value_or(param_dtype_.value_or(dtype_))).device(device_);
   }
 
   // Averages the gradients of a step across ranks and leaves each rank its rows of them, on the
@@ -728,16 +750,16 @@ class FsdpStrategy final : public fulgur::strategy_support::ProcessGroupStrategy
 
   // ---- sharded checkpoints ---------------------------------------------------------------------
 
-  static std::optional<at::ScalarType> parse_reduce_dtype(const std::string& value) {
+  static std::optional<at::ScalarType> parse_dtype(const char* option, const std::string& value) {
     if (value == "auto") return std::nullopt;
     if (value == "float32") return at::kFloat;
     if (value == "bfloat16") return at::kBFloat16;
     if (value == "float16") return at::kHalf;
     if (value == "float64") return at::kDouble;
     throw Error(ErrorKind::config,
-                fmt::format("strategy 'fsdp': reduce_dtype = \"{}\" is not known; use \"auto\" (the parameters' "
-                            "dtype), \"float32\", \"bfloat16\", \"float16\" or \"float64\"",
-                            value));
+                fmt::format("strategy 'fsdp': {} = \"{}\" is not known; use \"auto\", \"float32\", \"bfloat16\", "
+                            "\"float16\" or \"float64\"",
+                            option, value));
   }
 
   static bool parse_state_dict_type(const std::string& value) {
@@ -836,8 +858,12 @@ class FsdpStrategy final : public fulgur::strategy_support::ProcessGroupStrategy
       auto sharded = shards_.find(parameter.unsafeGetTensorImpl());
       if (sharded == shards_.end() || sharded->second.in_block) continue;
       sharded->second.in_block = true;
+      if (param_dtype_ && full_parameters_held_ == 0) set_storage_dtype(sharded->second, *param_dtype_);
       unit.parameters.push_back(&sharded->second);
     }
+    if (param_dtype_ && !unit.parameters.empty() && fulgur::log::enabled(fulgur::log::Level::debug))
+      fulgur::log::debug(fmt::format("strategy 'fsdp': a block of {} parameters computes in {}", unit.parameters.size(),
+                                     c10::toString(unit.parameters.front()->full.scalar_type())));
     return units_.emplace(&block, std::move(unit)).first->second;
   }
 
@@ -900,6 +926,22 @@ class FsdpStrategy final : public fulgur::strategy_support::ProcessGroupStrategy
     p.materialised = true;
   }
 
+  // Gives a stage-3 parameter freed storage of another dtype (its values come from the shards at
+  // the next gather). The Module keeps the same parameter: set_data changes what it holds, not its
+  // identity. Only between steps or on a block's first use, before autograd saw the parameter.
+  static void set_storage_dtype(ShardedParameter& p, at::ScalarType dtype) {
+    if (p.full.scalar_type() == dtype) return;
+    torch::NoGradGuard no_grad;
+    const at::Tensor grad = p.full.grad();
+    p.full.set_data(at::empty(p.full.sizes(), p.full.options().dtype(dtype)));
+    if (grad.defined()) p.full.mutable_grad() = grad.to(dtype);
+    const c10::Storage& storage = p.full.storage();
+    p.full_alias = at::empty({0}, p.full.options()).set_(storage, 0, p.full.sizes(), p.full.strides());
+    p.full_nbytes = storage.nbytes();
+    p.materialised = true;
+    release(p);
+  }
+
   // An all-gather under way: this rank's padded shards and the buffer every rank's arrive in.
   struct InFlightGather {
     at::Tensor mine, all;
@@ -915,6 +957,15 @@ class FsdpStrategy final : public fulgur::strategy_support::ProcessGroupStrategy
     bool needed = refresh;
     for (ShardedParameter* p : group) needed = needed || !p->materialised;
     if (group.empty() || !needed) return;
+    // One collective per dtype (under param_dtype, blocks' parameters and the others differ).
+    std::vector<ShardedParameter*> same, other;
+    for (ShardedParameter* p : group)
+      (p->full.scalar_type() == group.front()->full.scalar_type() ? same : other).push_back(p);
+    if (!other.empty()) {
+      gather_group(same, /*refresh=*/true, /*drain=*/false);
+      gather_group(other, /*refresh=*/true, /*drain=*/false);
+      return;
+    }
     InFlightGather gather = start_gather(group, /*async=*/false);
     finish_gather(group, gather);
   }
@@ -923,7 +974,9 @@ class FsdpStrategy final : public fulgur::strategy_support::ProcessGroupStrategy
     torch::NoGradGuard no_grad;
     InFlightGather gather;
     for (ShardedParameter* p : group) gather.unit_numel += p->chunk_numel();
-    gather.mine = at::zeros({gather.unit_numel}, flat_options());
+    // In the dtype the parameters compute in: the shards are cast on the way in (param_dtype).
+    const at::TensorOptions options = flat_options().dtype(group.front()->full.scalar_type());
+    gather.mine = at::zeros({gather.unit_numel}, options);
     int64_t offset = 0;
     for (ShardedParameter* p : group) {
       gather.mine.narrow(0, offset, p->local_rows() * p->row_numel).copy_(p->shard.reshape({-1}));
@@ -931,7 +984,7 @@ class FsdpStrategy final : public fulgur::strategy_support::ProcessGroupStrategy
     }
     gather.all = gather.mine;
     if (communicator_) {
-      gather.all = at::empty({cluster_.world_size * gather.unit_numel}, flat_options());
+      gather.all = at::empty({cluster_.world_size * gather.unit_numel}, options);
       if (async)
         gather.pending = communicator_->all_gather_into_tensor_async(gather.all, gather.mine);
       else
@@ -1065,7 +1118,8 @@ class FsdpStrategy final : public fulgur::strategy_support::ProcessGroupStrategy
   std::map<const torch::nn::Module*, Unit> units_;
   std::vector<Unit*> forward_order_, this_forward_;
   bool sharded_checkpoints_;
-  std::optional<at::ScalarType> reduce_dtype_;            // nullopt: the parameters' dtype
+  std::optional<at::ScalarType> reduce_dtype_;            // nullopt: param_dtype_, else the parameters' dtype
+  std::optional<at::ScalarType> param_dtype_;             // stage 3: blocks compute in it (nullopt: the model's)
   std::map<std::string, fulgur::dcp::Chunk> placements_;  // of the state dicts made for the next save
   std::map<std::string, ShardedParameter*> named_;        // stage 3: every parameter by its dotted name
   std::vector<const torch::optim::Optimizer*> optimizer_order_;
@@ -1097,9 +1151,17 @@ FULGUR_PLUGIN(
                   "forward; backward: the previous block) before the current one computes, so that they overlap",
                   true),
     FULGUR_OPTION(string, reduce_dtype,
-                  "dtype the gradients are averaged in across ranks: \"auto\" (the parameters'), \"float32\", "
+                  "dtype the gradients are averaged in across ranks: \"auto\" (param_dtype's, else the parameters'), "
+                  "\"float32\", "
                   "\"bfloat16\" (half the bytes on the wire), \"float16\", \"float64\"; the shards' gradients are in "
                   "the parameters' dtype",
+                  "auto"),
+    FULGUR_OPTION(string, param_dtype,
+                  "zero_stage = 3: dtype the blocks' parameters are gathered and computed in (FSDP2's param_dtype): "
+                  "\"auto\" (the model's), \"bfloat16\" (half the bytes gathered and held), \"float16\", "
+                  "\"float32\", \"float64\"; a block's inputs are cast to it and its output back; the shards, "
+                  "optimizer state, checkpoints and fulgur::FullParameters stay in the model's dtype; gradients are "
+                  "then averaged in it unless reduce_dtype says otherwise",
                   "auto"),
     FULGUR_OPTION(
         string, state_dict_type,
