@@ -18,6 +18,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <fstream>
 #include <map>
@@ -690,6 +691,29 @@ save_top_k = -1
   auto refused = run_worker(stage2, {}, sharding_env());
   CHECK(refused->result.status != 0);
   CHECK(contains(refused->result.output, "param_dtype = \"BFloat16\" applies to zero_stage = 3"));
+}
+
+TEST_CASE("fsdp: under bf16-true the shards are made from the converted parameters: ZeRO-3 trains like ZeRO-2") {
+  // The precision's conversion runs before the strategy's setup; ZeRO-3 once kept float32 shards
+  // of the parameters as they were before it and trained into NaN.
+  auto bf16 = [](std::string toml) {
+    toml.replace(toml.find("seed = 7"), 8, "seed = 7\nprecision = \"bf16-true\"");
+    return toml;
+  };
+  auto single = run_worker(bf16(worker_config("single_device", "1", 24, 6)), {}, sharding_env());
+  REQUIRE_SUCCESS(single);
+  auto stage2 = run_worker(bf16(worker_config("fsdp:2", "2", 12, 6)), {}, block_env());
+  REQUIRE_SUCCESS(stage2);
+  auto stage3 = run_worker(bf16(worker_config("fsdp:3", "2", 12, 6)), {}, block_env());
+  REQUIRE_SUCCESS(stage3);
+  const auto weights3 = weights(*stage3, 0);
+  for (const at::Tensor& w : weights3) {
+    CHECK(w.dtype() == at::kBFloat16);
+    CHECK(w.isfinite().all().item<bool>());
+  }
+  CHECK(std::isfinite(metrics(*stage3, 0).at("train/loss")));
+  CHECK(max_difference(weights3, weights(*stage2, 0)) == 0.0);
+  CHECK(max_difference(weights3, weights(*single, 0)) < 5e-2);
 }
 
 TEST_CASE("fsdp: state_dict_type other than full or sharded is refused") {

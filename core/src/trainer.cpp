@@ -250,9 +250,13 @@ void Trainer::Impl::build_model(Module& module) {
   // Lightning's configure_model: layers may be created here, under the strategy (which can build
   // them sharded). It runs for every stage, so it must be idempotent, as in Lightning.
   strategy.configure_model(module, [&] { hooks_.module("configure_model", [&] { module.configure_model(); }); });
-  // Device first: the precision plugins pick autocast and kernels from the module's device.
-  strategy.setup_module(module);
+  // Device first: the precision plugins pick autocast and kernels from the module's device. Then
+  // the precision's conversion (a "-true" precision casts every parameter to new storage), and only
+  // then the strategy's setup, so that what it keeps of the parameters (fsdp's shards and their
+  // dtype, ddp's buckets) is made from the converted ones.
+  module.to(strategy.root_device());
   plugins_.precision->convert_module(module);
+  strategy.setup_module(module);
 }
 
 void Trainer::Impl::setup_optimizers(Module& module) {

@@ -10,7 +10,9 @@ class FULGUR_SDK_API Precision {
  public:
   virtual ~Precision();
 
-  // Converts parameters/buffers once at setup (true modes) or leaves them (mixed modes).
+  // Converts parameters/buffers once at setup (true modes) or leaves them (mixed modes). Runs with
+  // the module on the strategy's root device, before Strategy::setup_module (which then shards or
+  // wraps the converted parameters).
   virtual void convert_module(torch::nn::Module& module) = 0;
   // Converts floating-point inputs of a batch (true modes); identity for mixed modes.
   virtual void convert_input(Batch& batch) = 0;

@@ -65,8 +65,10 @@ class FULGUR_SDK_API Strategy {
   // Runs the Module's configure_model (`build`), where layers may be created: a sharded strategy
   // can build on the meta device and materialise only its shards. Runs before setup_module.
   virtual void configure_model(torch::nn::Module& module, const std::function<void()>& build);
-  // Moves/wraps/shards the model and hooks gradient synchronization. Runs before the Module's
-  // configure_optimizers, so optimizers are created over the parameters this returns to.
+  // Moves/wraps/shards the model and hooks gradient synchronization. Runs after the precision
+  // plugin's convert_module (the parameters are in their training dtype, on root_device()) and
+  // before the Module's configure_optimizers, so optimizers are created over the parameters this
+  // returns to.
   virtual void setup_module(torch::nn::Module& module) = 0;
   // Sees the optimizers configure_optimizers returned, and may wrap or replace entries (a
   // replacement must keep param_groups() in the same order: LR schedulers and checkpoints
