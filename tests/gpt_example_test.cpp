@@ -281,6 +281,50 @@ TEST_CASE(
   CHECK(tokens_of(edited.train_file())[10] == changed[10]);
 }
 
+TEST_CASE(
+    "gpt example: its transformer blocks are fsdp ZeRO-3 units from the command line, and activation_checkpointing "
+    "recomputes them to the same losses under bf16-mixed") {
+  TempDir dir;
+  const fs::path corpus = write_corpus(dir / "corpus.txt", make_corpus(96 * 1024));
+  const fs::path toml = dir / "gpt.toml";
+  std::ofstream(toml) << tiny_toml(dir.path(), corpus, dir / "cache");
+  // `fulgur fit` with command-line overrides, as a user switches strategy; the logged losses.
+  auto fit = [&](const std::string& name, std::vector<std::string> overrides) {
+    std::vector<std::string> args{FULGUR_TEST_FULGUR_BIN,
+                                  "fit",
+                                  "--config",
+                                  toml.string(),
+                                  "--trainer.default_root_dir=" + (dir / name).string(),
+                                  "--trainer.enable_checkpointing=false"};
+    args.insert(args.end(), overrides.begin(), overrides.end());
+    const ProcessRun run = fulgur::test::run_process(args, {{"FULGUR_LOG_LEVEL", "debug"}}, dir.path());
+    INFO(run.output);
+    REQUIRE(run.exit_code == 0);
+    std::vector<std::string> losses;
+    auto csv = read_csv(find_file(dir / name, "metrics.csv"));
+    for (const auto& cell : csv["train/loss"])
+      if (!cell.empty()) losses.push_back(cell);
+    REQUIRE(losses.size() == 6);
+    return std::make_pair(run.output, losses);
+  };
+  const std::vector<std::string> zero3 = {"--trainer.strategy=fsdp", "--trainer.devices=2", "--strategy.zero_stage=3"};
+  auto with = [](std::vector<std::string> a, const std::string& b) {
+    a.push_back(b);
+    return a;
+  };
+  const auto [sharded_log, sharded] = fit("zero3", zero3);
+  // Both transformer blocks are units: gathered and reduce-scattered one by one.
+  FULGUR_CHECK_CONTAINS(sharded_log, "reduce-scatters (2 units)");
+  const auto [recomputed_log, recomputed] =
+      fit("zero3_checkpointed", with(zero3, "--model.activation_checkpointing=true"));
+  // The recomputation runs under the forward's autocast (bfloat16), so the gradients are the same.
+  CHECK(recomputed == sharded);
+  const auto [plain_log, plain] = fit("single", {});
+  const auto [single_log, single] = fit("single_checkpointed", {"--model.activation_checkpointing=true"});
+  CHECK(single == plain);
+  CHECK(std::stod(plain.back()) < 0.8 * std::stod(plain.front()));
+}
+
 TEST_CASE("gpt example: attention is causal, changing a token changes no logits before it") {
   torch::manual_seed(0);
   ex::GptModel model(model_options());

@@ -1,6 +1,7 @@
 // GptModel: the layers, the steps, AdamW with weight-decay groups and the learning-rate schedule.
 #include "gpt.h"
 
+#include <fulgur/blocks.h>
 #include <fulgur/error.h>
 
 #include <ATen/CPUGeneratorImpl.h>
@@ -117,6 +118,7 @@ GptModel::GptModel(const Options& given) : layers_(std::make_unique<Layers>()) {
     bad(hp, fmt::format("top_k = {} must be in [0, {}] (0: no limit)", hp.get_int("top_k"), kByteVocabSize));
   if (hp.get_int("sample_seed") < 0) bad(hp, fmt::format("sample_seed = {} must be >= 0", hp.get_int("sample_seed")));
   (void)hp.get_bool("print_samples");  // type check now, not at the end of training
+  checkpoint_activations_ = hp.get_bool("activation_checkpointing");
 
   Layers& l = *layers_;
   l.tok_emb = register_module("tok_emb", nn::Embedding(kByteVocabSize, n_embd));
@@ -157,7 +159,10 @@ at::Tensor GptModel::forward(const at::Tensor& tokens) {
   Layers& l = *layers_;
   const at::Tensor positions = torch::arange(tokens.size(1), tokens.options().dtype(torch::kLong));
   at::Tensor x = l.drop->forward(l.tok_emb->forward(tokens) + l.pos_emb->forward(positions));
-  for (Block& block : l.blocks) x = block->forward(x);
+  // Each transformer block is a fulgur block: a unit that fsdp's ZeRO-3 gathers around its use,
+  // and, with activation_checkpointing, recomputed in backward. Alone it is a plain call.
+  const auto options = fulgur::BlockOptions().checkpoint_activations(checkpoint_activations_);
+  for (Block& block : l.blocks) x = fulgur::run_block(block, x, options);
   // Weight tying: the output layer is the token embedding (fewer parameters, and a better
   // language model at this size); no separate lm_head parameter exists.
   return at::linear(l.ln_f->forward(x), l.tok_emb->weight);

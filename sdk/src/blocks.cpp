@@ -2,8 +2,10 @@
 #include <fulgur/error.h>
 
 #include <ATen/Context.h>
+#include <ATen/autocast_mode.h>
 #include <ATen/core/Generator.h>
 #include <ATen/core/ivalue.h>
+#include <c10/core/DefaultDtype.h>
 #include <c10/util/intrusive_ptr.h>
 #include <torch/autograd.h>
 #include <torch/custom_class.h>
@@ -56,10 +58,57 @@ struct RandomState {
   }
 };
 
+// The numeric context a forward ran in: autocast (enabled and dtype, per device type) and the
+// default dtype (a "-true" precision sets it). Backward runs outside the precision's forward
+// scope, so the recomputation restores it, as torch.utils.checkpoint does for autocast: otherwise
+// a bf16-mixed block would be recomputed in float32 and its gradients would not be the forward's.
+struct NumericContext {
+  struct Autocast {
+    c10::DeviceType device_type;
+    bool enabled;
+    at::ScalarType dtype;
+  };
+  std::vector<Autocast> autocast;
+  caffe2::TypeMeta default_dtype;
+
+  static constexpr c10::DeviceType kDeviceTypes[] = {c10::DeviceType::CPU, c10::DeviceType::CUDA};
+
+  static NumericContext capture() {
+    NumericContext context;
+    for (c10::DeviceType type : kDeviceTypes)
+      context.autocast.push_back(
+          {type, at::autocast::is_autocast_enabled(type), at::autocast::get_autocast_dtype(type)});
+    context.default_dtype = c10::get_default_dtype();
+    return context;
+  }
+  // Makes this context current (nesting into autocast when it was on); returns the one it replaced.
+  NumericContext enter() const {
+    NumericContext previous = capture();
+    apply();
+    at::autocast::increment_nesting();
+    return previous;
+  }
+  // Restores `previous` after enter(); the cast cache goes with the outermost autocast region.
+  static void leave(const NumericContext& previous) {
+    if (at::autocast::decrement_nesting() == 0) at::autocast::clear_cache();
+    previous.apply();
+  }
+
+ private:
+  void apply() const {
+    for (const Autocast& a : autocast) {
+      at::autocast::set_autocast_enabled(a.device_type, a.enabled);
+      at::autocast::set_autocast_dtype(a.device_type, a.dtype);
+    }
+    c10::set_default_dtype(default_dtype);
+  }
+};
+
 // What backward needs besides tensors, carried in the autograd context as a capsule.
 struct Recompute : torch::CustomClassHolder {
   BlockForward forward;
   RandomState random;
+  NumericContext numerics;
   // The parameters as the call passed them: plain references, not saved variables, because a
   // sharded strategy frees and gathers their storage between forward and backward.
   std::vector<at::Tensor> parameters;
@@ -73,6 +122,7 @@ struct CheckpointedBlock : torch::autograd::Function<CheckpointedBlock> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& input, at::TensorList parameters,
                             c10::intrusive_ptr<Recompute> recompute) {
     recompute->random = RandomState::capture(input);
+    recompute->numerics = NumericContext::capture();
     recompute->parameters = parameters.vec();
     ctx->save_for_backward({input});
     ctx->saved_data["recompute"] = c10::IValue::make_capsule(recompute);
@@ -96,7 +146,14 @@ struct CheckpointedBlock : torch::autograd::Function<CheckpointedBlock> {
     at::Tensor output;
     {
       torch::AutoGradMode enable(true);
-      output = recompute->forward(input);
+      const NumericContext previous = recompute->numerics.enter();
+      try {
+        output = recompute->forward(input);
+      } catch (...) {
+        NumericContext::leave(previous);
+        throw;
+      }
+      NumericContext::leave(previous);
     }
     caller.restore();
     if (!output.requires_grad()) return result;
