@@ -325,6 +325,45 @@ TEST_CASE(
   CHECK(std::stod(plain.back()) < 0.8 * std::stod(plain.front()));
 }
 
+TEST_CASE(
+    "gpt example: a sharded checkpoint of fsdp ZeRO-3 is a --ckpt_path for one process, checked against the model "
+    "from its metadata, and consolidates into the same weights") {
+  TempDir dir;
+  const fs::path corpus = write_corpus(dir / "corpus.txt", make_corpus(96 * 1024));
+  const fs::path toml = dir / "gpt.toml";
+  std::ofstream(toml) << tiny_toml(dir.path(), corpus, dir / "cache");
+  auto fulgur = [&](std::vector<std::string> args) {
+    args.insert(args.begin(), FULGUR_TEST_FULGUR_BIN);
+    return fulgur::test::run_process(args, {{"FULGUR_LOG_LEVEL", "info"}}, dir.path());
+  };
+  const ProcessRun fit = fulgur({"fit", "--config", toml.string(), "--trainer.strategy=fsdp", "--trainer.devices=2",
+                                 "--strategy.zero_stage=3", "--strategy.state_dict_type=sharded"});
+  INFO(fit.output);
+  REQUIRE(fit.exit_code == 0);
+  const fs::path last = dir / "ckpt" / "last.ckpt";
+  REQUIRE(fs::is_directory(last));
+  REQUIRE(fs::exists(last / "__1_0.distcp"));
+
+  const ProcessRun from_directory = fulgur({"predict", "--config", toml.string(), "--ckpt_path=" + last.string()});
+  INFO(from_directory.output);
+  REQUIRE(from_directory.exit_code == 0);
+  const auto samples = samples_in(from_directory.output);
+  REQUIRE(samples.size() == 3);
+
+  const fs::path consolidated = dir / "last.pt";
+  REQUIRE(fulgur({"checkpoint", "consolidate", last.string(), consolidated.string()}).exit_code == 0);
+  const ProcessRun from_file = fulgur({"predict", "--config", toml.string(), "--ckpt_path=" + consolidated.string()});
+  REQUIRE(from_file.exit_code == 0);
+  CHECK(samples_in(from_file.output) == samples);
+
+  // Another model's shapes are refused before anything runs, from the directory's metadata.
+  const ProcessRun wider =
+      fulgur({"predict", "--config", toml.string(), "--ckpt_path=" + last.string(), "--model.n_embd=64"});
+  CHECK(wider.exit_code != 0);
+  FULGUR_CHECK_CONTAINS(wider.output, "holds the weights of another model");
+  CHECK(!contains(wider.output, "--- sample"));
+}
+
 TEST_CASE("gpt example: attention is causal, changing a token changes no logits before it") {
   torch::manual_seed(0);
   ex::GptModel model(model_options());

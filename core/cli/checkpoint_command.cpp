@@ -33,8 +33,8 @@ int consolidate(const std::string& dir, const std::string& out) {
 int inspect(const std::string& dir) {
   const dcp::Reader reader(dir);
   const std::vector<std::string> keys = reader.keys();
-  size_t width = 4;
-  for (const auto& k : keys) width = std::max(width, k.size());
+  size_t width = 4;  // the names' column, up to 64 characters (longer names push their row only)
+  for (const auto& k : keys) width = std::max(width, std::min<size_t>(k.size(), 64));
   int64_t files = 0;
   for (const auto& entry : std::filesystem::directory_iterator(dir))
     if (entry.path().extension() == ".distcp") ++files;

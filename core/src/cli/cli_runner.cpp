@@ -5,6 +5,7 @@
 #include <fulgur/cli.h>
 #include <fulgur/config.h>
 #include <fulgur/data.h>
+#include <fulgur/distributed_checkpoint.h>
 #include <fulgur/error.h>
 #include <fulgur/module.h>
 #include <fulgur/registry/registry.h>
@@ -14,6 +15,7 @@
 
 #include <ATen/core/Dict.h>
 #include <ATen/core/ivalue.h>
+#include <ATen/ops/empty.h>
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
@@ -182,14 +184,39 @@ void require_user_tables(const CliApp& app, const Config& config) {
   if (!app.make_data && config.data_plugin.name.empty()) throw missing("data", "datamodule");
 }
 
+// A distributed checkpoint directory (fsdp state_dict_type = "sharded"): the model's names and
+// shapes from its metadata alone, as tensors on the meta device (nothing is read or allocated).
+c10::impl::GenericDict distributed_checkpoint_state(const std::string& path, const std::string& flag) {
+  constexpr std::string_view kPrefix = "state_dict.";
+  c10::impl::GenericDict state(c10::StringType::get(), c10::TensorType::get());
+  try {
+    const dcp::Reader reader(path);
+    for (const std::string& key : reader.keys())
+      if (key.starts_with(kPrefix) && reader.is_tensor(key))
+        state.insert(key.substr(kPrefix.size()),
+                     at::empty(reader.shape(key), at::TensorOptions().device(at::kMeta).dtype(reader.dtype(key))));
+  } catch (const Error& e) {
+    throw UsageError(fmt::format("{}: {}", flag, e.what()));
+  }
+  if (state.empty())
+    throw UsageError(fmt::format(
+        "{}: the distributed checkpoint '{}' has no state_dict: it was not written by a Fulgur or Lightning run", flag,
+        path));
+  return state;
+}
+
 // --ckpt_path to a file: it must exist and be a checkpoint (read once: its state_dict is what
 // check_checkpoint_matches compares with the model). Checked before the stage starts so that a typo
 // or another model's file costs nothing. nullopt for "", "last" and "best".
 std::optional<c10::impl::GenericDict> read_checkpoint_state(const std::string& path, const std::string& flag) {
   if (path.empty() || path == "last" || path == "best") return std::nullopt;
   std::error_code ec;
+  if (fs::is_directory(path, ec) && dcp::is_distributed_checkpoint(path))
+    return distributed_checkpoint_state(path, flag);
   if (!fs::is_regular_file(path, ec))
-    throw UsageError(fmt::format("{}: no checkpoint file at '{}' (give a file, \"last\" or \"best\")", flag, path));
+    throw UsageError(
+        fmt::format("{}: no checkpoint at '{}' (give a file, a distributed checkpoint directory, \"last\" or \"best\")",
+                    flag, path));
   c10::IValue ckpt;
   try {
     ckpt = read_checkpoint_file(path);
