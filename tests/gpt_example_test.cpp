@@ -336,13 +336,29 @@ TEST_CASE(
     args.insert(args.begin(), FULGUR_TEST_FULGUR_BIN);
     return fulgur::test::run_process(args, {{"FULGUR_LOG_LEVEL", "info"}}, dir.path());
   };
-  const ProcessRun fit = fulgur({"fit", "--config", toml.string(), "--trainer.strategy=fsdp", "--trainer.devices=2",
-                                 "--strategy.zero_stage=3", "--strategy.state_dict_type=sharded"});
+  const std::vector<std::string> sharded = {"fit",
+                                            "--config",
+                                            toml.string(),
+                                            "--trainer.strategy=fsdp",
+                                            "--trainer.devices=2",
+                                            "--strategy.zero_stage=3",
+                                            "--strategy.state_dict_type=sharded"};
+  auto with = [](std::vector<std::string> a, const std::string& b) {
+    a.push_back(b);
+    return a;
+  };
+  const ProcessRun fit = fulgur(with(sharded, "--trainer.max_steps=20"));
   INFO(fit.output);
   REQUIRE(fit.exit_code == 0);
   const fs::path last = dir / "ckpt" / "last.ckpt";
   REQUIRE(fs::is_directory(last));
   REQUIRE(fs::exists(last / "__1_0.distcp"));
+  // ckpt_path = "last" finds the directory (model_checkpoint's lookup dates it by its .metadata).
+  const ProcessRun resumed = fulgur(with(sharded, "--ckpt_path=last"));
+  INFO(resumed.output);
+  REQUIRE(resumed.exit_code == 0);
+  FULGUR_CHECK_CONTAINS(resumed.output, "Restored training state from " + last.string());
+  CHECK(!fs::exists(dir / "ckpt" / "last-v1.ckpt"));
 
   const ProcessRun from_directory = fulgur({"predict", "--config", toml.string(), "--ckpt_path=" + last.string()});
   INFO(from_directory.output);

@@ -4,6 +4,7 @@
 // its state. It is the Trainer's checkpoint provider: ckpt_path = "best" / "last" ask it, and a new
 // process finds the newest last*.ckpt where it saves.
 #include <fulgur/checkpoint_io.h>
+#include <fulgur/distributed_checkpoint.h>
 #include <fulgur/plugin.h>
 
 #include "../common/callback_support.h"
@@ -248,8 +249,15 @@ std::string newest_last_checkpoint(const std::string& directory, bool checkpoint
   ::nftw(
       directory.c_str(),
       [](const char* file, const struct stat* info, int type, FTW* ftw) {
-        if (type != FTW_F) return 0;
+        // A file, or a distributed checkpoint's directory (a sharded strategy's save): its
+        // .metadata, written last, dates it.
+        struct stat metadata {};
         const std::string path(file);
+        if (type == FTW_D && ftw->level > 0 && fulgur::dcp::is_distributed_checkpoint(path) &&
+            ::stat((path + "/.metadata").c_str(), &metadata) == 0)
+          info = &metadata;
+        else if (type != FTW_F)
+          return 0;
         const std::string name = path.substr(static_cast<size_t>(ftw->base));
         if (!name.starts_with(kLastFilename) || !name.ends_with(kExtension)) return 0;
         const std::string parent = fs::path(path).parent_path().string();
@@ -679,6 +687,17 @@ class ModelCheckpoint final : public fulgur::Callback, public fulgur::Checkpoint
     const std::string last = newest_last_checkpoint(directory, below);
     if (last.empty()) return {};
     try {
+      if (fulgur::dcp::is_distributed_checkpoint(last)) {
+        // Only the one value, found by its place in the nesting: no tensor is read.
+        const fulgur::dcp::Reader reader(last);
+        const fulgur::dcp::Path wanted = {std::string("callbacks"), state_key(), std::string("best_model_path")};
+        for (const std::string& key : reader.keys())
+          if (!reader.is_tensor(key) && reader.path(key) == wanted) {
+            const c10::IValue value = reader.read_value(key);
+            return value.isString() ? value.toStringRef() : std::string();
+          }
+        return {};
+      }
       const c10::IValue ckpt = fulgur::read_checkpoint_file(last);
       if (!ckpt.isGenericDict()) return {};
       const auto dict = ckpt.toGenericDict();
