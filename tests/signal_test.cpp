@@ -186,6 +186,41 @@ TEST_CASE("signals: SIGTERM to one rank of a 2-process ddp run stops both at the
   CHECK(job::same_weights(dir / "ckpt" / "last.ckpt", ref / "ckpt" / "last.ckpt"));
 }
 
+TEST_CASE(
+    "signals: under fsdp with sharded checkpoints, SIGTERM to one rank saves one checkpoint directory and "
+    "ckpt_path = \"last\" resumes from it bit for bit") {
+  TempDir dir;
+  const fs::path plugins = job::plugin_dir(dir, {"signal-at-step"});
+  const std::string fsdp = "strategy = \"fsdp\"\ndevices = 2\n";
+  const std::string sharded = "[strategy]\nzero_stage = 3\nstate_dict_type = \"sharded\"\n";
+  const fs::path ref = dir.subdir("reference");
+  std::ofstream(ref / "job.toml") << job::toml(ref, plugins, 1, 16, fsdp,
+                                               job::checkpointing(ref / "ckpt", 4) + sharded);
+  const ProcessRun reference = job::run_example(ref / "job.toml", ref);
+  INFO(reference.output);
+  REQUIRE(reference.exit_code == 0);
+
+  std::ofstream(dir / "job.toml") << job::toml(
+      dir.path(), plugins, 1, 16, fsdp + "ckpt_path = \"last\"\n",
+      job::checkpointing(dir / "ckpt", 4) + signal_at(5, "SIGTERM", dir / "signalled", /*rank=*/1) + sharded);
+  const ProcessRun stopped = job::run_example(dir / "job.toml", dir.path());
+  INFO(stopped.output);
+  REQUIRE(stopped.exit_code == 143);
+  // A directory each rank wrote its rows into, newer than last.ckpt (step 4): "last" picks it.
+  const fs::path interrupted = dir / "runs" / "interrupted.ckpt";
+  REQUIRE(fs::is_directory(interrupted));
+  CHECK(fs::exists(interrupted / "__0_0.distcp"));
+  CHECK(fs::exists(interrupted / "__1_0.distcp"));
+  CHECK(job::checkpoint_dict(interrupted).at("global_step").toInt() == 6);
+  CHECK(job::checkpoint_dict(dir / "ckpt" / "last.ckpt").at("global_step").toInt() == 4);
+
+  const ProcessRun resumed = job::run_example(dir / "job.toml", dir.path());
+  INFO(resumed.output);
+  REQUIRE(resumed.exit_code == 0);
+  FULGUR_CHECK_CONTAINS(resumed.output, "Restored training state from " + interrupted.string());
+  CHECK(job::same_weights(dir / "ckpt" / "last.ckpt", ref / "ckpt" / "last.ckpt"));
+}
+
 TEST_CASE("elastic: torchrun --max-restarts restarts a killed group and every rank resumes from the last checkpoint") {
   TempDir dir;
   const fs::path plugins = job::plugin_dir(dir, {"kill-at-step"});

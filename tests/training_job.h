@@ -5,6 +5,7 @@
 #include "test_support.h"
 
 #include <fulgur/checkpoint_io.h>
+#include <fulgur/distributed_checkpoint.h>
 
 #include <ATen/core/Dict.h>
 #include <ATen/core/ivalue.h>
@@ -57,8 +58,10 @@ inline ProcessRun run_example(const fs::path& toml_file, const fs::path& dir,
   return run_process({FULGUR_TEST_FASHION_MNIST, "--config", toml_file.string()}, env, dir);
 }
 
+// A checkpoint file, or a distributed checkpoint directory (fsdp's sharded state), read whole.
 inline c10::impl::GenericDict checkpoint_dict(const fs::path& path) {
-  c10::IValue value = read_checkpoint_file(path.string());
+  c10::IValue value =
+      fs::is_directory(path) ? fulgur::dcp::Reader(path.string()).read_all() : read_checkpoint_file(path.string());
   REQUIRE(value.isGenericDict());
   return value.toGenericDict();
 }

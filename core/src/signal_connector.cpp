@@ -1,5 +1,6 @@
 #include "signal_connector.h"
 
+#include <fulgur/distributed_checkpoint.h>
 #include <fulgur/error.h>
 
 #include <ATen/ops/full.h>
@@ -18,6 +19,7 @@
 #include <cstring>
 #include <exception>
 #include <filesystem>
+#include <optional>
 #include <string_view>
 
 #include "distributed/local_launcher.h"
@@ -255,20 +257,34 @@ std::string restart_ckpt_path(const std::string& requested) {
   return requested;
 }
 
+namespace {
+
+// When a checkpoint was completed: a file's mtime, or that of a distributed checkpoint directory's
+// .metadata (written last, by rank 0, before the directory is swapped in). nullopt: none there.
+std::optional<int64_t> checkpoint_time_ns(const std::string& path) {
+  struct stat info {};
+  if (path.empty() || ::stat(path.c_str(), &info) != 0) return std::nullopt;
+  if (S_ISDIR(info.st_mode)) {
+    if (!dcp::is_distributed_checkpoint(path) || ::stat((path + "/.metadata").c_str(), &info) != 0) return std::nullopt;
+  } else if (!S_ISREG(info.st_mode)) {
+    return std::nullopt;
+  }
+  return info.st_mtim.tv_sec * 1'000'000'000LL + info.st_mtim.tv_nsec;
+}
+
+}  // namespace
+
 std::string existing_interrupt_checkpoint(const Config& config, const std::string& root_dir) {
   const std::string path = checkpoint_path(config, root_dir);
-  struct stat info {};
-  return !path.empty() && ::stat(path.c_str(), &info) == 0 && S_ISREG(info.st_mode) ? path : std::string();
+  return checkpoint_time_ns(path) ? path : std::string();
 }
 
 std::string newer_checkpoint(const std::string& a, const std::string& b) {
   if (a.empty() || b.empty()) return a.empty() ? b : a;
-  struct stat sa {
-  }, sb{};
-  if (::stat(a.c_str(), &sa) != 0) return b;
-  if (::stat(b.c_str(), &sb) != 0) return a;
-  const auto ns = [](const struct stat& s) { return s.st_mtim.tv_sec * 1'000'000'000LL + s.st_mtim.tv_nsec; };
-  return ns(sb) > ns(sa) ? b : a;
+  const std::optional<int64_t> ta = checkpoint_time_ns(a), tb = checkpoint_time_ns(b);
+  if (!ta) return b;
+  if (!tb) return a;
+  return *tb > *ta ? b : a;
 }
 
 }  // namespace fulgur
