@@ -1,6 +1,6 @@
 #include "signal_connector.h"
 
-#include <fulgur/distributed_checkpoint.h>
+#include <fulgur/checkpoint_io.h>
 #include <fulgur/error.h>
 
 #include <ATen/ops/full.h>
@@ -257,31 +257,14 @@ std::string restart_ckpt_path(const std::string& requested) {
   return requested;
 }
 
-namespace {
-
-// When a checkpoint was completed: a file's mtime, or that of a distributed checkpoint directory's
-// .metadata (written last, by rank 0, before the directory is swapped in). nullopt: none there.
-std::optional<int64_t> checkpoint_time_ns(const std::string& path) {
-  struct stat info {};
-  if (path.empty() || ::stat(path.c_str(), &info) != 0) return std::nullopt;
-  if (S_ISDIR(info.st_mode)) {
-    if (!dcp::is_distributed_checkpoint(path) || ::stat((path + "/.metadata").c_str(), &info) != 0) return std::nullopt;
-  } else if (!S_ISREG(info.st_mode)) {
-    return std::nullopt;
-  }
-  return info.st_mtim.tv_sec * 1'000'000'000LL + info.st_mtim.tv_nsec;
-}
-
-}  // namespace
-
 std::string existing_interrupt_checkpoint(const Config& config, const std::string& root_dir) {
   const std::string path = checkpoint_path(config, root_dir);
-  return checkpoint_time_ns(path) ? path : std::string();
+  return checkpoint_completed_ns(path) ? path : std::string();
 }
 
 std::string newer_checkpoint(const std::string& a, const std::string& b) {
   if (a.empty() || b.empty()) return a.empty() ? b : a;
-  const std::optional<int64_t> ta = checkpoint_time_ns(a), tb = checkpoint_time_ns(b);
+  const std::optional<int64_t> ta = checkpoint_completed_ns(a), tb = checkpoint_completed_ns(b);
   if (!ta) return b;
   if (!tb) return a;
   return *tb > *ta ? b : a;

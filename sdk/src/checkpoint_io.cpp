@@ -8,6 +8,7 @@
 //     torch.jit._pickle.restore_type_tag / build_intlist / build_tensorlist globals, which Python's
 //     torch.load(weights_only=True) refuses. Plain dicts and lists are what torch.save writes.
 #include <fulgur/checkpoint_io.h>
+#include <fulgur/distributed_checkpoint.h>
 #include <fulgur/error.h>
 
 #include <ATen/core/Dict.h>
@@ -502,6 +503,17 @@ void atomic_write_text(const std::string& path, std::string_view content) {
   AtomicFile file(path, "file");
   file.write(content.data(), content.size());
   file.commit();
+}
+
+std::optional<int64_t> checkpoint_completed_ns(const std::string& path) {
+  struct stat info {};
+  if (path.empty() || ::stat(path.c_str(), &info) != 0) return std::nullopt;
+  if (S_ISDIR(info.st_mode)) {
+    if (!dcp::is_distributed_checkpoint(path) || ::stat((path + "/.metadata").c_str(), &info) != 0) return std::nullopt;
+  } else if (!S_ISREG(info.st_mode)) {
+    return std::nullopt;
+  }
+  return info.st_mtim.tv_sec * 1'000'000'000LL + info.st_mtim.tv_nsec;
 }
 
 }  // namespace fulgur

@@ -238,7 +238,7 @@ enum class Trigger { train_step, train_epoch_end, validation_end };
 std::string newest_last_checkpoint(const std::string& directory, bool checkpoints_below) {
   struct Search {
     std::string newest;
-    struct timespec newest_time {};
+    int64_t newest_time = 0;
     bool checkpoints_below = false;
     std::string top;
   };
@@ -248,26 +248,19 @@ std::string newest_last_checkpoint(const std::string& directory, bool checkpoint
   search.top = directory;
   ::nftw(
       directory.c_str(),
-      [](const char* file, const struct stat* info, int type, FTW* ftw) {
-        // A file, or a distributed checkpoint's directory (a sharded strategy's save): its
-        // .metadata, written last, dates it.
-        struct stat metadata {};
+      [](const char* file, const struct stat*, int type, FTW* ftw) {
+        // A file, or a distributed checkpoint's directory (a sharded strategy's save).
+        if (type != FTW_F && type != FTW_D) return 0;
         const std::string path(file);
-        if (type == FTW_D && ftw->level > 0 && fulgur::dcp::is_distributed_checkpoint(path) &&
-            ::stat((path + "/.metadata").c_str(), &metadata) == 0)
-          info = &metadata;
-        else if (type != FTW_F)
-          return 0;
         const std::string name = path.substr(static_cast<size_t>(ftw->base));
-        if (!name.starts_with(kLastFilename) || !name.ends_with(kExtension)) return 0;
+        if (ftw->level == 0 || !name.starts_with(kLastFilename) || !name.ends_with(kExtension)) return 0;
         const std::string parent = fs::path(path).parent_path().string();
         const bool wanted = search.checkpoints_below ? fs::path(parent).filename() == "checkpoints" : ftw->level == 1;
         if (!wanted) return 0;
-        const struct timespec t = info->st_mtim;
-        const struct timespec& n = search.newest_time;
-        if (search.newest.empty() || t.tv_sec > n.tv_sec || (t.tv_sec == n.tv_sec && t.tv_nsec > n.tv_nsec)) {
+        const std::optional<int64_t> t = fulgur::checkpoint_completed_ns(path);
+        if (t && (search.newest.empty() || *t > search.newest_time)) {
           search.newest = path;
-          search.newest_time = t;
+          search.newest_time = *t;
         }
         return 0;
       },

@@ -11,6 +11,8 @@
 
 #include <c10/core/Device.h>
 
+#include <cstdint>
+#include <optional>
 #include <string>
 #include <string_view>
 
@@ -36,6 +38,11 @@ FULGUR_SDK_API void write_checkpoint_file(const c10::IValue& checkpoint, const s
 // not toIntList()).
 FULGUR_SDK_API c10::IValue read_checkpoint_file(const std::string& path,
                                                 c10::Device map_location = c10::Device(c10::DeviceType::CPU));
+
+// When the checkpoint at `path` was completed, in nanoseconds since the epoch (for "which is
+// newer"): a checkpoint file's mtime, or that of a distributed checkpoint directory's `.metadata`,
+// which its writer puts there last. nullopt when `path` is neither.
+FULGUR_SDK_API std::optional<int64_t> checkpoint_completed_ns(const std::string& path);
 
 // Replaces the file at `path` with `content` atomically (same temp + fsync + rename protocol).
 // For small text artifacts such as hparams.yaml or profiler reports. Throws fulgur::Error(io).
