@@ -81,20 +81,6 @@ struct NumericContext {
     context.default_dtype = c10::get_default_dtype();
     return context;
   }
-  // Makes this context current (nesting into autocast when it was on); returns the one it replaced.
-  NumericContext enter() const {
-    NumericContext previous = capture();
-    apply();
-    at::autocast::increment_nesting();
-    return previous;
-  }
-  // Restores `previous` after enter(); the cast cache goes with the outermost autocast region.
-  static void leave(const NumericContext& previous) {
-    if (at::autocast::decrement_nesting() == 0) at::autocast::clear_cache();
-    previous.apply();
-  }
-
- private:
   void apply() const {
     for (const Autocast& a : autocast) {
       at::autocast::set_autocast_enabled(a.device_type, a.enabled);
@@ -102,6 +88,25 @@ struct NumericContext {
     }
     c10::set_default_dtype(default_dtype);
   }
+};
+
+// While it lives, `context` is current (nested into autocast as a region of its own); then the
+// one it replaced is back, and the cast cache goes with the outermost autocast region.
+class NumericScope {
+ public:
+  explicit NumericScope(const NumericContext& context) : previous_(NumericContext::capture()) {
+    context.apply();
+    at::autocast::increment_nesting();
+  }
+  ~NumericScope() {
+    if (at::autocast::decrement_nesting() == 0) at::autocast::clear_cache();
+    previous_.apply();
+  }
+  NumericScope(const NumericScope&) = delete;
+  NumericScope& operator=(const NumericScope&) = delete;
+
+ private:
+  NumericContext previous_;
 };
 
 // What backward needs besides tensors, carried in the autograd context as a capsule.
@@ -146,14 +151,8 @@ struct CheckpointedBlock : torch::autograd::Function<CheckpointedBlock> {
     at::Tensor output;
     {
       torch::AutoGradMode enable(true);
-      const NumericContext previous = recompute->numerics.enter();
-      try {
-        output = recompute->forward(input);
-      } catch (...) {
-        NumericContext::leave(previous);
-        throw;
-      }
-      NumericContext::leave(previous);
+      const NumericScope numerics(recompute->numerics);
+      output = recompute->forward(input);
     }
     caller.restore();
     if (!output.requires_grad()) return result;

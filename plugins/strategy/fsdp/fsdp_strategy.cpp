@@ -93,6 +93,11 @@ struct ShardedParameter {
   at::Tensor rows_of(const at::Tensor& t, int64_t first, int64_t count) const {
     return t.reshape({rows, row_numel}).narrow(0, first, count);
   }
+  // Whether `t` is this rank's rows of the parameter rather than the whole of it (as a stage-3
+  // rank reads them from a sharded checkpoint).
+  bool is_local_rows(const at::Tensor& t) const {
+    return full.dim() > 0 && local_rows() < rows && t.sizes().vec() == shard_shape();
+  }
   // The shape of this rank's rows (a 0-dim parameter: 0-dim on its owner, {0} elsewhere).
   std::vector<int64_t> shard_shape() const {
     if (full.dim() == 0) return local_rows() == 1 ? std::vector<int64_t>{} : std::vector<int64_t>{0};
@@ -437,8 +442,7 @@ class FsdpStrategy final : public fulgur::strategy_support::ProcessGroupStrategy
     const std::vector<ShardedParameter*>& order = shards_for(optimizer);
     c10::IValue local = map_parameter_states(state, order, [&](const ShardedParameter& p, const at::Tensor& t) {
       // This rank's rows already (read so from a sharded checkpoint under stage 3).
-      if (p.full.dim() > 0 && p.local_rows() < p.rows && t.sizes().vec() == p.shard_shape())
-        return t.to(p.shard.device()).clone();
+      if (p.is_local_rows(t)) return t.to(p.shard.device()).clone();
       if (t.numel() != p.full.numel())
         throw Error(ErrorKind::checkpoint,
                     fmt::format("{}: an optimizer state tensor of {} elements for a parameter of {} (shape {}); the "
@@ -693,9 +697,7 @@ class FsdpStrategy final : public fulgur::strategy_support::ProcessGroupStrategy
     const auto dict = state.toGenericDict();
     for (const auto& [name, p] : named_) {
       auto found = dict.find(name);
-      if (found == dict.end() || !found->value().isTensor()) continue;
-      if (p->full.dim() > 0 && p->local_rows() < p->rows && found->value().toTensor().sizes().vec() == p->shard_shape())
-        return true;
+      if (found != dict.end() && found->value().isTensor() && p->is_local_rows(found->value().toTensor())) return true;
     }
     return false;
   }
@@ -717,7 +719,7 @@ class FsdpStrategy final : public fulgur::strategy_support::ProcessGroupStrategy
         continue;
       }
       const at::Tensor t = found->value().toTensor();
-      if (t.sizes().vec() == p->shard_shape() && p->full.dim() > 0)
+      if (p->is_local_rows(t))
         p->shard.copy_(t);
       else if (t.sizes() == p->full.sizes())
         p->shard.copy_(p->rows_of(t.to(p->shard.device()), p->begin, p->local_rows()).reshape(p->shard_shape()));
