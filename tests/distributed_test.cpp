@@ -133,6 +133,12 @@ shuffle = {}
                      strategy, devices, max_steps, accumulate, strategy_table, batch, shuffle);
 }
 
+// `toml` (from worker_config) with one more line in its [strategy] table.
+std::string with_strategy_option(std::string toml, const std::string& line) {
+  toml.replace(toml.find("timeout = 30.0"), 14, "timeout = 30.0\n" + line);
+  return toml;
+}
+
 struct Run {
   TempDir dir;
   fs::path config;
@@ -247,7 +253,7 @@ TEST_CASE("ddp: parameters without gradients need find_unused_parameters") {
   CHECK_FALSE(refused->result.timed_out);
   CHECK(contains(refused->result.output, "parameters unused.weight, unused.bias got no gradient"));
   CHECK(contains(refused->result.output, "find_unused_parameters = true"));
-  toml.replace(toml.find("timeout = 30.0"), 14, "timeout = 30.0\nfind_unused_parameters = true");
+  toml = with_strategy_option(toml, "find_unused_parameters = true");
   auto run = run_worker(toml, {}, env);
   REQUIRE_SUCCESS(run);
   CHECK(max_difference(weights(*run, 0), weights(*run, 1)) == 0.0);
@@ -512,10 +518,7 @@ filename = "{step}"
 every_n_train_steps = 4
 save_top_k = -1
 )";
-  auto sharded = [](std::string toml) {
-    toml.replace(toml.find("timeout = 30.0"), 14, "timeout = 30.0\nstate_dict_type = \"sharded\"");
-    return toml;
-  };
+  auto sharded = [](const std::string& toml) { return with_strategy_option(toml, "state_dict_type = \"sharded\""); };
   for (const std::string stage : {"fsdp:2", "fsdp:3"}) {
     CAPTURE(stage);
     auto whole = run_worker(worker_config(stage, "2", 12, 10), {}, block_env());
@@ -600,10 +603,7 @@ filename = "{step}"
 every_n_train_steps = 4
 save_top_k = -1
 )";
-  auto sharded = [](std::string toml) {
-    toml.replace(toml.find("timeout = 30.0"), 14, "timeout = 30.0\nstate_dict_type = \"sharded\"");
-    return toml;
-  };
+  auto sharded = [](const std::string& toml) { return with_strategy_option(toml, "state_dict_type = \"sharded\""); };
   auto whole = run_worker(worker_config("fsdp:3", "2", 12, 10), {}, block_env());
   REQUIRE_SUCCESS(whole);
   // Rank 1 dies (SIGKILL) in its second save, at step 8, once its data file is written and before
@@ -631,7 +631,7 @@ TEST_CASE("fsdp: gradients averaged in bfloat16 (reduce_dtype) land near the flo
   for (const std::string stage : {"fsdp:1", "fsdp:2", "fsdp:3"}) {
     CAPTURE(stage);
     std::string toml = worker_config(stage, "2", 12, 6, 2);
-    toml.replace(toml.find("timeout = 30.0"), 14, "timeout = 30.0\nreduce_dtype = \"bfloat16\"");
+    toml = with_strategy_option(toml, "reduce_dtype = \"bfloat16\"");
     auto run = run_worker(toml, {}, block_env());
     REQUIRE_SUCCESS(run);
     CHECK(max_difference(weights(*run, 0), weights(*run, 1)) == 0.0);
@@ -640,7 +640,7 @@ TEST_CASE("fsdp: gradients averaged in bfloat16 (reduce_dtype) land near the flo
     CHECK(difference < 5e-2);
   }
   std::string toml = worker_config("fsdp:2", "2", 12, 2);
-  toml.replace(toml.find("timeout = 30.0"), 14, "timeout = 30.0\nreduce_dtype = \"int8\"");
+  toml = with_strategy_option(toml, "reduce_dtype = \"int8\"");
   auto refused = run_worker(toml, {}, sharding_env());
   CHECK(refused->result.status != 0);
   CHECK(contains(refused->result.output, "reduce_dtype = \"int8\" is not known"));
@@ -659,7 +659,7 @@ save_top_k = -1
   auto single = run_worker(worker_config("single_device", "1", 24, 6, 2), {}, sharding_env());
   REQUIRE_SUCCESS(single);
   std::string toml = worker_config("fsdp:3", "2", 12, 6, 2);
-  toml.replace(toml.find("timeout = 30.0"), 14, "timeout = 30.0\nparam_dtype = \"bfloat16\"");
+  toml = with_strategy_option(toml, "param_dtype = \"bfloat16\"");
   auto env = block_env();
   env["FULGUR_LOG_LEVEL"] = "debug";
   auto run = run_worker(toml + checkpointing, {}, env);
@@ -687,7 +687,7 @@ save_top_k = -1
   CHECK(max_difference(weights(*recomputed, 0), mine) == 0.0);
 
   std::string stage2 = worker_config("fsdp:2", "2", 12, 2);
-  stage2.replace(stage2.find("timeout = 30.0"), 14, "timeout = 30.0\nparam_dtype = \"bfloat16\"");
+  stage2 = with_strategy_option(stage2, "param_dtype = \"bfloat16\"");
   auto refused = run_worker(stage2, {}, sharding_env());
   CHECK(refused->result.status != 0);
   CHECK(contains(refused->result.output, "param_dtype = \"BFloat16\" applies to zero_stage = 3"));
@@ -718,7 +718,7 @@ TEST_CASE("fsdp: under bf16-true the shards are made from the converted paramete
 
 TEST_CASE("fsdp: state_dict_type other than full or sharded is refused") {
   std::string toml = worker_config("fsdp:2", "2", 12, 2);
-  toml.replace(toml.find("timeout = 30.0"), 14, "timeout = 30.0\nstate_dict_type = \"local\"");
+  toml = with_strategy_option(toml, "state_dict_type = \"local\"");
   auto run = run_worker(toml, {}, sharding_env());
   CHECK(run->result.status != 0);
   CHECK(contains(run->result.output, "state_dict_type = \"local\" is not known"));
@@ -734,7 +734,7 @@ TEST_CASE("activation checkpointing: blocks that recompute reach the same weight
     CAPTURE(strategy);
     std::string toml = worker_config(strategy, "2", 12, 6, 2);
     if (strategy == "ddp")  // the model's unused layer
-      toml.replace(toml.find("timeout = 30.0"), 14, "timeout = 30.0\nfind_unused_parameters = true");
+      toml = with_strategy_option(toml, "find_unused_parameters = true");
     auto run = run_worker(toml, {}, block_env(true));
     REQUIRE_SUCCESS(run);
     CHECK(max_difference(weights(*run, 0), weights(*plain, 0)) < 1e-5);

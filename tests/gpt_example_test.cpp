@@ -99,6 +99,21 @@ save_top_k = 0
                      root.string(), corpus.string(), cache.string());
 }
 
+// A scratch directory with a 96 KiB corpus and tiny_toml's configuration of it in gpt.toml.
+struct TinyJob {
+  TempDir dir;
+  fs::path toml = dir / "gpt.toml";
+  TinyJob() {
+    std::ofstream(toml) << tiny_toml(dir.path(), write_corpus(dir / "corpus.txt", make_corpus(96 * 1024)),
+                                     dir / "cache");
+  }
+};
+
+std::vector<std::string> with_arg(std::vector<std::string> args, const std::string& arg) {
+  args.push_back(arg);
+  return args;
+}
+
 // `fulgur SUBCOMMAND --config TOML ...`: the example's plugins, as a user runs them.
 ProcessRun run_gpt(const fs::path& dir, const std::string& subcommand, const fs::path& toml,
                    std::vector<std::string> extra = {}) {
@@ -154,10 +169,9 @@ Options model_options(int64_t n_embd = 32) {
 TEST_CASE(
     "gpt example: fulgur fit of a tiny model lowers the loss and logs val/ppl = exp(val/loss), and fulgur "
     "predict samples text from the last checkpoint, the same each time, without rewriting the token files") {
-  TempDir dir;
-  const fs::path corpus = write_corpus(dir / "corpus.txt", make_corpus(96 * 1024));
-  const fs::path toml = dir / "gpt.toml";
-  std::ofstream(toml) << tiny_toml(dir.path(), corpus, dir / "cache");
+  const TinyJob job;
+  const TempDir& dir = job.dir;
+  const fs::path& toml = job.toml;
 
   const ProcessRun fit = run_gpt(dir.path(), "fit", toml);
   INFO(fit.output);
@@ -284,10 +298,9 @@ TEST_CASE(
 TEST_CASE(
     "gpt example: its transformer blocks are fsdp ZeRO-3 units from the command line, and activation_checkpointing "
     "recomputes them to the same losses under bf16-mixed") {
-  TempDir dir;
-  const fs::path corpus = write_corpus(dir / "corpus.txt", make_corpus(96 * 1024));
-  const fs::path toml = dir / "gpt.toml";
-  std::ofstream(toml) << tiny_toml(dir.path(), corpus, dir / "cache");
+  const TinyJob job;
+  const TempDir& dir = job.dir;
+  const fs::path& toml = job.toml;
   // `fulgur fit` with command-line overrides, as a user switches strategy; the logged losses.
   auto fit = [&](const std::string& name, std::vector<std::string> overrides) {
     std::vector<std::string> args{FULGUR_TEST_FULGUR_BIN,
@@ -308,15 +321,11 @@ TEST_CASE(
     return std::make_pair(run.output, losses);
   };
   const std::vector<std::string> zero3 = {"--trainer.strategy=fsdp", "--trainer.devices=2", "--strategy.zero_stage=3"};
-  auto with = [](std::vector<std::string> a, const std::string& b) {
-    a.push_back(b);
-    return a;
-  };
   const auto [sharded_log, sharded] = fit("zero3", zero3);
   // Both transformer blocks are units: gathered and reduce-scattered one by one.
   FULGUR_CHECK_CONTAINS(sharded_log, "reduce-scatters (2 units)");
   const auto [recomputed_log, recomputed] =
-      fit("zero3_checkpointed", with(zero3, "--model.activation_checkpointing=true"));
+      fit("zero3_checkpointed", with_arg(zero3, "--model.activation_checkpointing=true"));
   // The recomputation runs under the forward's autocast (bfloat16), so the gradients are the same.
   CHECK(recomputed == sharded);
   const auto [plain_log, plain] = fit("single", {});
@@ -328,10 +337,9 @@ TEST_CASE(
 TEST_CASE(
     "gpt example: a sharded checkpoint of fsdp ZeRO-3 is a --ckpt_path for one process, checked against the model "
     "from its metadata, and consolidates into the same weights") {
-  TempDir dir;
-  const fs::path corpus = write_corpus(dir / "corpus.txt", make_corpus(96 * 1024));
-  const fs::path toml = dir / "gpt.toml";
-  std::ofstream(toml) << tiny_toml(dir.path(), corpus, dir / "cache");
+  const TinyJob job;
+  const TempDir& dir = job.dir;
+  const fs::path& toml = job.toml;
   auto fulgur = [&](std::vector<std::string> args) {
     args.insert(args.begin(), FULGUR_TEST_FULGUR_BIN);
     return fulgur::test::run_process(args, {{"FULGUR_LOG_LEVEL", "info"}}, dir.path());
@@ -343,18 +351,14 @@ TEST_CASE(
                                             "--trainer.devices=2",
                                             "--strategy.zero_stage=3",
                                             "--strategy.state_dict_type=sharded"};
-  auto with = [](std::vector<std::string> a, const std::string& b) {
-    a.push_back(b);
-    return a;
-  };
-  const ProcessRun fit = fulgur(with(sharded, "--trainer.max_steps=20"));
+  const ProcessRun fit = fulgur(with_arg(sharded, "--trainer.max_steps=20"));
   INFO(fit.output);
   REQUIRE(fit.exit_code == 0);
   const fs::path last = dir / "ckpt" / "last.ckpt";
   REQUIRE(fs::is_directory(last));
   REQUIRE(fs::exists(last / "__1_0.distcp"));
   // ckpt_path = "last" finds the directory (model_checkpoint's lookup dates it by its .metadata).
-  const ProcessRun resumed = fulgur(with(sharded, "--ckpt_path=last"));
+  const ProcessRun resumed = fulgur(with_arg(sharded, "--ckpt_path=last"));
   INFO(resumed.output);
   REQUIRE(resumed.exit_code == 0);
   FULGUR_CHECK_CONTAINS(resumed.output, "Restored training state from " + last.string());
