@@ -44,9 +44,15 @@ struct MlpBlockImpl : torch::nn::Module {
 };
 TORCH_MODULE(MlpBlock);
 
+// The blocks are made in configure_model, each marked complete with fulgur::built_block: under
+// zero_stage = 3 a rank shards each as it is built and never holds the whole model (the "before
+// step 1" column); the other layouts build whole layers, as in the constructor.
 struct MlpStack : fulgur::Module {
-  MlpStack(int64_t width, int64_t layers) {
-    for (int64_t i = 0; i < layers; ++i) blocks.push_back(register_module(fmt::format("block{}", i), MlpBlock(width)));
+  MlpStack(int64_t width, int64_t layers) : width(width), layers(layers) {}
+  void configure_model() override {
+    if (!blocks.empty()) return;
+    for (int64_t i = 0; i < layers; ++i)
+      blocks.push_back(register_module(fmt::format("block{}", i), fulgur::built_block(MlpBlock(width))));
     head = register_module("head", torch::nn::Linear(width, 10));
   }
   fulgur::StepOutput training_step(const fulgur::Batch& b, int64_t) override {
@@ -58,6 +64,7 @@ struct MlpStack : fulgur::Module {
     return {fulgur::OptimizerConfig(
         std::make_shared<torch::optim::AdamW>(parameters(), torch::optim::AdamWOptions(1e-4).weight_decay(0.01)))};
   }
+  int64_t width, layers;
   std::vector<MlpBlock> blocks;
   torch::nn::Linear head{nullptr};
 };

@@ -11,6 +11,9 @@
 //   FULGUR_TEST_BLOCKS=1: fc1 and fc2 run as blocks (fulgur::run_block): units of zero_stage = 3;
 //   FULGUR_TEST_CHECKPOINT=1 adds activation checkpointing to them. The metrics file then records
 //   the storage fc1.weight holds after fit (0 when resharded); the weights are read whole.
+//   FULGUR_TEST_BUILT_BLOCKS=1: fc1 and fc2 are made in configure_model, each marked complete with
+//   fulgur::built_block (zero_stage = 3 shards them as they are built); with
+//   FULGUR_TEST_SCRAMBLE_INIT the ranks other than 0 then draw from other seeds instead.
 //   FULGUR_TEST_UNKNOWN_LENGTH=1: the train loader does not know its length, and the last rank's
 //   yields one batch fewer per epoch than the others (a streaming dataset split unevenly).
 #include <fulgur/blocks.h>
@@ -37,8 +40,10 @@ namespace {
 
 struct Mlp : fulgur::Module {
   Mlp() {
-    fc1 = register_module("fc1", torch::nn::Linear(16, 32));
-    fc2 = register_module("fc2", torch::nn::Linear(32, 4));
+    if (!std::getenv("FULGUR_TEST_BUILT_BLOCKS")) {
+      fc1 = register_module("fc1", torch::nn::Linear(16, 32));
+      fc2 = register_module("fc2", torch::nn::Linear(32, 4));
+    }
     // A layer that gets no gradient (ddp needs find_unused_parameters for it).
     if (std::getenv("FULGUR_TEST_UNUSED_LAYER")) register_module("unused", torch::nn::Linear(4, 4));
     if (std::getenv("FULGUR_TEST_SHARDING_MODEL")) {
@@ -46,6 +51,11 @@ struct Mlp : fulgur::Module {
       frozen = register_module("frozen", torch::nn::Linear(4, 4));
       for (auto& p : frozen->parameters()) p.set_requires_grad(false);
     }
+  }
+  void configure_model() override {
+    if (fc1 || !std::getenv("FULGUR_TEST_BUILT_BLOCKS")) return;
+    fc1 = register_module("fc1", fulgur::built_block(torch::nn::Linear(16, 32)));
+    fc2 = register_module("fc2", fulgur::built_block(torch::nn::Linear(32, 4)));
   }
   at::Tensor forward(const at::Tensor& x) {
     at::Tensor out;
@@ -195,7 +205,11 @@ int main(int argc, char** argv) {
     if (const char* r = std::getenv("FULGUR_TEST_DIE_RANK"))
       trainer.add_callback(std::make_shared<DieAtStep>(std::atoll(r), std::atoll(std::getenv("FULGUR_TEST_DIE_STEP"))));
     module->rank = std::getenv("RANK") ? std::atoll(std::getenv("RANK")) : 0;
-    if (std::getenv("FULGUR_TEST_SCRAMBLE_INIT") && module->rank != 0) {
+    if (std::getenv("FULGUR_TEST_SCRAMBLE_INIT") && module->rank != 0 && std::getenv("FULGUR_TEST_BUILT_BLOCKS")) {
+      // The layers are made during fit: these ranks would draw other weights, unless they build
+      // from rank 0's random state.
+      torch::manual_seed(1000 + module->rank);
+    } else if (std::getenv("FULGUR_TEST_SCRAMBLE_INIT") && module->rank != 0) {
       // Ranks other than 0 start elsewhere: ddp must overwrite them with rank 0's weights.
       torch::NoGradGuard no_grad;
       for (auto& p : module->parameters()) p.add_(torch::randn_like(p));

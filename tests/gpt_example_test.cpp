@@ -324,6 +324,12 @@ TEST_CASE(
   const auto [sharded_log, sharded] = fit("zero3", zero3);
   // Both transformer blocks are units: gathered and reduce-scattered one by one.
   FULGUR_CHECK_CONTAINS(sharded_log, "reduce-scatters (2 units)");
+  // configure_model marks each block as built: each rank keeps its half of them from the start and
+  // never holds more than one whole (2 x 12704 floats: LayerNorms 4 x 32, qkv 32x96 + 96, the
+  // projections 32x32 + 32 and 128x32 + 32, fc 32x128 + 128).
+  FULGUR_CHECK_CONTAINS(sharded_log,
+                        "rank 1 sharded 2 blocks as they were built: 101632 bytes of parameters, this rank keeps 50816 "
+                        "bytes of them; the largest block was whole for a moment: 50816 bytes");
   const auto [recomputed_log, recomputed] =
       fit("zero3_checkpointed", with_arg(zero3, "--model.activation_checkpointing=true"));
   // The recomputation runs under the forward's autocast (bfloat16), so the gradients are the same.
@@ -376,17 +382,21 @@ TEST_CASE(
   REQUIRE(from_file.exit_code == 0);
   CHECK(samples_in(from_file.output) == samples);
 
-  // Another model's shapes are refused before anything runs, from the directory's metadata.
+  // Another model's shapes are refused, each named, before anything is predicted (the layers are
+  // made in configure_model, so the restore compares them with the directory's tensors).
   const ProcessRun wider =
       fulgur({"predict", "--config", toml.string(), "--ckpt_path=" + last.string(), "--model.n_embd=64"});
+  INFO(wider.output);
   CHECK(wider.exit_code != 0);
-  FULGUR_CHECK_CONTAINS(wider.output, "holds the weights of another model");
+  FULGUR_CHECK_CONTAINS(wider.output, "does not match this model");
+  FULGUR_CHECK_CONTAINS(wider.output, "tok_emb.weight (checkpoint [256, 32], model [256, 64])");
   CHECK(!contains(wider.output, "--- sample"));
 }
 
 TEST_CASE("gpt example: attention is causal, changing a token changes no logits before it") {
   torch::manual_seed(0);
   ex::GptModel model(model_options());
+  model.configure_model();
   model.eval();
   torch::NoGradGuard no_grad;
   const at::Tensor tokens = torch::randint(0, 256, {2, 16}, torch::kLong);
@@ -402,6 +412,7 @@ TEST_CASE("gpt example: attention is causal, changing a token changes no logits 
 TEST_CASE("gpt example: sampling follows temperature, top_k and the seed") {
   torch::manual_seed(0);
   ex::GptModel model(model_options());
+  model.configure_model();
   model.eval();
   const at::Tensor prompt = ex::encode_bytes("ab").unsqueeze(0).repeat({3, 1});
   // Past block_size (16) the context is cropped to its last 16 tokens.
@@ -422,6 +433,7 @@ TEST_CASE(
     "gpt example: AdamW decays the Linear weights only, biases, LayerNorm and embeddings are in the "
     "no-decay group") {
   ex::GptModel model(model_options().set("weight_decay", 0.05));
+  model.configure_model();
   const ex::ParameterGroups groups = model.parameter_groups();
   const std::set<std::string> decay(groups.decay_names.begin(), groups.decay_names.end());
   const std::set<std::string> no_decay(groups.no_decay_names.begin(), groups.no_decay_names.end());
@@ -474,6 +486,7 @@ TEST_CASE(
   FULGUR_CHECK_CONTAINS(e, "lr");
   e = error([] {
     ex::GptModel m(model_options());
+    m.configure_model();
     m.forward(torch::zeros({1, 17}, torch::kLong));
   });
   FULGUR_CHECK_CONTAINS(e, "17 tokens is longer than block_size = 16: set [data] block_size <= [model] block_size");

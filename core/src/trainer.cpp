@@ -247,15 +247,22 @@ void Trainer::Impl::attach(Module& module, DataModule& data, Stage stage) {
 
 void Trainer::Impl::build_model(Module& module) {
   Strategy& strategy = *plugins_.strategy;
-  // Lightning's configure_model: layers may be created here, under the strategy (which can build
-  // them sharded). It runs for every stage, so it must be idempotent, as in Lightning.
-  strategy.configure_model(module, [&] { hooks_.module("configure_model", [&] { module.configure_model(); }); });
   // Device first: the precision plugins pick autocast and kernels from the module's device. Then
   // the precision's conversion (a "-true" precision casts every parameter to new storage), and only
   // then the strategy's setup, so that what it keeps of the parameters (fsdp's shards and their
-  // dtype, ddp's buckets) is made from the converted ones.
-  module.to(strategy.root_device());
-  plugins_.precision->convert_module(module);
+  // dtype, ddp's buckets) is made from the converted ones. A sharded strategy applies the first two
+  // to each block the Module marks as built (fulgur::built_block) and shards it at once; the pass
+  // over the whole model below then finds those blocks in place (to() and a conversion to the
+  // dtype a tensor has already are no-ops that read nothing).
+  const auto prepare = [&](torch::nn::Module& part) {
+    part.to(strategy.root_device());
+    plugins_.precision->convert_module(part);
+  };
+  // Lightning's configure_model: layers may be created here, under the strategy. It runs for every
+  // stage, so it must be idempotent, as in Lightning.
+  strategy.configure_model(
+      module, ModelBuild{[&] { hooks_.module("configure_model", [&] { module.configure_model(); }); }, prepare});
+  prepare(module);
   strategy.setup_module(module);
 }
 

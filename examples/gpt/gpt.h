@@ -109,6 +109,8 @@ class GptModel : public Module {
   explicit GptModel(const Options& hparams);
   ~GptModel() override;
 
+  // Makes and initialises the layers (once; the Trainer calls it for every stage).
+  void configure_model() override;
   // Logits [B, T, vocab] for token ids [B, T], T <= block_size.
   at::Tensor forward(const at::Tensor& tokens);
   // Appends `max_new_tokens` sampled tokens to each row of `context` [B, T0]; returns [B, T0 + n].

@@ -80,6 +80,8 @@ TORCH_MODULE(Block);
 }  // namespace
 
 struct GptModel::Layers {
+  int64_t n_layer = 0, n_head = 0, n_embd = 0;
+  double dropout = 0;
   nn::Embedding tok_emb{nullptr}, pos_emb{nullptr};
   nn::Dropout drop{nullptr};
   std::vector<Block> blocks;
@@ -121,30 +123,53 @@ GptModel::GptModel(const Options& given) : layers_(std::make_unique<Layers>()) {
   checkpoint_activations_ = hp.get_bool("activation_checkpointing");
 
   Layers& l = *layers_;
-  l.tok_emb = register_module("tok_emb", nn::Embedding(kByteVocabSize, n_embd));
-  l.pos_emb = register_module("pos_emb", nn::Embedding(block_size_, n_embd));
-  l.drop = register_module("drop", nn::Dropout(dropout));
-  nn::ModuleList blocks;
-  for (int64_t i = 0; i < n_layer; ++i) {
-    l.blocks.emplace_back(n_embd, n_head, dropout);
-    blocks->push_back(l.blocks.back());
-  }
-  register_module("blocks", blocks);
-  l.ln_f = register_module("ln_f", nn::LayerNorm(nn::LayerNormOptions({n_embd})));
-
-  // GPT-2's initialisation: N(0, 0.02) weights, zero biases, and the projections that write into
-  // the residual stream scaled by 1/sqrt(2 n_layer) so that its variance does not grow with depth.
-  torch::NoGradGuard no_grad;
-  for (auto& p : named_parameters()) {
-    if (p.key().ends_with(".bias"))
-      p.value().zero_();
-    else if (p.value().dim() >= 2)
-      p.value().normal_(0.0, p.key().ends_with("proj.weight") ? 0.02 / std::sqrt(2.0 * n_layer) : 0.02);
-  }
+  l.n_layer = n_layer;
+  l.n_head = n_head;
+  l.n_embd = n_embd;
+  l.dropout = dropout;
   val_ppl_.sync_with(*this);
 }
 
 GptModel::~GptModel() = default;
+
+namespace {
+
+// GPT-2's initialisation of one part of the model: N(0, 0.02) weights, zero biases, and the
+// projections that write into the residual stream scaled by 1/sqrt(2 n_layer) so that its variance
+// does not grow with depth.
+void init_weights(nn::Module& part, int64_t n_layer) {
+  torch::NoGradGuard no_grad;
+  for (auto& p : part.named_parameters()) {
+    if (p.key().ends_with("bias"))
+      p.value().zero_();
+    else if (p.value().dim() >= 2)
+      p.value().normal_(0.0, p.key().ends_with("proj.weight") ? 0.02 / std::sqrt(2.0 * n_layer) : 0.02);
+  }
+}
+
+}  // namespace
+
+// The layers are made here rather than in the constructor so that a sharded strategy sees each
+// transformer block as it is completed (fulgur::built_block): under fsdp zero_stage = 3 a rank
+// then never holds more than its shards and one whole block. Each part is initialised as soon as
+// it exists, so the random numbers are drawn in the same order under every strategy.
+void GptModel::configure_model() {
+  Layers& l = *layers_;
+  if (l.tok_emb) return;  // built already: configure_model runs for every stage
+  l.tok_emb = register_module("tok_emb", nn::Embedding(kByteVocabSize, l.n_embd));
+  init_weights(*l.tok_emb, l.n_layer);
+  l.pos_emb = register_module("pos_emb", nn::Embedding(block_size_, l.n_embd));
+  init_weights(*l.pos_emb, l.n_layer);
+  l.drop = register_module("drop", nn::Dropout(l.dropout));
+  nn::ModuleList blocks = register_module("blocks", nn::ModuleList());
+  for (int64_t i = 0; i < l.n_layer; ++i) {
+    Block block(l.n_embd, l.n_head, l.dropout);
+    init_weights(*block, l.n_layer);
+    blocks->push_back(fulgur::built_block(block));
+    l.blocks.push_back(block);
+  }
+  l.ln_f = register_module("ln_f", nn::LayerNorm(nn::LayerNormOptions({l.n_embd})));
+}
 
 void GptModel::check_length(int64_t length) const {
   if (length > block_size_)
@@ -157,6 +182,7 @@ void GptModel::check_length(int64_t length) const {
 at::Tensor GptModel::forward(const at::Tensor& tokens) {
   check_length(tokens.size(1));
   Layers& l = *layers_;
+  if (!l.tok_emb) throw Error(ErrorKind::runtime, "GptModel::forward before configure_model(), which makes the layers");
   const at::Tensor positions = torch::arange(tokens.size(1), tokens.options().dtype(torch::kLong));
   at::Tensor x = l.drop->forward(l.tok_emb->forward(tokens) + l.pos_emb->forward(positions));
   // Each transformer block is a fulgur block: a unit that fsdp's ZeRO-3 gathers around its use,

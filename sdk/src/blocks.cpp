@@ -204,6 +204,10 @@ at::Tensor run_block(torch::nn::Module& block, const at::Tensor& input, const Bl
   return body(input);
 }
 
+void block_built(torch::nn::Module& block) {
+  if (BlockHooks* hooks = installed_block_hooks()) hooks->block_built(block);
+}
+
 FullParameters::FullParameters(torch::nn::Module& module) : module_(module), hooks_(installed_block_hooks()) {
   if (hooks_) hooks_->gather_full_parameters(module_);
 }

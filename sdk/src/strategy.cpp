@@ -16,7 +16,9 @@
 
 namespace fulgur {
 
-void Strategy::configure_model(torch::nn::Module&, const std::function<void()>& build) { build(); }
+void Strategy::configure_model(torch::nn::Module&, const ModelBuild& build) {
+  if (build.configure) build.configure();
+}
 
 void Strategy::setup_optimizers(std::vector<std::shared_ptr<torch::optim::Optimizer>>&) {}
 

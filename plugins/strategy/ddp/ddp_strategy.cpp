@@ -7,9 +7,12 @@
 #include <fulgur/plugin.h>
 
 #include <ATen/core/ivalue.h>
+#include <c10/util/Exception.h>
 #include <fmt/format.h>
+
 #include <torch/nn/module.h>
 #include <torch/optim/optimizer.h>
+#include <string>
 
 #include "../common/process_group_strategy.h"
 
@@ -53,14 +56,33 @@ class DdpStrategy final : public fulgur::strategy_support::ProcessGroupStrategy 
     at::Tensor scaled = precision.scale_loss(loss);
     // Without prepare_for_backward the Reducer's hooks stay idle: gradients just accumulate.
     if (!gradient_sync_ || !sync_gradients) {
-      scaled.backward();
+      explain_unused([&] { scaled.backward(); });
       return;
     }
     gradient_sync_->prepare_for_backward({scaled});
     try {
-      scaled.backward();
+      explain_unused([&] { scaled.backward(); });
     } catch (...) {
       communicator_->rethrow("backward (gradient all-reduce)", std::current_exception());
+    }
+  }
+
+  // With gradient accumulation, parameters that got no gradient leave the Reducer waiting for
+  // them after a synchronised step; the next backward then reports a gradient "marked as ready
+  // twice" in Python's terms. Say what happened and what to set.
+  template <class F>
+  void explain_unused(F&& backward) {
+    try {
+      backward();
+    } catch (const c10::Error& e) {
+      if (sync_options_.find_unused_parameters ||
+          std::string(e.what_without_backtrace()).find("marked as ready twice") == std::string::npos)
+        throw;
+      throw fulgur::Error(fulgur::ErrorKind::config,
+                          "strategy 'ddp': some parameters got no gradient in a synchronised step, so their "
+                          "all-reduce never finished and the next backward (gradient accumulation) produced "
+                          "gradients for it a second time; use every parameter in the loss, freeze them "
+                          "(requires_grad = false), or set find_unused_parameters = true under [strategy]");
     }
   }
 

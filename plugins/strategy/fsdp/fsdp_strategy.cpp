@@ -37,6 +37,7 @@
 #include <fulgur/state_dict.h>
 #include <fulgur/strategy.h>
 
+#include <ATen/CPUGeneratorImpl.h>
 #include <ATen/core/Dict.h>
 #include <ATen/core/ivalue.h>
 #include <ATen/ops/cat.h>
@@ -56,9 +57,11 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <functional>
 #include <limits>
 #include <map>
+#include <mutex>
 #include <optional>
 #include <set>
 #include <string>
@@ -80,12 +83,13 @@ struct ShardedParameter {
   int64_t flat_offset = 0;     // its padded chunk's place in one rank's slice of the flat buffers
   bool trainable = true;       // frozen parameters (requires_grad false) never get gradients
   // Stage 3 only.
-  at::Tensor full_alias;     // full's storage through a tensor with its own version counter: a
-                             // gather writes through it without invalidating what autograd saved
-  size_t full_nbytes = 0;    // the storage's size when whole
-  bool materialised = true;  // full's storage holds the current values (false: freed)
-  bool in_block = false;     // a block claimed it (else it stays whole, like stage 2)
-  bool reduced = false;      // its gradient was reduce-scattered during the current backward
+  at::Tensor full_alias;       // full's storage through a tensor with its own version counter: a
+                               // gather writes through it without invalidating what autograd saved
+  size_t full_nbytes = 0;      // the storage's size when whole
+  bool materialised = true;    // full's storage holds the current values (false: freed)
+  bool in_block = false;       // a block claimed it (else it stays whole, like stage 2)
+  bool built_sharded = false;  // sharded as its block was built (fulgur::built_block): never whole since
+  bool reduced = false;        // its gradient was reduce-scattered during the current backward
 
   int64_t local_rows() const { return end - begin; }
   int64_t chunk_numel() const { return chunk_rows * row_numel; }
@@ -161,9 +165,79 @@ class FsdpStrategy final : public fulgur::strategy_support::ProcessGroupStrategy
   }
   ~FsdpStrategy() override { fulgur::remove_block_hooks(this); }
 
+  // Stage 3: blocks the Module marks with fulgur::built_block while it builds are sharded at once
+  // (block_built below), so a rank holds its shards and one whole block, never the whole model.
+  void configure_model(torch::nn::Module& module, const fulgur::ModelBuild& build) override {
+    if (zero_stage_ != 3) {
+      ProcessGroupStrategy::configure_model(module, build);
+      return;
+    }
+    forget_shards();  // a later stage: the model whole again, sharded anew by setup_module
+    // Every rank builds from rank zero's random state: the blocks sharded as they are built are
+    // then rows of the same weights (what setup_module's broadcast gives the rest of the model),
+    // and the weights one process seeded like rank zero builds. A rank seeded differently gets its
+    // own state back afterwards, as it would keep it under ddp.
+    at::Generator generator = at::detail::getDefaultCPUGenerator();
+    at::Tensor own;
+    {
+      std::lock_guard<std::mutex> lock(generator.mutex());
+      own = generator.get_state();
+    }
+    const std::string own_bytes(static_cast<const char*>(own.const_data_ptr()), own.nbytes());
+    const std::string zero_bytes = communicator_ ? broadcast_string(own_bytes, 0) : own_bytes;
+    const bool seeded_like_zero = zero_bytes == own_bytes;
+    auto set_state = [&](const at::Tensor& state) {
+      std::lock_guard<std::mutex> lock(generator.mutex());
+      generator.set_state(state);
+    };
+    if (!seeded_like_zero) {
+      at::Tensor zero = at::empty_like(own);
+      std::memcpy(zero.mutable_data_ptr(), zero_bytes.data(), zero_bytes.size());
+      set_state(zero);
+    }
+    fulgur::install_block_hooks(this);
+    building_ = &build;
+    built_blocks_ = 0;
+    largest_built_bytes_ = built_bytes_ = 0;
+    try {
+      ProcessGroupStrategy::configure_model(module, build);
+    } catch (...) {
+      building_ = nullptr;
+      throw;
+    }
+    building_ = nullptr;
+    if (!seeded_like_zero) set_state(own);
+    if (built_blocks_ > 0 && fulgur::log::enabled(fulgur::log::Level::debug)) {
+      int64_t kept = 0;
+      for (const auto& [impl, p] : shards_) kept += static_cast<int64_t>(p.shard.nbytes());
+      fulgur::log::debug(fmt::format(
+          "strategy 'fsdp': rank {} sharded {} blocks as they were built: {} bytes of parameters, this rank keeps "
+          "{} bytes of them; the largest block was whole for a moment: {} bytes",
+          cluster_.global_rank, built_blocks_, built_bytes_, kept, largest_built_bytes_));
+    }
+  }
+
+  void block_built(torch::nn::Module& block) override {
+    if (building_ == nullptr) return;  // only while configure_model runs
+    if (building_->prepare) building_->prepare(block);
+    int64_t bytes = 0;
+    for (const at::Tensor& parameter : block.parameters()) {
+      if (shards_.contains(parameter.unsafeGetTensorImpl())) continue;  // a nested block's, sharded already
+      ShardedParameter& p = shard_of(parameter);
+      p.built_sharded = true;
+      bytes += static_cast<int64_t>(p.full_nbytes);
+      release(p);
+    }
+    ++built_blocks_;
+    built_bytes_ += bytes;
+    largest_built_bytes_ = std::max(largest_built_bytes_, bytes);
+  }
+
   void setup_module(torch::nn::Module& module) override {
-    if (zero_stage_ == 3 && !shards_.empty()) gather_group(ordered_);  // a second fit: whole again first
-    shards_.clear();
+    // Stage 3 keeps what configure_model sharded; a model set up before without configure_model
+    // in between is made whole first.
+    if (zero_stage_ == 3 && !ordered_.empty()) forget_shards();
+    if (zero_stage_ != 3) shards_.clear();
     optimizer_shards_.clear();
     ordered_.clear();
     units_.clear();
@@ -172,19 +246,22 @@ class FsdpStrategy final : public fulgur::strategy_support::ProcessGroupStrategy
     this_forward_.clear();
     module.to(device_);
     if (communicator_) {
-      // Every rank starts from rank 0's weights and buffers, as under ddp.
+      // Every rank starts from rank 0's weights and buffers, as under ddp (the blocks sharded as
+      // they were built are rank 0's already, and hold no storage to send).
       std::vector<at::Tensor> state;
-      for (auto& p : module.parameters()) state.push_back(p);
+      for (auto& p : module.parameters())
+        if (!shards_.contains(p.unsafeGetTensorImpl())) state.push_back(p);
       for (auto& b : module.buffers()) state.push_back(b);
       communicator_->broadcast_coalesced(state, 0);
     }
     if (zero_stage_ == 3) {
       // Every parameter is sharded, in the optimizers or not (frozen ones take memory too), in
-      // the Module's order: the same on every rank.
+      // the Module's order: the same on every rank. Blocks sharded as they were built are in
+      // shards_ already; a parameter reached twice (tied) is listed once.
+      std::set<const ShardedParameter*> listed;
       for (const auto& item : module.named_parameters()) {
-        const bool new_one = !shards_.contains(item.value().unsafeGetTensorImpl());
         ShardedParameter& sharded = shard_of(item.value());
-        if (new_one) ordered_.push_back(&sharded);
+        if (listed.insert(&sharded).second) ordered_.push_back(&sharded);
         named_[item.key()] = &sharded;
       }
       fulgur::install_block_hooks(this);
@@ -454,6 +531,16 @@ class FsdpStrategy final : public fulgur::strategy_support::ProcessGroupStrategy
   }
 
  private:
+  // Stage 3 after configure_model: the previous stage's shards made whole again and forgotten.
+  void forget_shards() {
+    if (!shards_.empty()) gather_group(ordered_);
+    shards_.clear();
+    optimizer_shards_.clear();
+    ordered_.clear();
+    units_.clear();
+    named_.clear();
+  }
+
   static void check_supported(torch::optim::Optimizer& optimizer) {
     // Element-wise optimizers only: their update of a row depends on that row alone, so stepping
     // shards equals stepping the whole (LBFGS and friends need the whole vector).
@@ -1130,6 +1217,9 @@ class FsdpStrategy final : public fulgur::strategy_support::ProcessGroupStrategy
   std::map<const torch::optim::Optimizer*, std::vector<ShardedParameter*>> optimizer_shards_;
   std::vector<ShardedParameter*> ordered_;
   int64_t flat_numel_ = 0;
+  // Stage 3, while configure_model runs: how the Trainer prepares a block (device, precision).
+  const fulgur::ModelBuild* building_ = nullptr;
+  int64_t built_blocks_ = 0, built_bytes_ = 0, largest_built_bytes_ = 0;
 };
 
 }  // namespace

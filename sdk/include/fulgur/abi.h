@@ -28,8 +28,9 @@ extern "C" {
 /* History: 2 added Strategy::launches_processes/before_training_step and GradientSync; 3 is
  * contract v2 (callback roles and checkpoint providers, a capability-only TrainerContext, the
  * Strategy owning model/optimizer state and checkpoint parts); 4 added the TrainerContext's
- * training batch size and batch-size trials. */
-#define FULGUR_CXX_INTERFACE_MAJOR 4
+ * training batch size and batch-size trials; 5 gave Strategy::configure_model a ModelBuild and
+ * BlockHooks block_built (blocks sharded as the Module builds them). */
+#define FULGUR_CXX_INTERFACE_MAJOR 5
 
 #define FULGUR_PLUGIN_QUERY_SYMBOL "fulgur_plugin_query_v1"
 #define FULGUR_NOTE_OWNER "fulgur"

@@ -63,6 +63,33 @@ at::Tensor run_block(Holder block, const at::Tensor& input, const BlockOptions& 
       *block, input, [block](const at::Tensor& x) mutable { return block->forward(x); }, options);
 }
 
+// Building a model larger than one rank's memory: in the Module's configure_model, mark each block
+// as complete as soon as it is constructed and initialised:
+//
+//   void configure_model() override {
+//     if (!blocks_.empty()) return;  // configure_model runs for every stage: build once
+//     for (int64_t i = 0; i < n_layer; ++i) {
+//       Block block(options);
+//       init_weights(*block);  // everything that draws random numbers for it, before marking it
+//       blocks_.push_back(fulgur::built_block(block));
+//     }
+//   }
+//
+// A sharded strategy (fsdp, zero_stage = 3) then puts the block on the device, converts it with the
+// precision plugin and keeps only this rank's rows of its parameters, at once: a rank holds its
+// shards plus one whole block at a time, never the whole model. Every rank builds every block from
+// the same random state (rank zero's), so the shards are the rows of the weights one process with
+// the same seed would build. Such a block must then run through run_block, which gathers it for
+// each use (its parameters hold no storage outside it). Other strategies do nothing here.
+FULGUR_SDK_API void block_built(torch::nn::Module& block);
+
+// The same for a module holder (a TORCH_MODULE of yours), returned for registering.
+template <class Holder>
+Holder built_block(Holder block) {
+  block_built(*block);
+  return block;
+}
+
 // What a strategy installs to take part in every block's forward (a sharded strategy: gather the
 // block's parameters around it and hook its backward).
 class FULGUR_SDK_API BlockHooks {
@@ -73,6 +100,8 @@ class FULGUR_SDK_API BlockHooks {
   // Makes every parameter of `module` whole on every rank (a collective), and the reverse.
   virtual void gather_full_parameters(torch::nn::Module& module) = 0;
   virtual void release_full_parameters(torch::nn::Module& module) = 0;
+  // A block the Module finished building (fulgur::built_block), while configure_model runs.
+  virtual void block_built(torch::nn::Module& /*block*/) {}
 };
 
 // The hooks of the running strategy, one per process; nullptr (the default) when the strategy has

@@ -48,6 +48,16 @@ struct CheckpointParts {
   c10::IValue* metadata = nullptr;
 };
 
+// What the Trainer hands to configure_model: the Module's configure_model, and what the Trainer
+// does to the whole model between configure_model and setup_module (move it to root_device(), then
+// the precision plugin's convert_module), applicable to one part of it. A sharded strategy prepares
+// and shards each block as the Module builds it (fulgur::built_block), so that no rank ever holds
+// the whole model; the Trainer's later pass over the whole model finds those blocks done.
+struct ModelBuild {
+  std::function<void()> configure;                  // runs the Module's configure_model
+  std::function<void(torch::nn::Module&)> prepare;  // device, then precision, for one block
+};
+
 class FULGUR_SDK_API Strategy {
  public:
   virtual ~Strategy();
@@ -62,9 +72,11 @@ class FULGUR_SDK_API Strategy {
   virtual const ClusterInfo& cluster() const = 0;
   bool is_global_zero() const { return cluster().global_rank == 0; }
 
-  // Runs the Module's configure_model (`build`), where layers may be created: a sharded strategy
-  // can build on the meta device and materialise only its shards. Runs before setup_module.
-  virtual void configure_model(torch::nn::Module& module, const std::function<void()>& build);
+  // Runs the Module's configure_model (build.configure), where layers may be created. Blocks the
+  // Module marks with fulgur::built_block while it builds reach this strategy's BlockHooks (if it
+  // installed some), where build.prepare puts a block where setup_module expects it, and a sharded
+  // strategy keeps only its shards. Runs before setup_module. Default: build.configure().
+  virtual void configure_model(torch::nn::Module& module, const ModelBuild& build);
   // Moves/wraps/shards the model and hooks gradient synchronization. Runs after the precision
   // plugin's convert_module (the parameters are in their training dtype, on root_device()) and
   // before the Module's configure_optimizers, so optimizers are created over the parameters this

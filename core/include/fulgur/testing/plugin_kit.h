@@ -191,7 +191,8 @@ inline void check_strategy_conformance(const std::shared_ptr<Strategy>& strategy
   detail::expect(strategy->reduce_boolean_decision(true, true), "a decision of one is its own");
 
   BoringModule module;
-  strategy->configure_model(module, [] {});
+  strategy->configure_model(module,
+                            ModelBuild{[] {}, [&](torch::nn::Module& part) { part.to(strategy->root_device()); }});
   strategy->setup_module(module);
   std::vector<std::shared_ptr<torch::optim::Optimizer>> optimizers{
       std::make_shared<torch::optim::SGD>(module.parameters(), torch::optim::SGDOptions(0.1))};
