@@ -230,7 +230,8 @@ TEST_SUITE("gpu") {
   }
 
   TEST_CASE("gpu: DataLoader pin_memory hands out pinned batches that copy to the device asynchronously") {
-    if (!at::globalContext().hasCUDA() || cuda_plugin({})->device_count() == 0) {
+    // The plugin first: loading it loads libtorch_cuda, without which torch sees no CUDA at all.
+    if (cuda_plugin({})->device_count() == 0 || !at::globalContext().hasCUDA()) {
       MESSAGE("skipped: no CUDA device is visible");
       return;
     }

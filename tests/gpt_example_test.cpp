@@ -516,3 +516,32 @@ TEST_CASE("gpt example: the corpus of the shipped TOML, the Debian package fortu
   const std::string toml = fulgur::test::read_bytes(fs::path(FULGUR_TEST_SOURCE_DIR) / "examples/gpt/gpt.toml");
   FULGUR_CHECK_CONTAINS(toml, fmt::format("corpus = \"{}\"", ex::kFortunesDir));
 }
+
+TEST_CASE(
+    "start-up: a CPU run loads libtorch's CPU half only, and accelerator = \"auto\" loads the cuda plugin and with it "
+    "libtorch_cuda") {
+  // LD_DEBUG=files makes the dynamic loader name every library it loads, in the real process.
+  const TinyJob job;
+  auto loaded_libraries = [&](const std::string& name, const std::string& accelerator) {
+    const ProcessRun run = fulgur::test::run_process(
+        {FULGUR_TEST_FULGUR_BIN, "fit", "--config", job.toml.string(), "--trainer.max_steps=2",
+         "--trainer.limit_val_batches=0", "--trainer.enable_checkpointing=false", "--trainer.accelerator=" + accelerator,
+         "--trainer.default_root_dir=" + (job.dir / name).string()},
+        {{"LD_DEBUG", "files"}}, job.dir.path());
+    INFO(run.output.substr(0, 4000));
+    REQUIRE(run.exit_code == 0);
+    return run.output;
+  };
+  const std::string cpu = loaded_libraries("cpu", "cpu");
+  FULGUR_CHECK_CONTAINS(cpu, "file=libtorch_cpu.so");
+  CHECK(!contains(cpu, "libtorch_cuda.so"));
+  CHECK(!contains(cpu, "libcublas"));
+  CHECK(!contains(cpu, "libcudnn"));
+  CHECK(!contains(cpu, "libnccl"));
+#if FULGUR_TEST_HAS_CUDA_PLUGIN
+  // "auto" asks the cuda plugin whether a device is visible: that load brings libtorch_cuda in.
+  const std::string automatic = loaded_libraries("auto", "auto");
+  FULGUR_CHECK_CONTAINS(automatic, "libfulgur-accelerator-cuda.so");
+  FULGUR_CHECK_CONTAINS(automatic, "file=libtorch_cuda.so");
+#endif
+}

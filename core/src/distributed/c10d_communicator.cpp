@@ -9,6 +9,7 @@
 #include "distributed/process_group.h"
 
 #include "distributed/local_launcher.h"
+#include "distributed/nccl_backend.h"
 
 #include <fulgur/error.h>
 
@@ -30,10 +31,6 @@
 #include <string_view>
 
 namespace fulgur::detail {
-
-// Defined in nccl_backend.cpp (throws there when this build has no NCCL).
-c10::intrusive_ptr<c10d::Backend> make_nccl_backend(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
-                                                    std::chrono::milliseconds timeout);
 
 namespace {
 

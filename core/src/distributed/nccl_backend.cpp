@@ -1,33 +1,25 @@
-// The NCCL process group for CUDA ranks. Separate from c10d_communicator.cpp because its headers
-// need CUDA's and NCCL's (the nvidia-nccl wheel next to torch); builds without them get a stub
-// that says so.
-#include <fulgur/error.h>
-
+// The NCCL process group for CUDA ranks, in a library of its own (libfulgur_nccl.so) that the core
+// loads only when a run asks for NCCL: it links libtorch_cuda and with it cuBLAS, cuDNN, NCCL and
+// the rest of CUDA, which a CPU run should not pay for at start-up (see nccl_loader.cpp).
 #include <torch/csrc/distributed/c10d/Backend.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
-#include <fmt/format.h>
-
 #include <chrono>
+#include <exception>
+#include <string>
 
-#ifdef FULGUR_WITH_NCCL
-#include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
-#endif
+#include "nccl_backend.h"
 
-namespace fulgur::detail {
-
-c10::intrusive_ptr<c10d::Backend> make_nccl_backend(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
-                                                    std::chrono::milliseconds timeout) {
-#ifdef FULGUR_WITH_NCCL
-  auto options = c10d::ProcessGroupNCCL::Options::create();
-  options->timeout = timeout;
-  return c10::make_intrusive<c10d::ProcessGroupNCCL>(store, rank, size, options);
-#else
-  (void)store, (void)rank, (void)size, (void)timeout;
-  throw Error(ErrorKind::config,
-              "this Fulgur build has no NCCL (nccl.h was not found at configure time); use backend \"gloo\", or "
-              "rebuild with the nvidia-nccl wheel installed next to torch");
-#endif
+extern "C" __attribute__((visibility("default"))) bool fulgur_make_nccl_backend(
+    const fulgur::detail::NcclBackendRequest* request, c10::intrusive_ptr<c10d::Backend>* out, std::string* error) {
+  try {
+    auto options = c10d::ProcessGroupNCCL::Options::create();
+    options->timeout = request->timeout;
+    *out = c10::make_intrusive<c10d::ProcessGroupNCCL>(*request->store, request->rank, request->size, options);
+    return true;
+  } catch (const std::exception& e) {
+    *error = e.what();
+    return false;
+  }
 }
-
-}  // namespace fulgur::detail
