@@ -54,7 +54,7 @@ step build "$here/build.sh" -- -j"$jobs"
   echo "build: FAILED (no libfulgur-accelerator-cuda.so: is the torch wheel a CUDA build?)" >>"$out/steps.txt"
   status=1
 }
-step gpu_tests ctest --test-dir "$FULGUR_BUILD_DIR" -R '^gpu: |cuda' --output-on-failure -j1
+step gpu_tests ctest --test-dir "$FULGUR_BUILD_DIR" -R '^gpu: |cuda|nccl' --output-on-failure -j1
 grep -h 'skipped: no CUDA device' "$out/gpu_tests.log" >/dev/null 2>&1 &&
   echo "gpu_tests: WARNING a GPU test skipped itself: no device visible to the test process" >>"$out/steps.txt"
 

@@ -25,7 +25,11 @@
 #include <set>
 #include <thread>
 
+#include "../core/src/distributed/nccl_backend.h"
 #include "test_support.h"
+
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+#include <torch/csrc/distributed/c10d/HashStore.hpp>
 
 #include <fulgur/checkpoint_io.h>
 
@@ -1007,4 +1011,25 @@ TEST_CASE("distributed sampler: each sample once per epoch across ranks, padded 
       }
     }
   }
+}
+
+TEST_CASE(
+    "nccl: the core opens libfulgur_nccl.so when a process group first asks for NCCL, and NCCL's own refusal comes "
+    "back as a Fulgur error") {
+  // A CPU run never loads libtorch_cuda (see the start-up test); NCCL lives in a library of its own.
+#if FULGUR_TEST_HAS_CUDA_PLUGIN
+  const c10::intrusive_ptr<c10d::Store> store = c10::make_intrusive<c10d::HashStore>();
+  try {
+    const auto backend = fulgur::detail::make_nccl_backend(store, 0, 1, std::chrono::seconds(5));
+    CHECK(backend);  // a machine with a GPU: a one-rank NCCL group
+    CHECK(torch::cuda::is_available());
+  } catch (const fulgur::Error& e) {
+    // No GPU here: the library loaded (its entry point ran) and ProcessGroupNCCL refused.
+    CHECK(e.kind() == fulgur::ErrorKind::distributed);
+    FULGUR_CHECK_CONTAINS(std::string(e.what()), "NCCL process group: ");
+    FULGUR_CHECK_CONTAINS(std::string(e.what()), "GPU");
+  }
+#else
+  MESSAGE("skipped: this build has no CUDA torch, hence no libfulgur_nccl.so");
+#endif
 }
