@@ -14,6 +14,7 @@
 //   FULGUR_TEST_BUILT_BLOCKS=1: fc1 and fc2 are made in configure_model, each marked complete with
 //   fulgur::built_block (zero_stage = 3 shards them as they are built); with
 //   FULGUR_TEST_SCRAMBLE_INIT the ranks other than 0 then draw from other seeds instead.
+//   FULGUR_TEST_VALIDATE_AFTER_FIT=1: trainer.validate after fit, in the same process.
 //   FULGUR_TEST_UNKNOWN_LENGTH=1: the train loader does not know its length, and the last rank's
 //   yields one batch fewer per epoch than the others (a streaming dataset split unevenly).
 #include <fulgur/blocks.h>
@@ -215,6 +216,8 @@ int main(int argc, char** argv) {
       for (auto& p : module->parameters()) p.add_(torch::randn_like(p));
     }
     trainer.fit(*module, data, resume);
+    // A second stage of the same model in the same process (its val/loss is what the metrics hold).
+    if (std::getenv("FULGUR_TEST_VALIDATE_AFTER_FIT")) trainer.validate(*module, data);
     if (!save.empty()) trainer.save_checkpoint(save);
 
     const std::string rank = std::getenv("RANK") ? std::getenv("RANK") : "0";

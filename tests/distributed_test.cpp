@@ -461,11 +461,22 @@ TEST_CASE(
                        " bytes of them; the largest block was whole for a "
                        "moment: 2176 bytes"));
   }
-  // Under ddp the same program builds whole layers and trains the same weights.
+  // Under ddp the same program builds whole layers and trains the same weights; both then run
+  // validate in the same processes. Under ZeRO-3 the shards stay for it (the blocks are never whole
+  // outside run_block) and it reports ddp's validation loss (over the same two halves of the data).
+  env["FULGUR_TEST_VALIDATE_AFTER_FIT"] = "1";
   auto ddp =
       run_worker(with_strategy_option(worker_config("ddp", "2", 12, 6, 2), "find_unused_parameters = true"), {}, env);
   REQUIRE_SUCCESS(ddp);
   CHECK(max_difference(weights(*ddp, 1), weights(*single, 0)) < 1e-5);
+  auto then_validate = run_worker(worker_config("fsdp:3", "2", 12, 6, 2), {}, env);
+  REQUIRE_SUCCESS(then_validate);
+  CHECK(contains(then_validate->result.output, "rank 0 keeps the shards of the previous stage"));
+  for (int r = 0; r < 2; ++r) {
+    CHECK(max_difference(weights(*then_validate, r), weights(*single, 0)) < 1e-5);
+    CHECK(metrics(*then_validate, r).at("fc1_weight_bytes") == 0);
+    CHECK(metrics(*then_validate, r).at("val/loss") == doctest::Approx(metrics(*ddp, r).at("val/loss")).epsilon(1e-6));
+  }
 }
 
 TEST_CASE("fsdp: ZeRO-3 runs the collectives it is designed to, per step and per unit") {

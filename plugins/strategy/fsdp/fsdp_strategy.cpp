@@ -172,7 +172,9 @@ class FsdpStrategy final : public fulgur::strategy_support::ProcessGroupStrategy
       ProcessGroupStrategy::configure_model(module, build);
       return;
     }
-    forget_shards();  // a later stage: the model whole again, sharded anew by setup_module
+    // A later stage (fit, then validate or test): the shards from before stay, and are the
+    // weights; the blocks are claimed again by their next run_block. Never whole in between.
+    keep_shards_for_next_stage();
     // Every rank builds from rank zero's random state: the blocks sharded as they are built are
     // then rows of the same weights (what setup_module's broadcast gives the rest of the model),
     // and the weights one process seeded like rank zero builds. A rank seeded differently gets its
@@ -264,6 +266,8 @@ class FsdpStrategy final : public fulgur::strategy_support::ProcessGroupStrategy
         if (listed.insert(&sharded).second) ordered_.push_back(&sharded);
         named_[item.key()] = &sharded;
       }
+      // Shards kept from a previous stage of another model (a new Module for this stage) go.
+      std::erase_if(shards_, [&](const auto& entry) { return !listed.contains(&entry.second); });
       fulgur::install_block_hooks(this);
     }
   }
@@ -531,6 +535,29 @@ class FsdpStrategy final : public fulgur::strategy_support::ProcessGroupStrategy
   }
 
  private:
+  // Stage 3, a later stage of the same model: the shards stay (blocks' parameters hold no storage,
+  // the others are whole and current), everything that maps them is made again by setup_module.
+  void keep_shards_for_next_stage() {
+    if (shards_.empty()) return;
+    drain_prefetches();
+    for (auto& [impl, p] : shards_) {
+      // Back to the model's dtype (freed storage: nothing is read), so that the precision's
+      // conversion of the whole model leaves it alone; run_block casts to param_dtype again.
+      if (p.in_block && param_dtype_ && !p.materialised) set_storage_dtype(p, dtype_);
+      p.in_block = false;
+      p.reduced = false;
+    }
+    if (fulgur::log::enabled(fulgur::log::Level::debug))
+      fulgur::log::debug(fmt::format("strategy 'fsdp': rank {} keeps the shards of the previous stage ({} parameters)",
+                                     cluster_.global_rank, shards_.size()));
+    optimizer_shards_.clear();
+    ordered_.clear();
+    units_.clear();
+    named_.clear();
+    forward_order_.clear();
+    this_forward_.clear();
+  }
+
   // Stage 3 after configure_model: the previous stage's shards made whole again and forgotten.
   void forget_shards() {
     if (!shards_.empty()) gather_group(ordered_);
