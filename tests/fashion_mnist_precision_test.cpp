@@ -16,6 +16,9 @@
 
 #include <cmath>
 #include <filesystem>
+#include <fstream>
+#include <string>
+#include <vector>
 
 #include "fashion_mnist.h"
 
@@ -126,3 +129,26 @@ TEST_CASE("bf16-mixed trains the Fashion-MNIST CNN to within 0.5 points of 32-tr
 }
 
 }  // namespace fulgur
+
+TEST_CASE("fashion_mnist IDX reader: the tensor holds the file's bytes, and a truncated or overlong file is refused") {
+  fulgur::test::TempDir dir;
+  // IDX: 0x00 0x00 type(0x08 = ubyte) dims, then each size as big-endian uint32, then the data.
+  // gzread reads an uncompressed file as it is, which keeps the fixture readable.
+  auto write_idx = [&](const std::string& name, const std::vector<uint8_t>& payload) {
+    std::vector<uint8_t> bytes{0, 0, 0x08, 2, 0, 0, 0, 2, 0, 0, 0, 3};
+    bytes.insert(bytes.end(), payload.begin(), payload.end());
+    const std::filesystem::path file = dir / name;
+    std::ofstream(file, std::ios::binary).write(reinterpret_cast<const char*>(bytes.data()), bytes.size());
+    return file;
+  };
+  const at::Tensor images = fulgur::examples::read_idx(write_idx("ok", {1, 2, 3, 4, 5, 255}), 2);
+  CHECK(images.sizes() == std::vector<int64_t>{2, 3});
+  CHECK(images.dtype() == at::kByte);
+  CHECK(torch::equal(images, torch::tensor({1, 2, 3, 4, 5, 255}, at::kByte).view({2, 3})));
+  auto refusal = [&](const std::filesystem::path& file) {
+    return std::string(fulgur::test::error_from([&] { fulgur::examples::read_idx(file, 2); }).what());
+  };
+  FULGUR_CHECK_CONTAINS(refusal(write_idx("short", {1, 2, 3, 4, 5})),
+                        "truncated: the header announces 2x3 (6 bytes of data) but the file holds 5 bytes");
+  FULGUR_CHECK_CONTAINS(refusal(write_idx("long", {1, 2, 3, 4, 5, 6, 7})), "has data after the 6 bytes");
+}
