@@ -80,8 +80,6 @@ TORCH_MODULE(Block);
 }  // namespace
 
 struct GptModel::Layers {
-  int64_t n_layer = 0, n_head = 0, n_embd = 0;
-  double dropout = 0;
   nn::Embedding tok_emb{nullptr}, pos_emb{nullptr};
   nn::Dropout drop{nullptr};
   std::vector<Block> blocks;
@@ -122,11 +120,6 @@ GptModel::GptModel(const Options& given) : layers_(std::make_unique<Layers>()) {
   (void)hp.get_bool("print_samples");  // type check now, not at the end of training
   checkpoint_activations_ = hp.get_bool("activation_checkpointing");
 
-  Layers& l = *layers_;
-  l.n_layer = n_layer;
-  l.n_head = n_head;
-  l.n_embd = n_embd;
-  l.dropout = dropout;
   val_ppl_.sync_with(*this);
 }
 
@@ -155,20 +148,23 @@ void init_weights(nn::Module& part, int64_t n_layer) {
 // it exists, so the random numbers are drawn in the same order under every strategy.
 void GptModel::configure_model() {
   Layers& l = *layers_;
-  if (l.tok_emb) return;  // built already: configure_model runs for every stage
-  l.tok_emb = register_module("tok_emb", nn::Embedding(kByteVocabSize, l.n_embd));
-  init_weights(*l.tok_emb, l.n_layer);
-  l.pos_emb = register_module("pos_emb", nn::Embedding(block_size_, l.n_embd));
-  init_weights(*l.pos_emb, l.n_layer);
-  l.drop = register_module("drop", nn::Dropout(l.dropout));
+  if (l.tok_emb) return;        // built already: configure_model runs for every stage
+  const Options& hp = hparams;  // checked by the constructor
+  const int64_t n_layer = hp.get_int("n_layer"), n_head = hp.get_int("n_head"), n_embd = hp.get_int("n_embd");
+  const double dropout = hp.get_float("dropout");
+  l.tok_emb = register_module("tok_emb", nn::Embedding(kByteVocabSize, n_embd));
+  init_weights(*l.tok_emb, n_layer);
+  l.pos_emb = register_module("pos_emb", nn::Embedding(block_size_, n_embd));
+  init_weights(*l.pos_emb, n_layer);
+  l.drop = register_module("drop", nn::Dropout(dropout));
   nn::ModuleList blocks = register_module("blocks", nn::ModuleList());
-  for (int64_t i = 0; i < l.n_layer; ++i) {
-    Block block(l.n_embd, l.n_head, l.dropout);
-    init_weights(*block, l.n_layer);
+  for (int64_t i = 0; i < n_layer; ++i) {
+    Block block(n_embd, n_head, dropout);
+    init_weights(*block, n_layer);
     blocks->push_back(fulgur::built_block(block));
     l.blocks.push_back(block);
   }
-  l.ln_f = register_module("ln_f", nn::LayerNorm(nn::LayerNormOptions({l.n_embd})));
+  l.ln_f = register_module("ln_f", nn::LayerNorm(nn::LayerNormOptions({n_embd})));
 }
 
 void GptModel::check_length(int64_t length) const {

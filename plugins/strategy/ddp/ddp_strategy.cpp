@@ -9,9 +9,9 @@
 #include <ATen/core/ivalue.h>
 #include <c10/util/Exception.h>
 #include <fmt/format.h>
-
 #include <torch/nn/module.h>
 #include <torch/optim/optimizer.h>
+
 #include <string>
 
 #include "../common/process_group_strategy.h"

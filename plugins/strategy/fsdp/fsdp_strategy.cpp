@@ -83,13 +83,12 @@ struct ShardedParameter {
   int64_t flat_offset = 0;     // its padded chunk's place in one rank's slice of the flat buffers
   bool trainable = true;       // frozen parameters (requires_grad false) never get gradients
   // Stage 3 only.
-  at::Tensor full_alias;       // full's storage through a tensor with its own version counter: a
-                               // gather writes through it without invalidating what autograd saved
-  size_t full_nbytes = 0;      // the storage's size when whole
-  bool materialised = true;    // full's storage holds the current values (false: freed)
-  bool in_block = false;       // a block claimed it (else it stays whole, like stage 2)
-  bool built_sharded = false;  // sharded as its block was built (fulgur::built_block): never whole since
-  bool reduced = false;        // its gradient was reduce-scattered during the current backward
+  at::Tensor full_alias;     // full's storage through a tensor with its own version counter: a
+                             // gather writes through it without invalidating what autograd saved
+  size_t full_nbytes = 0;    // the storage's size when whole
+  bool materialised = true;  // full's storage holds the current values (false: freed)
+  bool in_block = false;     // a block claimed it (else it stays whole, like stage 2)
+  bool reduced = false;      // its gradient was reduce-scattered during the current backward
 
   int64_t local_rows() const { return end - begin; }
   int64_t chunk_numel() const { return chunk_rows * row_numel; }
@@ -226,7 +225,6 @@ class FsdpStrategy final : public fulgur::strategy_support::ProcessGroupStrategy
     for (const at::Tensor& parameter : block.parameters()) {
       if (shards_.contains(parameter.unsafeGetTensorImpl())) continue;  // a nested block's, sharded already
       ShardedParameter& p = shard_of(parameter);
-      p.built_sharded = true;
       bytes += static_cast<int64_t>(p.full_nbytes);
       release(p);
     }
@@ -240,12 +238,7 @@ class FsdpStrategy final : public fulgur::strategy_support::ProcessGroupStrategy
     // in between is made whole first.
     if (zero_stage_ == 3 && !ordered_.empty()) forget_shards();
     if (zero_stage_ != 3) shards_.clear();
-    optimizer_shards_.clear();
-    ordered_.clear();
-    units_.clear();
-    named_.clear();
-    forward_order_.clear();
-    this_forward_.clear();
+    forget_mappings();
     module.to(device_);
     if (communicator_) {
       // Every rank starts from rank 0's weights and buffers, as under ddp (the blocks sharded as
@@ -550,22 +543,25 @@ class FsdpStrategy final : public fulgur::strategy_support::ProcessGroupStrategy
     if (fulgur::log::enabled(fulgur::log::Level::debug))
       fulgur::log::debug(fmt::format("strategy 'fsdp': rank {} keeps the shards of the previous stage ({} parameters)",
                                      cluster_.global_rank, shards_.size()));
+    forget_mappings();  // setup_module sees ordered_ empty: nothing to make whole
+  }
+
+  // Stage 3, a model set up again without configure_model in between: its shards made whole
+  // again and forgotten.
+  void forget_shards() {
+    if (!shards_.empty()) gather_group(ordered_);
+    shards_.clear();
+    forget_mappings();
+  }
+
+  // Everything that refers to the shards (setup_module and setup_optimizers make it again).
+  void forget_mappings() {
     optimizer_shards_.clear();
     ordered_.clear();
     units_.clear();
     named_.clear();
     forward_order_.clear();
     this_forward_.clear();
-  }
-
-  // Stage 3 after configure_model: the previous stage's shards made whole again and forgotten.
-  void forget_shards() {
-    if (!shards_.empty()) gather_group(ordered_);
-    shards_.clear();
-    optimizer_shards_.clear();
-    ordered_.clear();
-    units_.clear();
-    named_.clear();
   }
 
   static void check_supported(torch::optim::Optimizer& optimizer) {
