@@ -60,6 +60,14 @@ fs::path write_job(const TempDir& dir, const std::string& trainer_extra) {
   return toml;
 }
 
+// The example under fsdp ZeRO-2 with offload_optimizer on one device: the run's output.
+fulgur::test::ProcessRun run_offloaded_example(const TempDir& dir, const std::string& accelerator) {
+  const fs::path toml = write_job(dir, "accelerator = \"" + accelerator + "\"\ndevices = 1\nstrategy = \"fsdp\"\n");
+  std::ofstream(toml, std::ios::app) << "[strategy]\nzero_stage = 2\noffload_optimizer = true\n";
+  return fulgur::test::run_process({FULGUR_TEST_FASHION_MNIST, "--config", toml.string()},
+                                   {{"FULGUR_LOG_LEVEL", "debug"}}, dir.path());
+}
+
 }  // namespace
 
 TEST_CASE("cuda devices: every accepted form selects the indices Lightning selects") {
@@ -203,6 +211,15 @@ TEST_CASE("accelerator = \"auto\" trains on cuda when a GPU is visible, else on 
   CHECK_FALSE(fs::exists(other.path() / "runs"));
 }
 
+TEST_CASE("fsdp offload_optimizer on cpu: the example trains, with a warning that it only adds copies there") {
+  TempDir dir;
+  const auto run = run_offloaded_example(dir, "cpu");
+  INFO(run.output);
+  CHECK(run.exit_code == 0);
+  FULGUR_CHECK_CONTAINS(run.output, "offload_optimizer = true on cpu: the parameters already live in host memory");
+  FULGUR_CHECK_CONTAINS(run.output, "rank 0 steps its rows in host memory (offload_optimizer): 814120 bytes");
+}
+
 TEST_SUITE("gpu") {
   TEST_CASE("gpu: set_device, allocator statistics, synchronize and the TF32 option on a visible device") {
     const auto accelerator = cuda_plugin({{"float32_matmul_precision", std::string("high")}});
@@ -259,6 +276,21 @@ TEST_SUITE("gpu") {
       }
       CHECK(batches == 5);
     }
+  }
+
+  TEST_CASE("gpu: fsdp offload_optimizer keeps the optimizer's rows in pinned host memory and trains the example") {
+    if (cuda_plugin()->device_count() == 0) {
+      MESSAGE("skipped: no CUDA device is visible");
+      return;
+    }
+    TempDir dir;
+    const auto run = run_offloaded_example(dir, "cuda");
+    INFO(run.output);
+    CHECK(run.exit_code == 0);
+    FULGUR_CHECK_CONTAINS(run.output,
+                          "steps its rows in host memory (offload_optimizer): 814120 bytes of "
+                          "parameters, a copy apart from the model's on cuda:0");
+    CHECK_FALSE(fulgur::test::contains(run.output, "saves nothing"));
   }
 
   TEST_CASE("gpu: the example trains one short epoch on cuda and writes its checkpoint") {

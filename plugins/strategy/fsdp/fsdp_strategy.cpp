@@ -29,6 +29,11 @@
 // optimizer state in torch.optim's layout, gathered on rank zero (state_dict_type = "full"), or
 // each rank's rows in a torch.distributed.checkpoint directory ("sharded"), which stage 3 reads
 // back row by row; both load under any world size and any strategy.
+//
+// offload_optimizer (ZeRO-Offload): the optimizer steps a host-memory copy of this rank's rows
+// (pinned when the device is cuda), so its state (Adam's 8 bytes per parameter) never occupies the
+// device. Reduced gradients land in host memory in one copy per collective; after the step the
+// updated rows go back to the device shards, which the all-gathers and checkpoints read as before.
 #include <fulgur/blocks.h>
 #include <fulgur/communicator.h>
 #include <fulgur/distributed_checkpoint.h>
@@ -78,6 +83,7 @@ using fulgur::ErrorKind;
 struct ShardedParameter {
   at::Tensor full;   // the module's parameter (whole on every rank in stages 1 and 2)
   at::Tensor shard;  // a view of this rank's rows of it: the tensor the optimizer steps, in place
+  at::Tensor host;   // offload_optimizer: a copy of the shard in host memory, stepped instead
   int64_t rows = 1, chunk_rows = 1, row_numel = 1;
   int64_t begin = 0, end = 0;  // this rank's rows [begin, end)
   int64_t flat_offset = 0;     // its padded chunk's place in one rank's slice of the flat buffers
@@ -98,6 +104,10 @@ struct ShardedParameter {
   }
   // Whether `t` is this rank's rows of the parameter rather than the whole of it (as a stage-3
   // rank reads them from a sharded checkpoint).
+  // The tensor the optimizer steps and whose gradient the collectives fill.
+  at::Tensor& stepped() { return host.defined() ? host : shard; }
+  const at::Tensor& stepped() const { return host.defined() ? host : shard; }
+
   bool is_local_rows(const at::Tensor& t) const {
     return full.dim() > 0 && local_rows() < rows && t.sizes().vec() == shard_shape();
   }
@@ -138,6 +148,7 @@ class FsdpStrategy final : public fulgur::strategy_support::ProcessGroupStrategy
         reshard_after_forward_(options.get_bool("reshard_after_forward")),
         prefetch_(options.get_bool("prefetch")),
         sharded_checkpoints_(parse_state_dict_type(options.get_string("state_dict_type"))),
+        offload_optimizer_(options.get_bool("offload_optimizer")),
         reduce_dtype_(parse_dtype("reduce_dtype", options.get_string("reduce_dtype"))),
         param_dtype_(parse_dtype("param_dtype", options.get_string("param_dtype"))) {
     if (zero_stage_ < 1 || zero_stage_ > 3)
@@ -293,9 +304,11 @@ class FsdpStrategy final : public fulgur::strategy_support::ProcessGroupStrategy
           // The collectives' layout follows the optimizers' param groups: the same order on every rank.
           if (new_one) ordered_.push_back(&sharded);
           order.push_back(&sharded);
-          parameter = sharded.shard;
+          if (offload_optimizer_) sharded.host = host_copy(sharded.shard);
+          parameter = sharded.stepped();
         }
     }
+    if (offload_optimizer_) report_offload();
     layout_flat_buffers();
     all_gathers_ = reduce_scatters_ = prefetches_ = 0;
   }
@@ -328,19 +341,20 @@ class FsdpStrategy final : public fulgur::strategy_support::ProcessGroupStrategy
     }
     at::Tensor sum_of_squares = at::zeros({1}, at::TensorOptions().dtype(at::kDouble).device(device_));
     for (ShardedParameter* p : shards_for(optimizer))
-      if (p->shard.grad().defined() && p->shard.numel() > 0)
-        sum_of_squares += p->shard.grad().detach().to(at::kDouble).pow(2).sum();
+      if (const at::Tensor& grad = p->stepped().grad(); grad.defined() && grad.numel() > 0)
+        sum_of_squares += grad.detach().to(at::kDouble).pow(2).sum().to(device_);
     if (communicator_) communicator_->all_reduce(sum_of_squares, fulgur::ReduceOp::sum);
     const double total_norm = std::sqrt(sum_of_squares.item<double>());
     const double coefficient = std::min(1.0, clip_value / (total_norm + 1e-6));
     for (ShardedParameter* p : shards_for(optimizer))
-      if (p->shard.grad().defined()) p->shard.mutable_grad().mul_(coefficient);
+      if (p->stepped().grad().defined()) p->stepped().mutable_grad().mul_(coefficient);
   }
 
   bool optimizer_step(torch::optim::Optimizer& optimizer, fulgur::Precision& precision) override {
     check_groups_unchanged(optimizer);
     agree_on_non_finite_gradients(optimizer);
     const bool stepped = precision.optimizer_step(optimizer);
+    if (stepped && offload_optimizer_) upload_stepped_rows(optimizer);
     if (stepped && zero_stage_ == 3) {
       // Whole copies of blocks' parameters are stale now (the next forward gathers them); the
       // parameters outside blocks are refreshed at once, as in stage 2.
@@ -443,20 +457,11 @@ class FsdpStrategy final : public fulgur::strategy_support::ProcessGroupStrategy
 
   void load_module_state_dict(torch::nn::Module& module, const c10::IValue& state, bool strict,
                               const std::string& origin) override {
-    if (zero_stage_ != 3) {
-      // The shards are views of the parameters, which load in place: they follow the new weights.
-      fulgur::load_module_state_dict(module, state, strict, origin);
-      return;
-    }
-    if (holds_rows(state)) {
-      load_module_rows(module, state, strict, origin);
-      return;
-    }
-    fulgur::FullParameters whole(module);
-    fulgur::load_module_state_dict(module, state, strict, origin);
+    load_into_shards(module, state, strict, origin);
+    // The host copies the optimizer steps follow the loaded weights.
     torch::NoGradGuard no_grad;
     for (ShardedParameter* p : ordered_)
-      p->shard.copy_(p->rows_of(p->full_alias, p->begin, p->local_rows()).reshape(p->shard_shape()));
+      if (p->host.defined()) p->host.copy_(p->shard);
   }
 
   // Stage 3 and a sharded checkpoint: each rank reads its rows of the parameters and of their
@@ -516,18 +521,67 @@ class FsdpStrategy final : public fulgur::strategy_support::ProcessGroupStrategy
     const std::vector<ShardedParameter*>& order = shards_for(optimizer);
     c10::IValue local = map_parameter_states(state, order, [&](const ShardedParameter& p, const at::Tensor& t) {
       // This rank's rows already (read so from a sharded checkpoint under stage 3).
-      if (p.is_local_rows(t)) return t.to(p.shard.device()).clone();
+      if (p.is_local_rows(t)) return t.to(p.stepped().device()).clone();
       if (t.numel() != p.full.numel())
         throw Error(ErrorKind::checkpoint,
                     fmt::format("{}: an optimizer state tensor of {} elements for a parameter of {} (shape {}); the "
                                 "checkpoint belongs to another model",
                                 origin, t.numel(), p.full.numel(), fmt::join(p.full.sizes(), "x")));
-      return p.rows_of(t.to(p.shard.device()), p.begin, p.local_rows()).clone().reshape(p.shard_shape());
+      return p.rows_of(t.to(p.stepped().device()), p.begin, p.local_rows()).clone().reshape(p.shard_shape());
     });
     fulgur::load_optimizer_state_dict(optimizer, local, origin);
   }
 
  private:
+  void load_into_shards(torch::nn::Module& module, const c10::IValue& state, bool strict, const std::string& origin) {
+    if (zero_stage_ != 3) {
+      // The shards are views of the parameters, which load in place: they follow the new weights.
+      fulgur::load_module_state_dict(module, state, strict, origin);
+      return;
+    }
+    if (holds_rows(state)) {
+      load_module_rows(module, state, strict, origin);
+      return;
+    }
+    fulgur::FullParameters whole(module);
+    fulgur::load_module_state_dict(module, state, strict, origin);
+    torch::NoGradGuard no_grad;
+    for (ShardedParameter* p : ordered_)
+      p->shard.copy_(p->rows_of(p->full_alias, p->begin, p->local_rows()).reshape(p->shard_shape()));
+  }
+
+  // offload_optimizer: this rank's rows in host memory, pinned when they come from a cuda device
+  // (copies to and from pinned memory are DMA transfers, without a staging copy).
+  at::Tensor host_copy(const at::Tensor& shard) const {
+    torch::NoGradGuard no_grad;
+    return at::empty(shard.sizes(), shard.options().device(at::kCPU).pinned_memory(device_.is_cuda())).copy_(shard);
+  }
+
+  // After the optimizer stepped the host copies: the device shards take the new rows (what the
+  // all-gathers, the model's stage-1/2 parameters and sharded checkpoints read).
+  void upload_stepped_rows(torch::optim::Optimizer& optimizer) {
+    torch::NoGradGuard no_grad;
+    for (ShardedParameter* p : shards_for(optimizer))
+      if (p->host.defined() && p->trainable) p->shard.copy_(p->host);
+  }
+
+  void report_offload() {
+    int64_t bytes = 0;
+    for (ShardedParameter* p : ordered_)
+      if (p->host.defined()) bytes += static_cast<int64_t>(p->host.nbytes());
+    if (!device_.is_cuda() && cluster_.global_rank == 0)
+      fulgur::log::warn(
+          fmt::format("strategy 'fsdp': offload_optimizer = true on {}: the parameters already live in host memory, "
+                      "so the optimizer steps copies of this rank's rows there ({} bytes more) and saves nothing; it "
+                      "is meant for accelerator = \"cuda\"",
+                      device_.str(), bytes));
+    if (fulgur::log::enabled(fulgur::log::Level::debug))
+      fulgur::log::debug(
+          fmt::format("strategy 'fsdp': rank {} steps its rows in host memory (offload_optimizer): {} "
+                      "bytes of parameters, a copy apart from the model's on {}",
+                      cluster_.global_rank, bytes, device_.str()));
+  }
+
   // Stage 3, a later stage of the same model: the shards stay (blocks' parameters hold no storage,
   // the others are whole and current), everything that maps them is made again by setup_module.
   void keep_shards_for_next_stage() {
@@ -539,6 +593,7 @@ class FsdpStrategy final : public fulgur::strategy_support::ProcessGroupStrategy
       if (p.in_block && param_dtype_ && !p.materialised) set_storage_dtype(p, dtype_);
       p.in_block = false;
       p.reduced = false;
+      p.host.reset();  // setup_optimizers copies the rows again for a stage that steps
     }
     if (fulgur::log::enabled(fulgur::log::Level::debug))
       fulgur::log::debug(fmt::format("strategy 'fsdp': rank {} keeps the shards of the previous stage ({} parameters)",
@@ -684,17 +739,24 @@ class FsdpStrategy final : public fulgur::strategy_support::ProcessGroupStrategy
       else
         mine.copy_(flat);
     }
+    if (offload_optimizer_) mine = mine.to(at::kCPU);  // one copy to host memory for every parameter
     for (int64_t i = 0; i < n; ++i) {
       ShardedParameter& p = *ordered_[i];
       p.full.mutable_grad().reset();
-      if (!used[i]) continue;
-      at::Tensor rows = mine.narrow(0, p.flat_offset, p.local_rows() * p.row_numel).reshape(p.shard_shape());
-      at::Tensor& grad = p.shard.mutable_grad();
-      if (grad.defined())
-        grad.add_(rows);  // not zeroed since the last step (manual optimization): accumulate, as in one process
-      else
-        grad = rows.to(p.shard.scalar_type(), /*non_blocking=*/false, /*copy=*/true);
+      if (used[i]) land_gradient(p, mine.narrow(0, p.flat_offset, p.local_rows() * p.row_numel));
     }
+  }
+
+  // This rank's averaged rows of a gradient onto what the optimizer steps. A gradient not zeroed
+  // since the last step (manual optimization) accumulates, as in one process.
+  static void land_gradient(ShardedParameter& p, const at::Tensor& flat_rows) {
+    const at::Tensor rows = flat_rows.reshape(p.shard_shape());
+    at::Tensor& target = p.stepped();
+    at::Tensor& grad = target.mutable_grad();
+    if (grad.defined())
+      grad.add_(rows);
+    else
+      grad = rows.to(target.options(), /*non_blocking=*/false, /*copy=*/true);
   }
 
   // Chunk j of the parameter's gradient (zeros when it has none) into rank j's slice of `flat`.
@@ -718,7 +780,7 @@ class FsdpStrategy final : public fulgur::strategy_support::ProcessGroupStrategy
     bool local = false;
     at::Tensor* mark = nullptr;
     for (ShardedParameter* p : shards_for(optimizer)) {
-      at::Tensor& grad = p->shard.mutable_grad();
+      at::Tensor& grad = p->stepped().mutable_grad();
       if (!grad.defined() || grad.numel() == 0) continue;
       if (!mark) mark = &grad;
       if (!grad.isfinite().all().item<bool>()) local = true;
@@ -751,11 +813,12 @@ class FsdpStrategy final : public fulgur::strategy_support::ProcessGroupStrategy
 
   // A tensor shaped like this rank's rows of `p`, gathered into the parameter's full shape.
   at::Tensor gather_rows(const ShardedParameter& p, const at::Tensor& local) {
-    at::Tensor padded = at::zeros({p.chunk_numel()}, local.options());
+    // On the device: with offload_optimizer the optimizer state is in host memory, which NCCL cannot send.
+    at::Tensor padded = at::zeros({p.chunk_numel()}, local.options().device(device_));
     padded.narrow(0, 0, local.numel()).copy_(local.reshape({-1}));
     at::Tensor all = padded;
     if (communicator_) {
-      all = at::empty({cluster_.world_size * p.chunk_numel()}, local.options());
+      all = at::empty({cluster_.world_size * p.chunk_numel()}, padded.options());
       communicator_->all_gather_into_tensor(all, padded);
     }
     std::vector<at::Tensor> pieces;
@@ -1202,21 +1265,15 @@ class FsdpStrategy final : public fulgur::strategy_support::ProcessGroupStrategy
     else
       mine.copy_(flat);
     ++reduce_scatters_;
-    const auto flags = mine.narrow(0, offset, n).to(at::kCPU);
     mine.narrow(0, 0, offset).div_(static_cast<double>(world));
+    const at::Tensor landed = offload_optimizer_ ? mine.to(at::kCPU) : mine;  // one copy to host memory
+    const auto flags = landed.narrow(0, offset, n).to(at::kCPU);
     offset = 0;
     for (int64_t i = 0; i < n; ++i) {
       ShardedParameter& p = *group[i];
       p.reduced = true;
       p.full.mutable_grad().reset();
-      if (flags[i].item<double>() > 0) {
-        at::Tensor rows = mine.narrow(0, offset, p.local_rows() * p.row_numel).reshape(p.shard_shape());
-        at::Tensor& grad = p.shard.mutable_grad();
-        if (grad.defined())
-          grad.add_(rows);
-        else
-          grad = rows.to(p.shard.scalar_type(), /*non_blocking=*/false, /*copy=*/true);
-      }
+      if (flags[i].item<double>() > 0) land_gradient(p, landed.narrow(0, offset, p.local_rows() * p.row_numel));
       offset += p.chunk_numel();
     }
   }
@@ -1230,6 +1287,7 @@ class FsdpStrategy final : public fulgur::strategy_support::ProcessGroupStrategy
   std::map<const torch::nn::Module*, Unit> units_;
   std::vector<Unit*> forward_order_, this_forward_;
   bool sharded_checkpoints_;
+  bool offload_optimizer_;
   std::optional<at::ScalarType> reduce_dtype_;            // nullopt: param_dtype_, else the parameters' dtype
   std::optional<at::ScalarType> param_dtype_;             // stage 3: blocks compute in it (nullopt: the model's)
   std::map<std::string, fulgur::dcp::Chunk> placements_;  // of the state dicts made for the next save
@@ -1284,6 +1342,12 @@ FULGUR_PLUGIN(
         "torch.distributed.checkpoint's format, each rank writing its own rows (no gathering); both resume "
         "under any world size and strategy",
         "full"),
+    FULGUR_OPTION(boolean, offload_optimizer,
+                  "ZeRO-Offload: the optimizer steps a copy of this rank's rows in host memory (pinned), so its state "
+                  "(Adam: 8 bytes per parameter) stays off the device; gradients travel to host memory after each "
+                  "reduction and the updated rows back after each step; for accelerator = \"cuda\" (on cpu it only "
+                  "adds copies, with a warning)",
+                  false),
     FULGUR_OPTION(string, backend, "Process group backend: \"auto\" (the accelerator's), \"gloo\", \"nccl\"", "auto"),
     FULGUR_OPTION(floating, timeout,
                   "Seconds a collective or the rendezvous may wait for the other ranks before failing", 1800.0))
