@@ -102,12 +102,11 @@ struct ShardedParameter {
   at::Tensor rows_of(const at::Tensor& t, int64_t first, int64_t count) const {
     return t.reshape({rows, row_numel}).narrow(0, first, count);
   }
-  // Whether `t` is this rank's rows of the parameter rather than the whole of it (as a stage-3
-  // rank reads them from a sharded checkpoint).
   // The tensor the optimizer steps and whose gradient the collectives fill.
   at::Tensor& stepped() { return host.defined() ? host : shard; }
   const at::Tensor& stepped() const { return host.defined() ? host : shard; }
-
+  // Whether `t` is this rank's rows of the parameter rather than the whole of it (as a stage-3
+  // rank reads them from a sharded checkpoint).
   bool is_local_rows(const at::Tensor& t) const {
     return full.dim() > 0 && local_rows() < rows && t.sizes().vec() == shard_shape();
   }
