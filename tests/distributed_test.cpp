@@ -137,6 +137,16 @@ shuffle = {}
                      strategy, devices, max_steps, accumulate, strategy_table, batch, shuffle);
 }
 
+// Appended to a worker_config: a checkpoint every 4 optimizer steps, all kept, as ckpts/step=N.ckpt.
+constexpr const char* kCheckpointEvery4Steps = R"(
+[[callbacks]]
+name = "model_checkpoint"
+dirpath = "ckpts"
+filename = "{step}"
+every_n_train_steps = 4
+save_top_k = -1
+)";
+
 // `toml` (from worker_config) with one more line in its [strategy] table.
 std::string with_strategy_option(std::string toml, const std::string& line) {
   toml.replace(toml.find("timeout = 30.0"), 14, "timeout = 30.0\n" + line);
@@ -302,15 +312,7 @@ TEST_CASE("ddp: a resumed run continues exactly") {
   // written by rank 0 (model_checkpoint) while both ranks train with a shuffled sampler.
   auto whole = run_worker(worker_config("ddp", "2", 8, 10, 1, true));
   REQUIRE_SUCCESS(whole);
-  const std::string checkpointing = R"(
-[[callbacks]]
-name = "model_checkpoint"
-dirpath = "ckpts"
-filename = "{step}"
-every_n_train_steps = 4
-save_top_k = -1
-)";
-  auto first = run_worker(worker_config("ddp", "2", 8, 5, 1, true) + checkpointing);
+  auto first = run_worker(worker_config("ddp", "2", 8, 5, 1, true) + kCheckpointEvery4Steps);
   REQUIRE_SUCCESS(first);
   const fs::path ckpt = first->dir / "ckpts" / "step=4.ckpt";
   REQUIRE_MESSAGE(fs::exists(ckpt), first->result.output);
@@ -358,15 +360,7 @@ TEST_CASE("fsdp: ZeRO-1 and ZeRO-2 on 2 and 3 ranks reach the weights of one pro
 TEST_CASE("fsdp: a checkpoint of 2 ZeRO-2 ranks holds full state and resumes on 3 ranks and in one process") {
   auto whole = run_worker(worker_config("fsdp:2", "2", 12, 10), {}, sharding_env());
   REQUIRE_SUCCESS(whole);
-  const std::string checkpointing = R"(
-[[callbacks]]
-name = "model_checkpoint"
-dirpath = "ckpts"
-filename = "{step}"
-every_n_train_steps = 4
-save_top_k = -1
-)";
-  auto first = run_worker(worker_config("fsdp:2", "2", 12, 5) + checkpointing, {}, sharding_env());
+  auto first = run_worker(worker_config("fsdp:2", "2", 12, 5) + kCheckpointEvery4Steps, {}, sharding_env());
   REQUIRE_SUCCESS(first);
   const fs::path ckpt = first->dir / "ckpts" / "step=4.ckpt";
   REQUIRE_MESSAGE(fs::exists(ckpt), first->result.output);
@@ -518,15 +512,7 @@ TEST_CASE("fsdp: ZeRO-3 runs the collectives it is designed to, per step and per
 TEST_CASE("fsdp: a ZeRO-3 checkpoint holds whole tensors and resumes on 3 ranks and in one process") {
   auto whole = run_worker(worker_config("fsdp:3", "2", 12, 10), {}, block_env());
   REQUIRE_SUCCESS(whole);
-  const std::string checkpointing = R"(
-[[callbacks]]
-name = "model_checkpoint"
-dirpath = "ckpts"
-filename = "{step}"
-every_n_train_steps = 4
-save_top_k = -1
-)";
-  auto first = run_worker(worker_config("fsdp:3", "2", 12, 5) + checkpointing, {}, block_env());
+  auto first = run_worker(worker_config("fsdp:3", "2", 12, 5) + kCheckpointEvery4Steps, {}, block_env());
   REQUIRE_SUCCESS(first);
   const fs::path ckpt = first->dir / "ckpts" / "step=4.ckpt";
   REQUIRE_MESSAGE(fs::exists(ckpt), first->result.output);
@@ -548,15 +534,7 @@ TEST_CASE("fsdp: a ZeRO-3 run resumed mid-epoch on the same ranks continues exac
   // Shuffled, 2 ranks, batch 8: 6 steps per epoch; the checkpoint at step 4 is mid-epoch.
   auto whole = run_worker(worker_config("fsdp:3", "2", 8, 10, 1, true), {}, block_env());
   REQUIRE_SUCCESS(whole);
-  const std::string checkpointing = R"(
-[[callbacks]]
-name = "model_checkpoint"
-dirpath = "ckpts"
-filename = "{step}"
-every_n_train_steps = 4
-save_top_k = -1
-)";
-  auto first = run_worker(worker_config("fsdp:3", "2", 8, 5, 1, true) + checkpointing, {}, block_env());
+  auto first = run_worker(worker_config("fsdp:3", "2", 8, 5, 1, true) + kCheckpointEvery4Steps, {}, block_env());
   REQUIRE_SUCCESS(first);
   const fs::path ckpt = first->dir / "ckpts" / "step=4.ckpt";
   REQUIRE_MESSAGE(fs::exists(ckpt), first->result.output);
@@ -569,20 +547,12 @@ save_top_k = -1
 }
 
 TEST_CASE("fsdp: sharded checkpoints, each rank writing its rows, resume on 2 and 3 ranks and in one process") {
-  const std::string checkpointing = R"(
-[[callbacks]]
-name = "model_checkpoint"
-dirpath = "ckpts"
-filename = "{step}"
-every_n_train_steps = 4
-save_top_k = -1
-)";
   auto sharded = [](const std::string& toml) { return with_strategy_option(toml, "state_dict_type = \"sharded\""); };
   for (const std::string stage : {"fsdp:2", "fsdp:3"}) {
     CAPTURE(stage);
     auto whole = run_worker(worker_config(stage, "2", 12, 10), {}, block_env());
     REQUIRE_SUCCESS(whole);
-    auto first = run_worker(sharded(worker_config(stage, "2", 12, 5)) + checkpointing, {}, block_env());
+    auto first = run_worker(sharded(worker_config(stage, "2", 12, 5)) + kCheckpointEvery4Steps, {}, block_env());
     REQUIRE_SUCCESS(first);
     // A directory in torch.distributed.checkpoint's layout: one data file per rank, the metadata.
     const fs::path ckpt = first->dir / "ckpts" / "step=4.ckpt";
@@ -591,7 +561,7 @@ save_top_k = -1
     CHECK(fs::exists(ckpt / "__0_0.distcp"));
     CHECK(fs::exists(ckpt / "__1_0.distcp"));
     // The same full checkpoint, gathered, for comparison.
-    auto full = run_worker(worker_config(stage, "2", 12, 5) + checkpointing, {}, block_env());
+    auto full = run_worker(worker_config(stage, "2", 12, 5) + kCheckpointEvery4Steps, {}, block_env());
     REQUIRE_SUCCESS(full);
     const c10::IValue gathered = fulgur::read_checkpoint_file((full->dir / "ckpts" / "step=4.ckpt").string());
 
@@ -654,14 +624,6 @@ save_top_k = -1
 }
 
 TEST_CASE("fsdp: a rank killed during a sharded save leaves the previous checkpoint whole and resumable") {
-  const std::string checkpointing = R"(
-[[callbacks]]
-name = "model_checkpoint"
-dirpath = "ckpts"
-filename = "{step}"
-every_n_train_steps = 4
-save_top_k = -1
-)";
   auto sharded = [](const std::string& toml) { return with_strategy_option(toml, "state_dict_type = \"sharded\""); };
   auto whole = run_worker(worker_config("fsdp:3", "2", 12, 10), {}, block_env());
   REQUIRE_SUCCESS(whole);
@@ -669,7 +631,7 @@ save_top_k = -1
   // the metadata and the swap into place (the test-only seam FULGUR_FAULT_INJECT).
   auto env = block_env();
   env["FULGUR_FAULT_INJECT"] = "dcp_save:2:1";
-  auto killed = run_worker(sharded(worker_config("fsdp:3", "2", 12, 10)) + checkpointing, {}, env);
+  auto killed = run_worker(sharded(worker_config("fsdp:3", "2", 12, 10)) + kCheckpointEvery4Steps, {}, env);
   INFO(killed->result.output);
   CHECK(killed->result.status != 0);
   CHECK_FALSE(killed->result.timed_out);
@@ -781,14 +743,6 @@ TEST_CASE("fsdp: offload_optimizer steps host copies of the rows: ZeRO-1, 2 and 
     toml.replace(toml.find("seed = 7"), 8, "seed = 7\ngradient_clip_val = 0.05");
     return toml;
   };
-  const std::string checkpointing = R"(
-[[callbacks]]
-name = "model_checkpoint"
-dirpath = "ckpts"
-filename = "{step}"
-every_n_train_steps = 4
-save_top_k = -1
-)";
   for (int stage : {1, 2, 3}) {
     CAPTURE(stage);
     auto env = stage == 3 ? block_env() : sharding_env();
@@ -797,7 +751,7 @@ save_top_k = -1
     const std::string offloaded_toml = with_strategy_option(toml, "offload_optimizer = true");
     auto plain = run_worker(toml, {}, env);
     REQUIRE_SUCCESS(plain);
-    auto offloaded = run_worker(offloaded_toml + checkpointing, {}, env);
+    auto offloaded = run_worker(offloaded_toml + kCheckpointEvery4Steps, {}, env);
     REQUIRE_SUCCESS(offloaded);
     CHECK(max_difference(weights(*offloaded, 0), weights(*plain, 0)) == 0.0);
     CHECK(max_difference(weights(*offloaded, 1), weights(*plain, 1)) == 0.0);
