@@ -9,17 +9,21 @@
 #include <fulgur/config.h>
 #include <fulgur/data/data_loader.h>
 #include <fulgur/data/dataset.h>
+#include <fulgur/testing.h>
 #include <fulgur/testing/plugin_kit.h>
 
 #include "../plugins/accelerator/cuda/cuda_devices.h"
+#include "../plugins/callback/throughput_monitor/peak_flops.h"
 
 #include <ATen/Context.h>
 #include <ATen/ops/equal.h>
 #include <ATen/ops/full.h>
 #include <ATen/ops/ones.h>
 #include <ATen/ops/scalar_tensor.h>
+#include <ATen/ops/zeros.h>
 #include <doctest/doctest.h>
 
+#include <cmath>
 #include <cstdlib>
 #include <fstream>
 #include <string>
@@ -220,6 +224,44 @@ TEST_CASE("fsdp offload_optimizer on cpu: the example trains, with a warning tha
   FULGUR_CHECK_CONTAINS(run.output, "rank 0 steps its rows in host memory (offload_optimizer): 814120 bytes");
 }
 
+TEST_CASE("throughput_monitor: MFU against the peak FLOP/s table, by device name and compute dtype") {
+  using fulgur::throughput::peak_flops_for;
+  // Specific names before the general ones: PCIe, NVL and L40S are not the SXM, H100 and L40 rows.
+  CHECK(peak_flops_for("NVIDIA H200", at::kBFloat16, false) == 989.4e12);
+  CHECK(peak_flops_for("NVIDIA H200 NVL", at::kBFloat16, false) == 835.5e12);
+  CHECK(peak_flops_for("NVIDIA H100 80GB HBM3", at::kHalf, false) == 989.4e12);
+  CHECK(peak_flops_for("NVIDIA H100 PCIe", at::kBFloat16, false) == 756e12);
+  CHECK(peak_flops_for("NVIDIA L40S", at::kBFloat16, false) == 362.05e12);
+  CHECK(peak_flops_for("NVIDIA A100-SXM4-80GB", at::kFloat, false) == 19.5e12);
+  CHECK(peak_flops_for("NVIDIA A100-SXM4-80GB", at::kFloat, true) == 156e12);
+  CHECK_FALSE(peak_flops_for("Tesla T4", at::kBFloat16, false).has_value());
+  CHECK_FALSE(peak_flops_for("NVIDIA L4", at::kDouble, false).has_value());  // not published
+  CHECK_FALSE(peak_flops_for("cpu", at::kFloat, false).has_value());
+
+  // The callback, driven by the testing kit: MFU = samples/s x FLOPs per sample / the row's peak.
+  auto logged_row = [](const std::string& device, c10::ScalarType dtype, double peak_option) {
+    kit::FakeTrainer trainer;
+    trainer.device_name_value = device;
+    trainer.compute_dtype_value = dtype;
+    auto monitor = kit::create_plugin<fulgur::Callback>(
+        fulgur::PluginKind::callback, "throughput_monitor",
+        {{"flops_per_sample", 1e9}, {"peak_flops", peak_option}, {"count_flops", false}});
+    trainer.start_fit(*monitor);
+    monitor->on_train_start(trainer);
+    fulgur::Batch batch;
+    batch.input = at::ones({4, 3});
+    for (int64_t i = 0; i < 3; ++i) monitor->on_train_batch_end(trainer, {}, batch, i);
+    REQUIRE_FALSE(trainer.logged.empty());
+    return trainer.logged.back().metrics;
+  };
+  const fulgur::MetricMap h200 = logged_row("NVIDIA H200", at::kBFloat16, 0.0);
+  REQUIRE(h200.count("train/mfu") == 1);
+  CHECK(h200.at("train/mfu") == doctest::Approx(h200.at("train/device/samples_per_sec") * 1e9 / 989.4e12));
+  const fulgur::MetricMap given = logged_row("NVIDIA H200", at::kBFloat16, 1e12);  // the option wins
+  CHECK(given.at("train/mfu") == doctest::Approx(given.at("train/device/samples_per_sec") * 1e9 / 1e12));
+  CHECK(logged_row("cpu", at::kFloat, 0.0).count("train/mfu") == 0);  // unknown device: no MFU
+}
+
 TEST_SUITE("gpu") {
   TEST_CASE("gpu: set_device, allocator statistics, synchronize and the TF32 option on a visible device") {
     const auto accelerator = cuda_plugin({{"float32_matmul_precision", std::string("high")}});
@@ -291,6 +333,62 @@ TEST_SUITE("gpu") {
                           "steps its rows in host memory (offload_optimizer): 814120 bytes of "
                           "parameters, a copy apart from the model's on cuda:0");
     CHECK_FALSE(fulgur::test::contains(run.output, "saves nothing"));
+  }
+
+  TEST_CASE("gpu: a StepGraph records kernels, replays them, and refuses a step that waits for the host") {
+    const auto accelerator = cuda_plugin();
+    if (accelerator->device_count() == 0) {
+      MESSAGE("skipped: no CUDA device is visible");
+      return;
+    }
+    const c10::Device device(c10::DeviceType::CUDA, 0);
+    accelerator->setup_device(device);
+    CHECK(fulgur::test::contains(accelerator->device_name(device), "NVIDIA"));
+    at::Tensor counter = at::zeros({4}, at::TensorOptions().device(device));
+    auto graph = accelerator->make_step_graph(device);
+    REQUIRE(graph != nullptr);
+    graph->warm_up([&] { counter.add_(1); });
+    graph->capture([&] { counter.add_(2); });  // recorded, not run
+    accelerator->synchronize(device);
+    CHECK(counter.sum().item<double>() == 4.0);
+    graph->replay();
+    graph->replay();
+    CHECK(counter.sum().item<double>() == 20.0);
+    auto syncing = accelerator->make_step_graph(device);
+    const fulgur::Error refused = error_from([&] { syncing->capture([&] { (void)counter.sum().item<double>(); }); });
+    INFO(refused.what());
+    CHECK(std::string(refused.what()).find('\n') == std::string::npos);
+    // The device is usable after the refused capture.
+    counter.add_(1);
+    CHECK(counter.sum().item<double>() == 24.0);
+  }
+
+  TEST_CASE("gpu: cuda_graphs = \"on\" trains the example in 32-true and bf16-mixed like the uncaptured run") {
+    if (cuda_plugin()->device_count() == 0) {
+      MESSAGE("skipped: no CUDA device is visible");
+      return;
+    }
+    auto accuracy_of = [](const std::string& output) {
+      const size_t at = output.rfind("test accuracy: ");
+      REQUIRE(at != std::string::npos);
+      return std::stod(output.substr(at + 15));
+    };
+    for (const std::string precision : {"32-true", "bf16-mixed"}) {
+      INFO(precision);
+      double accuracy[2] = {0, 0};
+      for (const bool graphs : {false, true}) {
+        TempDir dir;
+        const fs::path toml = write_job(dir, "accelerator = \"cuda\"\ndevices = 1\nprecision = \"" + precision +
+                                                 "\"\ncuda_graphs = \"" + (graphs ? "on" : "off") + "\"\n");
+        const auto run = fulgur::test::run_process({FULGUR_TEST_FASHION_MNIST, "--config", toml.string()},
+                                                   {{"FULGUR_LOG_LEVEL", "debug"}}, dir.path());
+        INFO(run.output);
+        REQUIRE(run.exit_code == 0);
+        CHECK(fulgur::test::contains(run.output, "the training step was captured at batch 3") == graphs);
+        accuracy[graphs] = accuracy_of(run.output);
+      }
+      CHECK(std::abs(accuracy[1] - accuracy[0]) < 3.0);  // percentage points, 20 steps of the MLP
+    }
   }
 
   TEST_CASE("gpu: the example trains one short epoch on cuda and writes its checkpoint") {

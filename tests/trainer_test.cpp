@@ -964,6 +964,8 @@ TEST_CASE("every [trainer] key changes what a run does, or its value is rejected
       {"gradient_clip_val", "0.001", ""},
       {"gradient_clip_algorithm", "\"value\"", "gradient_clip_val = 0.001\n"},
       {"deterministic", "true", ""},
+      // On the cpu it is refused ("on"); what it does on a capturing device: step_capture_test.cpp.
+      {"cuda_graphs", "\"on\"", "", "cuda_graphs = \"on\": the training step cannot be captured"},
       {"seed", "4", ""},
       {"fast_dev_run", "1", ""},
       {"default_root_dir", "\"elsewhere\"", ""},

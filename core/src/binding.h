@@ -13,12 +13,21 @@ namespace fulgur {
 class Precision;
 class Strategy;
 
+// A Module::log call made while a step was being captured: replayed against the store after
+// every replay of the step, with `value` (a tensor the graph rewrites) cloned.
+struct RecordedLog {
+  std::string name;
+  at::Tensor value;
+  LogOptions options;
+};
+
 struct Module::Binding {
   MetricStore* metrics = nullptr;  // the store of the running stage
   bool training_context = false;   // defaults for log(): on_step in training, on_epoch otherwise
   bool logging_allowed = false;    // false in hooks where Lightning forbids self.log
   int64_t batch_size = 0;          // of the current batch (weights epoch means)
   std::string name_suffix;         // appended to logged names ("/dataloader_idx_1" with several loaders)
+  std::vector<RecordedLog>* recorded_logs = nullptr;  // set while a training step is captured
   std::vector<torch::optim::Optimizer*> optimizers;
   Strategy* strategy = nullptr;
   Precision* precision = nullptr;

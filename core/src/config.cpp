@@ -85,6 +85,9 @@ const std::vector<OptionSchema>& trainer_option_schema() {
         {"gradient_clip_val", T::floating, "0.0", "Clip gradients at this value (0: off)"},
         {"gradient_clip_algorithm", T::string, "\"norm\"", "\"norm\" or \"value\""},
         {"deterministic", T::boolean, "false", "Use deterministic algorithms"},
+        {"cuda_graphs", T::string, "\"off\"",
+         "Capture the training step as a CUDA graph and replay it: \"off\", \"on\" (a step that cannot be "
+         "captured ends the run) or \"try\" (it trains uncaptured, with a warning)"},
         {"seed", T::integer, "-1", "Seed for torch and data order (-1: not seeded)"},
         {"fast_dev_run", T::integer, "0", "Run N batches of each stage once, without loggers/checkpoints (0: off)"},
         {"default_root_dir", T::string, "\".\"", "Where logs and checkpoints go (relative to the TOML file)"},

@@ -43,8 +43,12 @@ void Module::log(const std::string& name, const at::Tensor& value, const LogOpti
                 fmt::format("log('{}') was called from a hook where logging is not allowed (as in Lightning: only "
                             "steps, batch/epoch hooks and backward/optimizer hooks may log)",
                             name));
-  binding_->metrics->log(binding_->name_suffix.empty() ? name : name + binding_->name_suffix, value, options,
-                         binding_->training_context, binding_->batch_size);
+  std::string full_name = binding_->name_suffix.empty() ? name : name + binding_->name_suffix;
+  if (binding_->recorded_logs) {  // the step is being captured: the value is logged after each replay
+    binding_->recorded_logs->push_back(RecordedLog{std::move(full_name), value.detach(), options});
+    return;
+  }
+  binding_->metrics->log(full_name, value, options, binding_->training_context, binding_->batch_size);
 }
 
 void Module::log(const std::string& name, double value, const LogOptions& options) {
@@ -62,6 +66,12 @@ void Module::log(const std::string& name, metrics::Metric& metric, const LogOpti
     throw Error(ErrorKind::invalid_argument,
                 fmt::format("log('{}', metric): metric objects are logged once per epoch (compute() at its end); for a "
                             "per-step value log a tensor, e.g. the batch's own value",
+                            name));
+  if (binding_->recorded_logs)
+    throw Error(ErrorKind::invalid_argument,
+                fmt::format("log('{}', metric) inside a captured training step (cuda_graphs): the metric's update() "
+                            "would be recorded into the graph with state tensors its reset() replaces; log the "
+                            "batch's value as a tensor, or set cuda_graphs = \"off\"",
                             name));
   if (!metric.synced()) metric.sync_with(*this);
   binding_->metrics->log_metric(binding_->name_suffix.empty() ? name : name + binding_->name_suffix, metric, options);

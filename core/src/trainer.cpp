@@ -33,7 +33,15 @@ Trainer::Impl::Impl(Config config) : config_(std::move(config)), settings_(Train
 
   // Seeding here, before the user builds the model, makes initial weights reproducible too.
   if (const int64_t seed = t.get_int("seed"); seed >= 0) torch::manual_seed(static_cast<uint64_t>(seed));
-  if (t.get_bool("deterministic")) at::globalContext().setDeterministicAlgorithms(true, /*warn_only=*/false);
+  if (t.get_bool("deterministic")) {
+    // As Lightning's deterministic=True: torch refuses nondeterministic kernels, cuDNN picks
+    // deterministic algorithms, and cuBLAS gets the fixed workspace it needs for reproducible
+    // GEMMs (read when cuBLAS initialises, later than this; a value the user set is kept).
+    at::globalContext().setDeterministicAlgorithms(true, /*warn_only=*/false);
+    at::globalContext().setDeterministicCuDNN(true);
+    at::globalContext().setBenchmarkCuDNN(false);
+    setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8", /*overwrite=*/0);
+  }
 
   plugins_ = connect_plugins(config_, settings_.fast_dev_run > 0);
   profiler_ptr_ = plugins_.profiler.get();
@@ -117,6 +125,8 @@ void Trainer::Impl::synchronize_device() {
 }
 
 MetricMap Trainer::Impl::device_stats() const { return plugins_.accelerator->device_stats(device()); }
+std::string Trainer::Impl::device_name() const { return plugins_.accelerator->device_name(device()); }
+c10::ScalarType Trainer::Impl::compute_dtype() const { return plugins_.precision->compute_dtype(); }
 
 void Trainer::Impl::set_accumulate_grad_batches(int64_t n) {
   if (n < 1) throw Error(ErrorKind::config, fmt::format("accumulate_grad_batches = {}: must be >= 1", n));
@@ -380,6 +390,7 @@ void Trainer::Impl::fit(Module& module, DataModule& data, const std::string& ckp
     hooks_.call(Hook::fit_start, [&](Callback& c) { c.on_fit_start(*this); });
     hooks_.module("on_fit_start", [&] { module.on_fit_start(); });
     if (checkpoint) checkpoints_.restore_training_state(*checkpoint);
+    epoch_loop.prepare_step_capture();
     fit_loop_.run();
     hooks_.call(Hook::fit_end, [&](Callback& c) { c.on_fit_end(*this); });
     hooks_.module("on_fit_end", [&] { module.on_fit_end(); });

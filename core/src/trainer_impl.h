@@ -61,6 +61,8 @@ class Trainer::Impl final : public TrainerContext {
   void barrier(std::string_view name) override;
   void synchronize_device() override;
   MetricMap device_stats() const override;
+  std::string device_name() const override;
+  c10::ScalarType compute_dtype() const override;
   bool should_stop() const override { return should_stop_; }
   void request_stop(std::string_view reason) override;
   int64_t accumulate_grad_batches() const override { return settings_.accumulate_grad_batches; }
@@ -99,6 +101,7 @@ class Trainer::Impl final : public TrainerContext {
   friend class PredictionLoop;
   friend class LoggerConnector;
   friend class CheckpointConnector;
+  friend class StepCapture;
 
   // The stage funnel: attach, prepare_data + barrier, setup hooks, the model built and placed
   // under the strategy (and optimizers for fit), loggers and profiler, then `body`; a failure

@@ -68,6 +68,11 @@ void validate_trainer_values(const Config& config) {
   const std::string& algorithm = t.get_string("gradient_clip_algorithm");
   require(algorithm == "norm" || algorithm == "value", "gradient_clip_algorithm",
           fmt::format("gradient_clip_algorithm = \"{}\": use \"norm\" or \"value\"", algorithm));
+  const std::string& graphs = t.get_string("cuda_graphs");
+  require(graphs == "off" || graphs == "on" || graphs == "try", "cuda_graphs",
+          fmt::format("cuda_graphs = \"{}\": use \"off\", \"on\" (refuse a step that cannot be captured) or "
+                      "\"try\" (train it uncaptured)",
+                      graphs));
   for (const char* key : {"accumulate_grad_batches", "log_every_n_steps", "check_val_every_n_epoch", "num_nodes"})
     require(t.get_int(key) >= 1, key, fmt::format("{} = {}: must be >= 1", key, t.get_int(key)));
   for (const char* key : {"fast_dev_run", "min_epochs", "min_steps", "reload_dataloaders_every_n_epochs"})
@@ -127,6 +132,8 @@ TrainerSettings TrainerSettings::from_config(const Config& config) {
   s.gradient_clip_val = t.get_float("gradient_clip_val");
   s.gradient_clip_algorithm =
       t.get_string("gradient_clip_algorithm") == "norm" ? GradClipAlgorithm::norm : GradClipAlgorithm::value;
+  const std::string& graphs = t.get_string("cuda_graphs");
+  s.cuda_graphs = graphs == "on" ? StepCaptureMode::on : graphs == "try" ? StepCaptureMode::try_ : StepCaptureMode::off;
   s.inference_mode = t.get_bool("inference_mode");
   s.detect_anomaly = t.get_bool("detect_anomaly");
   s.limit_train_batches = t.values().at("limit_train_batches");

@@ -18,6 +18,9 @@ double parse_max_time(const std::string& text);
 // Every [trainer] value check the Trainer makes, without building anything (config check uses it).
 void validate_trainer_values(const Config& config);
 
+// [trainer] cuda_graphs: whether training steps are captured and replayed (capture/step_capture.h).
+enum class StepCaptureMode { off, on, try_ };
+
 struct TrainerSettings {
   // Checks `config` (validate_trainer_values) and resolves it: Lightning's defaults (max_epochs
   // 1000 when neither limit is set) and fast_dev_run's overrides applied.
@@ -32,6 +35,7 @@ struct TrainerSettings {
   double gradient_clip_val = 0;
   GradClipAlgorithm gradient_clip_algorithm = GradClipAlgorithm::norm;
   bool inference_mode = true, detect_anomaly = false;
+  StepCaptureMode cuda_graphs = StepCaptureMode::off;
   // An integer is a count of batches, a float a fraction (apply_batch_limit).
   OptionValue limit_train_batches, limit_val_batches, limit_test_batches, limit_predict_batches, overfit_batches;
   bool overfit = false;  // overfit_batches > 0: train and validate on the same few batches

@@ -24,6 +24,18 @@ Communicator::~Communicator() = default;
 PendingCollective::~PendingCollective() = default;
 GradientSync::~GradientSync() = default;
 TrainerContext::~TrainerContext() = default;
+StepGraph::~StepGraph() = default;
+
+std::string Accelerator::device_name(const c10::Device& device) const { return device.str(); }
+std::unique_ptr<StepGraph> Accelerator::make_step_graph(const c10::Device&) { return nullptr; }
+
+c10::ScalarType Precision::compute_dtype() const { return c10::ScalarType::Float; }
+std::string Precision::step_capture_refusal() const {
+  return "the precision plugin does not declare that its steps can be captured (Precision::step_capture_refusal)";
+}
+std::string Strategy::step_capture_refusal() const {
+  return "the strategy plugin does not declare that its steps can be captured (Strategy::step_capture_refusal)";
+}
 
 const char* hook_name(Hook hook) {
   static constexpr const char* kNames[kHookCount] = {

@@ -144,6 +144,12 @@ void TrainingEpochLoop::run_batch(Batch& batch, int64_t batch_idx) {
     // A batch counts as a step when any optimizer stepped; Lightning counts optimizer.step()
     // calls. We count batches, which is what users of a single optimizer expect.
     ++position_.global_step;
+  } else if (std::optional<StepOutput> captured = run_captured(batch, batch_idx)) {
+    // cuda_graphs: forward, backward and the optimizer step as one recorded graph (one optimizer
+    // step per batch: accumulation is refused).
+    output = std::move(*captured);
+    ++position_.global_step;
+    t.step_schedulers(SchedulerInterval::step);
   } else {
     torch::optim::Optimizer& optimizer = *t.optimizer_ptrs_.front();
     const bool window_start = batch_idx % accumulate == 0;
@@ -181,6 +187,12 @@ void TrainingEpochLoop::run_batch(Batch& batch, int64_t batch_idx) {
   in_batch_ = false;
   if (step_row_due_ || t.should_stop_) t.logging_.send_step_row(row_step_);
   step_row_due_ = false;
+}
+
+std::optional<StepOutput> TrainingEpochLoop::run_captured(Batch& batch, int64_t batch_idx) {
+  if (!capture_.active()) return std::nullopt;
+  ProfileScope scope(trainer_.plugins_.profiler.get(), "captured_training_step");
+  return capture_.run(batch, batch_idx);
 }
 
 void TrainingEpochLoop::state_dict(c10::impl::GenericDict& fit_loop_state) const {

@@ -8,6 +8,7 @@
 
 #include <ATen/core/Dict.h>
 
+#include "../capture/step_capture.h"
 #include "../hook_dispatcher.h"
 #include "evaluation_loop.h"
 
@@ -23,7 +24,10 @@ class TrainingEpochLoop {
  public:
   // `position` is the fit loop's: this loop counts global steps, the fit loop epochs.
   TrainingEpochLoop(Trainer::Impl& trainer, FitLoop& fit, RunPosition& position)
-      : trainer_(trainer), fit_(fit), position_(position), val_loop_(trainer, Stage::validate) {}
+      : trainer_(trainer), fit_(fit), position_(position), val_loop_(trainer, Stage::validate), capture_(trainer) {}
+
+  // At fit start, with model and optimizers set up: whether steps are captured (cuda_graphs).
+  void prepare_step_capture() { capture_.prepare(); }
 
   // Batch counts for the coming epochs (-1: a loader of unknown length) and the validation
   // cadence inside an epoch (0: only at its end).
@@ -64,12 +68,15 @@ class TrainingEpochLoop {
 
  private:
   void run_batch(Batch& batch, int64_t batch_idx);
+  // The batch's step through capture_ when it is active; nullopt: the ordinary path runs it.
+  std::optional<StepOutput> run_captured(Batch& batch, int64_t batch_idx);
   bool batches_done(int64_t batch_idx) const { return num_batches_ >= 0 && batch_idx >= num_batches_; }
 
   Trainer::Impl& trainer_;
   FitLoop& fit_;
   RunPosition& position_;
   EvaluationLoop val_loop_;
+  StepCapture capture_;
 
   int64_t num_batches_ = -1;
   int64_t val_check_batches_ = 0;

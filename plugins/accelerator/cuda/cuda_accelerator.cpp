@@ -1,12 +1,19 @@
 // Built-in accelerator `cuda`: NVIDIA GPUs through libtorch's CUDA runtime (c10/cuda), one process
 // per device. Device selection follows Lightning's CUDAAccelerator (cuda_devices.h); the indices are
 // those the process sees, so CUDA_VISIBLE_DEVICES applies through the runtime. Options act at
-// setup_device: `benchmark` (cuDNN autotuning) and `float32_matmul_precision` (TF32).
+// setup_device: `benchmark` (cuDNN autotuning) and `float32_matmul_precision` (TF32). Captured
+// training steps (`[trainer] cuda_graphs`) are at::cuda::CUDAGraph recordings on a side stream.
 #include <fulgur/plugin.h>
 
 #include <ATen/Context.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <ATen/cuda/CUDAEvent.h>
+#include <ATen/cuda/CUDAGraph.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAFunctions.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cuda_runtime_api.h>
 #include <fmt/format.h>
 
 #include <cstdlib>
@@ -25,6 +32,77 @@ std::string checked_precision(const std::string& value) {
                                   "\"highest\" (full fp32), \"high\" (TF32) or \"medium\" (bf16 passes)",
                                   value));
 }
+
+// A training step as one CUDA graph. Warm-up and capture run on one side stream (a capture cannot
+// use the default stream, and lazy initialisation such as cuBLAS workspaces is per stream); the
+// side stream waits for the current one before and the current one for it after, so the step
+// stays ordered with the batch copies and the work that follows it. Replays run on the current
+// stream. Thread-local capture mode: the data loader's threads may still pin host memory.
+class CudaStepGraph final : public fulgur::StepGraph {
+ public:
+  explicit CudaStepGraph(c10::DeviceIndex index)
+      : index_(index), stream_(c10::cuda::getStreamFromPool(/*isHighPriority=*/false, index)) {}
+
+  void warm_up(const std::function<void()>& step) override { on_side_stream(step); }
+
+  void capture(const std::function<void()>& step) override {
+    graph_ = std::make_unique<at::cuda::CUDAGraph>();
+    try {
+      on_side_stream([&] {
+        graph_->capture_begin({0, 0}, cudaStreamCaptureModeThreadLocal);
+        try {
+          step();
+        } catch (...) {
+          abandon_capture();
+          throw;
+        }
+        graph_->capture_end();
+      });
+    } catch (const c10::Error& e) {
+      graph_.reset();
+      (void)cudaGetLastError();  // a refused capture leaves no error behind for the next kernel
+      // CUDA errors carry advice lines (CUDA_LAUNCH_BLOCKING, ...) after the cause: keep the cause.
+      const std::string text = e.what_without_backtrace();
+      throw fulgur::Error(fulgur::ErrorKind::runtime, text.substr(0, text.find('\n')));
+    } catch (...) {
+      graph_.reset();
+      (void)cudaGetLastError();
+      throw;
+    }
+  }
+
+  void replay() override { graph_->replay(); }
+
+ private:
+  template <class Fn>
+  void on_side_stream(Fn&& fn) {
+    const c10::cuda::CUDAStream current = c10::cuda::getCurrentCUDAStream(index_);
+    at::cuda::CUDAEvent ready;
+    ready.record(current);
+    ready.block(stream_);
+    {
+      c10::cuda::CUDAStreamGuard guard(stream_);
+      fn();
+    }
+    at::cuda::CUDAEvent done;
+    done.record(stream_);
+    done.block(current);
+  }
+
+  // The step threw during capture: end the capture on the stream (the recording is dropped), so
+  // that the stream leaves capture mode; the caching allocator routes allocations to the graph's
+  // pool only while the stream captures, so later work allocates as before.
+  void abandon_capture() {
+    cudaGraph_t partial = nullptr;
+    (void)cudaStreamEndCapture(stream_.stream(), &partial);
+    if (partial) (void)cudaGraphDestroy(partial);
+    (void)cudaGetLastError();
+  }
+
+  c10::DeviceIndex index_;
+  c10::cuda::CUDAStream stream_;
+  std::unique_ptr<at::cuda::CUDAGraph> graph_;
+};
 
 class CudaAccelerator final : public fulgur::Accelerator {
  public:
@@ -84,6 +162,16 @@ class CudaAccelerator final : public fulgur::Accelerator {
     out["num_alloc_retries"] = static_cast<double>(stats.num_alloc_retries);
     out["num_ooms"] = static_cast<double>(stats.num_ooms);
     return out;
+  }
+
+  std::string device_name(const c10::Device& device) const override {
+    if (!device.is_cuda() || device_count() <= 0) return device.str();
+    return at::cuda::getDeviceProperties(device.index() < 0 ? 0 : device.index())->name;
+  }
+
+  std::unique_ptr<fulgur::StepGraph> make_step_graph(const c10::Device& device) override {
+    if (!device.is_cuda() || device_count() <= 0) return nullptr;
+    return std::make_unique<CudaStepGraph>(device.index() < 0 ? c10::cuda::current_device() : device.index());
   }
 
  private:

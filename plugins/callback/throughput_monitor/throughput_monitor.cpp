@@ -7,10 +7,12 @@
 //
 // FLOPs per sample are declared (`flops_per_sample`) or counted once on one training batch
 // (forward + backward + optimizer ops with the profiler's per-op formulas); MFU needs the
-// device's peak FLOP/s (`peak_flops`). The device is synchronized only on logging steps, so the
-// monitor adds no per-step host-device sync.
+// device's peak FLOP/s: `peak_flops`, or else the table in peak_flops.h for the device's name and
+// the precision's compute dtype (TF32 for float32 when float32_matmul_precision allows it). The device is synchronized
+// only on logging steps, so the monitor adds no per-step host-device sync.
 #include <fulgur/plugin.h>
 
+#include <ATen/Context.h>
 #include <fmt/format.h>
 #include <spdlog/spdlog.h>
 
@@ -19,6 +21,7 @@
 
 #include "../common/monitor_support.h"
 #include "flop_counter.h"
+#include "peak_flops.h"
 
 namespace {
 
@@ -37,10 +40,11 @@ class ThroughputMonitor final : public fulgur::Callback {
       : flops_per_sample_(options.get_float("flops_per_sample")),
         count_flops_(options.get_bool("count_flops")),
         count_at_batch_(options.get_int("count_flops_at_batch")),
-        peak_flops_(options.get_float("peak_flops")),
+        peak_flops_given_(options.get_float("peak_flops")),
+        peak_flops_(peak_flops_given_),
         items_per_sample_(options.get_int("items_per_sample")),
         prefix_(options.get_string("prefix")) {
-    if (flops_per_sample_ < 0 || peak_flops_ < 0 || items_per_sample_ < 0 || count_at_batch_ < 0)
+    if (flops_per_sample_ < 0 || peak_flops_given_ < 0 || items_per_sample_ < 0 || count_at_batch_ < 0)
       throw Error(ErrorKind::config, fmt::format("{}: flops_per_sample, peak_flops, items_per_sample and "
                                                  "count_flops_at_batch must be >= 0",
                                                  kOwner));
@@ -59,6 +63,19 @@ class ThroughputMonitor final : public fulgur::Callback {
   void on_train_start(fulgur::TrainerContext& trainer) override {
     monitor::require_logger(trainer, kOwner);
     world_size_ = trainer.cluster().world_size;
+    if (peak_flops_given_ == 0) {
+      const c10::ScalarType dtype = trainer.compute_dtype();
+      const bool tf32 = at::globalContext().float32MatmulPrecision() != at::Float32MatmulPrecision::HIGHEST;
+      const std::string device = trainer.device_name();
+      const auto peak = fulgur::throughput::peak_flops_for(device, dtype, tf32);
+      peak_flops_ = peak.value_or(0.0);
+      const std::string dtype_name = dtype == c10::ScalarType::Float && tf32 ? "tf32" : c10::toString(dtype);
+      if (peak)
+        spdlog::info("{}: MFU against {:.4g} FLOP/s, the peak of '{}' in {} (set peak_flops to use another)", kOwner,
+                     *peak, device, dtype_name);
+      else
+        spdlog::debug("{}: no peak FLOP/s known for '{}' in {}: set peak_flops to log MFU", kOwner, device, dtype_name);
+    }
     batches_ = samples_ = items_ = 0;
     train_seconds_ = 0;
     last_ = Clock::now();
@@ -146,6 +163,7 @@ class ThroughputMonitor final : public fulgur::Callback {
   double flops_per_sample_;
   bool count_flops_;
   int64_t count_at_batch_;
+  double peak_flops_given_;  // the option; 0: from the table at train start
   double peak_flops_;
   int64_t items_per_sample_;
   std::string prefix_;
@@ -176,7 +194,8 @@ FULGUR_PLUGIN(ThroughputMonitor, "throughput_monitor", "0.1.0",
                             "Which training batch (0-based) to count on; after the first, caches are warm", 1),
               FULGUR_OPTION(floating, peak_flops,
                             "The device's peak FLOP/s for the training dtype (e.g. 989e12 for H100 bf16 dense); "
-                            "0: no MFU",
+                            "0: from the built-in table of datacenter GPUs by device name and compute dtype (no MFU "
+                            "for a device it does not list)",
                             0.0),
               FULGUR_OPTION(integer, items_per_sample,
                             "Items (e.g. tokens) per sample; 0: the number of input elements of a sample", 0),

@@ -26,6 +26,9 @@ class Bf16MixedPrecision final : public fulgur::Precision {
     optimizer.step();
     return true;
   }
+  c10::ScalarType compute_dtype() const override { return at::kBFloat16; }
+  // Autocast and unscaled gradients: nothing decided on the host, so a step can be captured.
+  std::string step_capture_refusal() const override { return {}; }
 
   void state_dict(c10::IValue& out) const override { out = ps::empty_state(); }
   void load_state_dict(const c10::IValue& state) override { ps::load_stateless("bf16-mixed", state); }

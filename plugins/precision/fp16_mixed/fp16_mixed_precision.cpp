@@ -113,6 +113,12 @@ class Fp16MixedPrecision final : public fulgur::Precision {
     return !skip;
   }
 
+  c10::ScalarType compute_dtype() const override { return autocast_dtype_; }
+  std::string step_capture_refusal() const override {
+    return "precision '16-mixed' decides on the host whether each step is taken or skipped (dynamic loss "
+           "scaling reads the inf/NaN check); use precision = \"bf16-mixed\" with cuda_graphs";
+  }
+
   void state_dict(c10::IValue& out) const override {
     c10::impl::GenericDict dict = ps::empty_state();
     dict.insert("scale", scale_.item<double>());

@@ -25,6 +25,8 @@ class Fp32Precision final : public fulgur::Precision {
     optimizer.step();
     return true;
   }
+  // Nothing on the step's path decides on the host: a captured step needs no change here.
+  std::string step_capture_refusal() const override { return {}; }
 
   void state_dict(c10::IValue& out) const override {
     out = c10::impl::GenericDict(c10::StringType::get(), c10::AnyType::get());

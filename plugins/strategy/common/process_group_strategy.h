@@ -102,6 +102,15 @@ class ProcessGroupStrategy : public Strategy {
     return all ? yes == cluster_.world_size : yes > 0;
   }
 
+  // Gradient collectives start from autograd hooks as buckets fill and the sharded step gathers
+  // and scatters between host decisions: none of it is recorded in one graph yet.
+  std::string step_capture_refusal() const override {
+    return fmt::format(
+        "strategy '{}' starts its gradient collectives from the host as buckets fill; captured "
+        "steps (cuda_graphs) run with strategy = \"single_device\" for now",
+        name_);
+  }
+
   int64_t data_parallel_rank() const override { return cluster_.global_rank; }
   int64_t data_parallel_size() const override { return cluster_.world_size; }
 

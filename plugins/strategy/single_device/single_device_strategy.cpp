@@ -39,6 +39,8 @@ class SingleDeviceStrategy final : public fulgur::Strategy {
   bool optimizer_step(torch::optim::Optimizer& optimizer, fulgur::Precision& precision) override {
     return precision.optimizer_step(optimizer);
   }
+  // backward() is the precision's scaled backward and nothing else; parameters are the model's.
+  std::string step_capture_refusal() const override { return {}; }
 
   at::Tensor reduce(const at::Tensor& tensor, fulgur::ReduceOp) override { return tensor; }
   std::vector<at::Tensor> all_gather(const at::Tensor& tensor) override { return {tensor}; }

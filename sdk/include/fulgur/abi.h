@@ -29,8 +29,11 @@ extern "C" {
  * contract v2 (callback roles and checkpoint providers, a capability-only TrainerContext, the
  * Strategy owning model/optimizer state and checkpoint parts); 4 added the TrainerContext's
  * training batch size and batch-size trials; 5 gave Strategy::configure_model a ModelBuild and
- * BlockHooks block_built (blocks sharded as the Module builds them). */
-#define FULGUR_CXX_INTERFACE_MAJOR 5
+ * BlockHooks block_built (blocks sharded as the Module builds them); 6 added captured steps
+ * (Accelerator::make_step_graph and StepGraph, step_capture_refusal on Strategy and Precision),
+ * Accelerator::device_name, Precision::compute_dtype and the TrainerContext's device_name and
+ * compute_dtype (peak FLOP/s tables). */
+#define FULGUR_CXX_INTERFACE_MAJOR 6
 
 #define FULGUR_PLUGIN_QUERY_SYMBOL "fulgur_plugin_query_v1"
 #define FULGUR_NOTE_OWNER "fulgur"

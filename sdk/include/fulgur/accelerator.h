@@ -6,11 +6,30 @@
 
 #include <c10/core/Device.h>
 
+#include <functional>
+#include <memory>
 #include <string>
 #include <string_view>
 #include <vector>
 
 namespace fulgur {
+
+// One training step recorded as a whole and launched again with the same buffers (CUDA graphs):
+// the kernels are captured once, then each replay costs one launch instead of one per kernel.
+// Made by Accelerator::make_step_graph; the Trainer drives it (`[trainer] cuda_graphs`).
+class FULGUR_SDK_API StepGraph {
+ public:
+  virtual ~StepGraph();
+  // Runs `step` eagerly on the stream the capture will use, so that lazy initialisation (library
+  // handles, workspaces, optimizer state) happens before the capture, not inside it.
+  virtual void warm_up(const std::function<void()>& step) = 0;
+  // Runs `step` under stream capture: its kernels are recorded, none of them executes. Throws
+  // fulgur::Error naming why when the step cannot be captured (a host synchronisation, a CPU
+  // operation, an allocation the capture forbids); the graph then stays empty.
+  virtual void capture(const std::function<void()>& step) = 0;
+  // Launches the recorded step on the current stream (asynchronous, like the kernels it holds).
+  virtual void replay() = 0;
+};
 
 class FULGUR_SDK_API Accelerator {
  public:
@@ -31,6 +50,11 @@ class FULGUR_SDK_API Accelerator {
   // Point-in-time statistics for monitoring callbacks (memory, utilisation), keyed by metric name.
   virtual MetricMap device_stats(const c10::Device& device) const = 0;
   virtual void teardown() {}
+  // The device's product name as its driver reports it ("NVIDIA H200"), for tables keyed by
+  // hardware such as peak FLOP/s. Default: device.str().
+  virtual std::string device_name(const c10::Device& device) const;
+  // A StepGraph on `device`, or nullptr where this accelerator cannot capture steps (the default).
+  virtual std::unique_ptr<StepGraph> make_step_graph(const c10::Device& device);
 };
 
 }  // namespace fulgur

@@ -30,6 +30,15 @@ class FULGUR_SDK_API Precision {
   // Scaler state for checkpoints (an empty dict when stateless).
   virtual void state_dict(c10::IValue& out) const = 0;
   virtual void load_state_dict(const c10::IValue& state) = 0;
+  // The dtype matrix multiplications run in (bf16 under bf16-mixed), which selects the device's
+  // peak FLOP/s for MFU. Default: float32.
+  virtual c10::ScalarType compute_dtype() const;
+  // Why a training step under this precision cannot be recorded as a StepGraph (for example, a
+  // step skipped or taken by a decision on the host), or "" when it can: the step is then
+  // forward under forward_enter/exit, backward of scale_loss(loss) and clipping through
+  // clip_gradients, with the optimizer stepped by the Trainer's capturable step, not by
+  // optimizer_step. Default: a refusal, so a plugin opts in knowingly.
+  virtual std::string step_capture_refusal() const;
 };
 
 // RAII forward context: `{ PrecisionScope scope(precision); out = model->forward(x); }`.

@@ -99,6 +99,11 @@ class FULGUR_SDK_API Strategy {
   // Steps through the precision plugin (which skips on inf/NaN gradients); returns whether the
   // step was taken. A sharded strategy agrees the skip across ranks.
   virtual bool optimizer_step(torch::optim::Optimizer& optimizer, Precision& precision) = 0;
+  // Why a training step under this strategy cannot be recorded as a StepGraph (communication
+  // decided on the host, hooks that run per step), or "" when backward() and clip_gradients()
+  // only queue device work and the optimizer may be stepped on its own parameters by the
+  // Trainer's capturable step. Default: a refusal, so a plugin opts in knowingly.
+  virtual std::string step_capture_refusal() const;
 
   virtual at::Tensor reduce(const at::Tensor& tensor, ReduceOp op) = 0;
   virtual std::vector<at::Tensor> all_gather(const at::Tensor& tensor) = 0;

@@ -75,6 +75,8 @@ class FakeTrainer : public TrainerContext {
   ClusterInfo cluster_info;
   c10::Device device_value{c10::DeviceType::CPU};
   MetricMap device_stats_value;
+  std::string device_name_value = "cpu";
+  c10::ScalarType compute_dtype_value = c10::ScalarType::Float;
   std::string root_dir;
   std::shared_ptr<torch::nn::Module> module;
   std::vector<torch::optim::Optimizer*> optimizer_list;
@@ -147,6 +149,8 @@ class FakeTrainer : public TrainerContext {
   void barrier(std::string_view) override {}
   void synchronize_device() override { ++device_syncs; }
   MetricMap device_stats() const override { return device_stats_value; }
+  std::string device_name() const override { return device_name_value; }
+  c10::ScalarType compute_dtype() const override { return compute_dtype_value; }
   bool should_stop() const override { return !stop_reasons.empty(); }
   void request_stop(std::string_view reason) override { stop_reasons.emplace_back(reason); }
   int64_t accumulate_grad_batches() const override { return accumulate; }

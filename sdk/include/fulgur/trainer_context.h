@@ -76,6 +76,10 @@ class FULGUR_SDK_API TrainerContext {
   virtual void synchronize_device() = 0;
   // Point-in-time statistics of this process's device (memory, utilisation), by metric name.
   virtual MetricMap device_stats() const = 0;
+  // The device's product name ("NVIDIA H200"; "cpu" on the cpu accelerator) and the dtype the
+  // precision plugin computes in: the keys of a peak FLOP/s table.
+  virtual std::string device_name() const = 0;
+  virtual c10::ScalarType compute_dtype() const = 0;
 
   // ---- actions -----------------------------------------------------------------------------------
   virtual bool should_stop() const = 0;

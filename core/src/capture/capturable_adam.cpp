@@ -1,0 +1,192 @@
+#include "capturable_adam.h"
+
+#include <fulgur/error.h>
+
+#include <ATen/ops/_foreach_add.h>
+#include <ATen/ops/_fused_adam.h>
+#include <ATen/ops/_fused_adamw.h>
+#include <ATen/ops/full.h>
+#include <ATen/ops/zeros_like.h>
+#include <fmt/format.h>
+#include <torch/optim/adam.h>
+#include <torch/optim/adamw.h>
+
+#include <map>
+
+namespace fulgur {
+
+namespace {
+
+// The options every Adam flavour shares, read from a group's options object.
+struct AdamHyperparameters {
+  double lr = 0, beta1 = 0, beta2 = 0, eps = 0, weight_decay = 0;
+  bool amsgrad = false;
+  bool operator==(const AdamHyperparameters& o) const {
+    return beta1 == o.beta1 && beta2 == o.beta2 && eps == o.eps && weight_decay == o.weight_decay &&
+           amsgrad == o.amsgrad;
+  }
+};
+
+template <class Options>
+AdamHyperparameters read(const Options& o) {
+  return {o.lr(), std::get<0>(o.betas()), std::get<1>(o.betas()), o.eps(), o.weight_decay(), o.amsgrad()};
+}
+
+AdamHyperparameters hyperparameters_of(torch::optim::OptimizerOptions& options) {
+  if (auto* adamw = dynamic_cast<torch::optim::AdamWOptions*>(&options)) return read(*adamw);
+  return read(dynamic_cast<torch::optim::AdamOptions&>(options));
+}
+
+// Adam and AdamW keep the same fields in two unrelated state classes.
+template <class State>
+State& state_for(torch::optim::Optimizer& optimizer, const at::Tensor& p, bool amsgrad) {
+  auto& states = optimizer.state();
+  auto it = states.find(p.unsafeGetTensorImpl());
+  if (it == states.end()) {
+    // What the optimizer's own first step() creates.
+    auto state = std::make_unique<State>();
+    state->step(0);
+    state->exp_avg(at::zeros_like(p, at::MemoryFormat::Preserve));
+    state->exp_avg_sq(at::zeros_like(p, at::MemoryFormat::Preserve));
+    if (amsgrad) state->max_exp_avg_sq(at::zeros_like(p, at::MemoryFormat::Preserve));
+    it = states.emplace(p.unsafeGetTensorImpl(), std::move(state)).first;
+  }
+  auto& state = static_cast<State&>(*it->second);
+  if (amsgrad && !state.max_exp_avg_sq().defined()) state.max_exp_avg_sq(at::zeros_like(p, at::MemoryFormat::Preserve));
+  return state;
+}
+
+}  // namespace
+
+// One param group: its parameters by dtype (the fused kernels take one dtype per call), each with
+// its state tensors and a device step count; the host state objects, to keep their steps equal.
+struct CapturableAdam::Group {
+  AdamHyperparameters hp;
+  at::Tensor lr;  // float32 on the parameters' device: the fused kernels read it at every launch
+  struct Parameter {
+    at::Tensor param, exp_avg, exp_avg_sq, max_exp_avg_sq, step;
+    torch::optim::OptimizerParamState* host = nullptr;
+  };
+  std::map<std::pair<c10::ScalarType, std::string>, std::vector<Parameter>> by_dtype;
+  std::vector<torch::optim::OptimizerParamState*> stepped;  // by the last step()
+};
+
+std::string CapturableAdam::refusal(torch::optim::Optimizer& optimizer) {
+  if (!dynamic_cast<torch::optim::Adam*>(&optimizer) && !dynamic_cast<torch::optim::AdamW*>(&optimizer))
+    return "the optimizer is not torch::optim::Adam or AdamW, the two with fused kernels whose step count and "
+           "learning rate live on the device (a recorded step would freeze them)";
+  for (auto& group : optimizer.param_groups())
+    for (const auto& p : group.params())
+      if (!at::isFloatingType(p.scalar_type()))
+        return fmt::format("a parameter of dtype {} cannot be stepped by the fused Adam kernels",
+                           c10::toString(p.scalar_type()));
+  return {};
+}
+
+CapturableAdam::CapturableAdam(torch::optim::Optimizer& optimizer)
+    : optimizer_(optimizer), decoupled_weight_decay_(dynamic_cast<torch::optim::AdamW*>(&optimizer) != nullptr) {}
+
+CapturableAdam::~CapturableAdam() = default;
+
+void CapturableAdam::sync_from_host() {
+  groups_.clear();
+  for (auto& group : optimizer_.param_groups()) {
+    auto g = std::make_unique<Group>();
+    g->hp = hyperparameters_of(group.options());
+    for (const auto& p : group.params()) {
+      Group::Parameter entry;
+      entry.param = p;
+      int64_t host_step = 0;
+      if (decoupled_weight_decay_) {
+        auto& s = state_for<torch::optim::AdamWParamState>(optimizer_, p, g->hp.amsgrad);
+        entry.exp_avg = s.exp_avg();
+        entry.exp_avg_sq = s.exp_avg_sq();
+        entry.max_exp_avg_sq = s.max_exp_avg_sq();
+        host_step = s.step();
+        entry.host = &s;
+      } else {
+        auto& s = state_for<torch::optim::AdamParamState>(optimizer_, p, g->hp.amsgrad);
+        entry.exp_avg = s.exp_avg();
+        entry.exp_avg_sq = s.exp_avg_sq();
+        entry.max_exp_avg_sq = s.max_exp_avg_sq();
+        host_step = s.step();
+        entry.host = &s;
+      }
+      entry.step = at::full({}, static_cast<double>(host_step), p.options().dtype(at::kFloat));
+      g->by_dtype[{p.scalar_type(), p.device().str()}].push_back(std::move(entry));
+    }
+    const at::Tensor first = group.params().empty() ? at::Tensor() : group.params().front();
+    g->lr = at::full({}, g->hp.lr,
+                     at::TensorOptions()
+                         .dtype(at::kFloat)
+                         .device(first.defined() ? first.device() : c10::Device(c10::DeviceType::CPU)));
+    groups_.push_back(std::move(g));
+  }
+}
+
+void CapturableAdam::refresh_lr() {
+  auto& groups = optimizer_.param_groups();
+  for (size_t i = 0; i < groups_.size() && i < groups.size(); ++i) groups_[i]->lr.fill_(groups[i].options().get_lr());
+}
+
+void CapturableAdam::check_hyperparameters() const {
+  auto& groups = optimizer_.param_groups();
+  if (groups.size() != groups_.size())
+    throw Error(ErrorKind::config, fmt::format("cuda_graphs: the optimizer has {} param groups, the captured step "
+                                               "{}; groups cannot be added while steps are captured",
+                                               groups.size(), groups_.size()));
+  for (size_t i = 0; i < groups.size(); ++i) {
+    const AdamHyperparameters now = hyperparameters_of(groups[i].options());
+    if (!(now == groups_[i]->hp))
+      throw Error(ErrorKind::config,
+                  fmt::format("cuda_graphs: param group {} changed betas, eps, weight_decay or amsgrad after the step "
+                              "was captured (only lr is read at each replay); keep them fixed, or set cuda_graphs = "
+                              "\"off\"",
+                              i));
+  }
+}
+
+void CapturableAdam::step() {
+  for (auto& g : groups_) {
+    g->stepped.clear();
+    for (auto& [key, entries] : g->by_dtype) {
+      std::vector<at::Tensor> params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps;
+      for (auto& e : entries) {
+        const at::Tensor& grad = e.param.grad();
+        if (!grad.defined()) continue;  // as Adam: a parameter without a gradient is not stepped
+        params.push_back(e.param);
+        grads.push_back(grad);
+        exp_avgs.push_back(e.exp_avg);
+        exp_avg_sqs.push_back(e.exp_avg_sq);
+        if (g->hp.amsgrad) max_exp_avg_sqs.push_back(e.max_exp_avg_sq);
+        steps.push_back(e.step);
+        g->stepped.push_back(e.host);
+      }
+      if (params.empty()) continue;
+      // The kernels read the incremented count (Python's fused Adam adds 1 before calling them).
+      at::_foreach_add_(steps, 1);
+      // A tensor lr on the CPU makes the kernel read it on the host; keep it there on the CPU.
+      if (decoupled_weight_decay_)
+        at::_fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, g->lr, g->hp.beta1, g->hp.beta2,
+                          g->hp.weight_decay, g->hp.eps, g->hp.amsgrad, /*maximize=*/false);
+      else
+        at::_fused_adam_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, g->lr, g->hp.beta1, g->hp.beta2,
+                         g->hp.weight_decay, g->hp.eps, g->hp.amsgrad, /*maximize=*/false);
+    }
+  }
+}
+
+void CapturableAdam::advance_host_steps() {
+  for (auto& g : groups_)
+    for (auto* state : g->stepped) {
+      if (decoupled_weight_decay_) {
+        auto& s = static_cast<torch::optim::AdamWParamState&>(*state);
+        s.step(s.step() + 1);
+      } else {
+        auto& s = static_cast<torch::optim::AdamParamState&>(*state);
+        s.step(s.step() + 1);
+      }
+    }
+}
+
+}  // namespace fulgur

@@ -1,0 +1,54 @@
+// Internal: the optimizer step of a captured training step (`[trainer] cuda_graphs`). libtorch's
+// C++ Adam keeps its step count on the host and folds lr and the bias corrections into scalars,
+// which a recorded graph would freeze at their capture-time values. This steps the same
+// torch::optim::Adam / AdamW (its param groups and its state tensors, in place) with ATen's fused
+// kernels, whose step counts and learning rate are device tensors, as Python's
+// Adam(fused=True, capturable=True) does. The host step counts are kept equal after every step,
+// so checkpoints, and the optimizer's own step() where a batch runs uncaptured, see what they
+// would have seen.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace torch::optim {
+class Optimizer;
+}
+
+namespace fulgur {
+
+class CapturableAdam {
+ public:
+  // Why `optimizer` cannot be stepped here ("" when it can): only Adam and AdamW have fused
+  // kernels with device-side step counts.
+  static std::string refusal(torch::optim::Optimizer& optimizer);
+  // `optimizer` must pass refusal(); it must outlive this object.
+  explicit CapturableAdam(torch::optim::Optimizer& optimizer);
+  ~CapturableAdam();
+
+  // Creates missing state (zeros, step 0, as the optimizer's first step would) and the device
+  // step counts from the host ones. Call before the first step() and after anything else stepped
+  // the optimizer (its own step(), a checkpoint load).
+  void sync_from_host();
+  // Writes each group's current lr into its device tensor (schedulers change the host value).
+  // Queued on the current stream: the next replay reads it.
+  void refresh_lr();
+  // One step of every parameter that has a gradient: device work only, no host synchronisation.
+  void step();
+  // The host step counts after a step() that ran (replayed or eager).
+  void advance_host_steps();
+  // Throws fulgur::Error(config) when a group's betas, eps, weight decay or amsgrad changed since
+  // sync_from_host(): a captured step keeps them as recorded (only lr is read at each replay).
+  void check_hyperparameters() const;
+
+ private:
+  struct Group;
+  torch::optim::Optimizer& optimizer_;
+  bool decoupled_weight_decay_ = false;  // AdamW
+  std::vector<std::unique_ptr<Group>> groups_;
+};
+
+}  // namespace fulgur

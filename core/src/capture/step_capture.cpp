@@ -1,0 +1,251 @@
+#include "step_capture.h"
+
+#include <fulgur/error.h>
+#include <fulgur/precision.h>
+#include <fulgur/strategy.h>
+
+#include <ATen/autocast_mode.h>
+#include <c10/util/Exception.h>
+#include <fmt/format.h>
+#include <spdlog/spdlog.h>
+#include <torch/optim/optimizer.h>
+
+#include "../trainer_impl.h"
+#include "capturable_adam.h"
+
+namespace fulgur {
+
+namespace {
+
+// Callback hooks that run inside a step: a replay would skip them.
+constexpr Hook kInStepHooks[] = {Hook::before_zero_grad, Hook::before_backward, Hook::after_backward,
+                                 Hook::before_optimizer_step};
+
+std::string shape_text(const at::Tensor& t) {
+  return t.defined() ? fmt::format("{} {}", c10::toString(t.scalar_type()), c10::str(t.sizes())) : "none";
+}
+
+bool same_layout(const at::Tensor& a, const at::Tensor& b) {
+  if (a.defined() != b.defined()) return false;
+  return !a.defined() || (a.sizes() == b.sizes() && a.scalar_type() == b.scalar_type() && a.device() == b.device());
+}
+
+at::Tensor static_copy(const at::Tensor& t) { return t.defined() ? t.clone() : t; }
+
+// The cause of a failed capture in one line: a torch error without its C++ backtrace, and only
+// its first line (CUDA errors append advice such as CUDA_LAUNCH_BLOCKING).
+std::string reason_of(const std::exception& e) {
+  const auto* c10_error = dynamic_cast<const c10::Error*>(&e);
+  const std::string text = c10_error ? c10_error->what_without_backtrace() : e.what();
+  return text.substr(0, text.find('\n'));
+}
+
+}  // namespace
+
+StepCapture::StepCapture(Trainer::Impl& trainer) : t_(trainer), mode_(trainer.settings_.cuda_graphs) {}
+StepCapture::~StepCapture() = default;
+
+void StepCapture::prepare() {
+  active_ = false;
+  warned_ = false;
+  graph_.reset();
+  adam_.reset();
+  adam_synced_ = false;
+  warmups_done_ = 0;
+  captured_ = false;
+  static_batch_ = {};
+  static_output_ = {};
+  recorded_logs_.clear();
+  if (mode_ == StepCaptureMode::off) return;
+
+  const TrainerSettings& s = t_.settings_;
+  std::string why;
+  if (!t_.module_->automatic_optimization)
+    why = "manual optimization steps its optimizers from training_step; only automatic optimization is captured";
+  else if (s.accumulate_grad_batches > 1)
+    why = fmt::format("accumulate_grad_batches = {} alternates steps with and without an optimizer step; use 1",
+                      s.accumulate_grad_batches);
+  else if (s.detect_anomaly)
+    why = "detect_anomaly checks every backward on the host";
+  else if (t_.optimizer_ptrs_.size() != 1)
+    why = fmt::format("configure_optimizers returned {} optimizers; a captured step steps exactly one",
+                      t_.optimizer_ptrs_.size());
+  else if (std::string r = CapturableAdam::refusal(*t_.optimizer_ptrs_.front()); !r.empty())
+    why = r;
+  else if (std::string r = t_.plugins_.strategy->step_capture_refusal(); !r.empty())
+    why = r;
+  else if (std::string r = t_.plugins_.precision->step_capture_refusal(); !r.empty())
+    why = r;
+  if (why.empty())
+    for (const auto& slot : t_.hooks_.slots())
+      for (Hook hook : kInStepHooks)
+        if (why.empty() && has_hook(slot.hooks, hook))
+          why = fmt::format("{} '{}' implements {}, which runs inside the step and would not run at a replay",
+                            slot.identity.kind, slot.identity.name, hook_name(hook));
+  if (why.empty()) {
+    graph_ = t_.plugins_.accelerator->make_step_graph(t_.device());
+    if (!graph_)
+      why = fmt::format("the accelerator of device {} cannot capture steps; use accelerator = \"cuda\"",
+                        t_.device().str());
+  }
+  active_ = true;  // refuse() turns it off again under "try"
+  if (!why.empty()) refuse(why, /*give_up=*/true);
+  if (active_) {
+    adam_ = std::make_unique<CapturableAdam>(*t_.optimizer_ptrs_.front());
+    spdlog::info("cuda_graphs = \"{}\": the training step is captured after {} warm-up steps and replayed",
+                 mode_ == StepCaptureMode::on ? "on" : "try", kWarmupSteps);
+  }
+}
+
+void StepCapture::refuse(const std::string& reason, bool give_up) {
+  if (mode_ == StepCaptureMode::on)
+    throw Error(ErrorKind::config,
+                fmt::format("cuda_graphs = \"on\": the training step cannot be captured: {}. Set cuda_graphs = "
+                            "\"try\" to train such steps uncaptured, or \"off\"",
+                            reason));
+  if (!warned_)
+    spdlog::warn("cuda_graphs = \"try\": {}: {}", give_up ? "training uncaptured" : "this batch trains uncaptured",
+                 reason);
+  warned_ = warned_ || !give_up;  // a batch of another shape warns once; giving up always says so
+  if (give_up) {
+    active_ = false;
+    graph_.reset();
+  }
+}
+
+std::string StepCapture::shape_mismatch(const Batch& batch) const {
+  auto differs = [&](const char* what, const at::Tensor& now, const at::Tensor& then) -> std::string {
+    if (same_layout(now, then)) return {};
+    return fmt::format(
+        "batch {} is {}, but the captured step was recorded for {} (shapes must stay the same; "
+        "drop_last = true in the data loader keeps the last batch from being smaller)",
+        what, shape_text(now), shape_text(then));
+  };
+  if (auto why = differs("input", batch.input, static_batch_.input); !why.empty()) return why;
+  if (auto why = differs("target", batch.target, static_batch_.target); !why.empty()) return why;
+  if (batch.extra.size() != static_batch_.extra.size())
+    return fmt::format("the batch has {} extra tensors, the captured step {}", batch.extra.size(),
+                       static_batch_.extra.size());
+  for (size_t i = 0; i < batch.extra.size(); ++i)
+    if (auto why = differs(fmt::format("extra[{}]", i).c_str(), batch.extra[i], static_batch_.extra[i]); !why.empty())
+      return why;
+  return {};
+}
+
+void StepCapture::copy_into_static(const Batch& batch) {
+  if (batch.input.defined()) static_batch_.input.copy_(batch.input, /*non_blocking=*/true);
+  if (batch.target.defined()) static_batch_.target.copy_(batch.target, /*non_blocking=*/true);
+  for (size_t i = 0; i < batch.extra.size(); ++i)
+    if (batch.extra[i].defined()) static_batch_.extra[i].copy_(batch.extra[i], /*non_blocking=*/true);
+}
+
+// The step as the Trainer's ordinary path runs it (training_step under the precision's context,
+// zero_grad, backward through strategy and precision, unscale and clipping, the Module's hooks),
+// except that the optimizer is stepped by CapturableAdam.
+StepOutput StepCapture::eager_step(Batch& batch, int64_t batch_idx, bool grads_to_none) {
+  Module& module = *t_.module_;
+  Strategy& strategy = *t_.plugins_.strategy;
+  Precision& precision = *t_.plugins_.precision;
+  torch::optim::Optimizer& optimizer = *t_.optimizer_ptrs_.front();
+  StepOutput output;
+  {
+    PrecisionScope scope(precision);
+    output = module.training_step(batch, batch_idx);
+  }
+  if (!output.loss.defined())
+    throw Error(ErrorKind::invalid_argument,
+                fmt::format("cuda_graphs: training_step returned no loss at batch {}; a captured step runs backward "
+                            "and the optimizer every batch",
+                            batch_idx));
+  t_.hooks_.module("on_before_zero_grad", [&] { module.on_before_zero_grad(optimizer); });
+  // Set to none before the capture, so that backward allocates the gradients the graph then
+  // keeps; zeroed in place afterwards, so that uncaptured steps write the same tensors.
+  optimizer.zero_grad(grads_to_none);
+  t_.hooks_.module("on_before_backward", [&] { module.on_before_backward(output.loss); });
+  strategy.backward(output.loss, precision, /*sync_gradients=*/true);
+  t_.hooks_.module("on_after_backward", [&] { module.on_after_backward(); });
+  precision.unscale_gradients(optimizer);
+  t_.hooks_.module("on_before_optimizer_step", [&] { module.on_before_optimizer_step(optimizer); });
+  if (t_.settings_.gradient_clip_val > 0)
+    strategy.clip_gradients(optimizer, precision, t_.settings_.gradient_clip_val, t_.settings_.gradient_clip_algorithm);
+  adam_->step();
+  return output;
+}
+
+void StepCapture::log_recorded() {
+  MetricStore* store = t_.binding_.metrics;
+  if (!store) return;
+  for (const RecordedLog& r : recorded_logs_)
+    store->log(r.name, r.value.clone(), r.options, t_.binding_.training_context, t_.binding_.batch_size);
+}
+
+std::optional<StepOutput> StepCapture::run(Batch& batch, int64_t batch_idx) {
+  if (!active_) return std::nullopt;
+  if (!adam_synced_) {  // the optimizer's state as resumed or as left by a batch-size trial
+    adam_->sync_from_host();
+    adam_synced_ = true;
+  }
+  adam_->check_hyperparameters();
+  adam_->refresh_lr();  // schedulers move the host lr; the device copy is read at the launch
+
+  if (warmups_done_ < kWarmupSteps) {
+    StepOutput output;
+    graph_->warm_up([&] { output = eager_step(batch, batch_idx, /*grads_to_none=*/true); });
+    adam_->advance_host_steps();
+    ++warmups_done_;
+    return output;
+  }
+
+  if (!captured_) {
+    static_batch_.input = static_copy(batch.input);
+    static_batch_.target = static_copy(batch.target);
+    static_batch_.extra.clear();
+    for (const auto& t : batch.extra) static_batch_.extra.push_back(static_copy(t));
+    try {
+      graph_->capture([&] {
+        recorded_logs_.clear();
+        t_.binding_.recorded_logs = &recorded_logs_;
+        // Autocast's cast cache would keep casts made inside the recording past it: every use casts
+        // anew while capturing (as torch.cuda.make_graphed_callables requires).
+        struct Restore {
+          Module::Binding& b;
+          bool cache = at::autocast::is_autocast_cache_enabled();
+          ~Restore() {
+            b.recorded_logs = nullptr;
+            at::autocast::set_autocast_cache_enabled(cache);
+          }
+        } restore{t_.binding_};
+        at::autocast::set_autocast_cache_enabled(false);
+        static_output_ = eager_step(static_batch_, batch_idx, /*grads_to_none=*/true);
+      });
+    } catch (const std::exception& e) {
+      t_.binding_.recorded_logs = nullptr;
+      static_batch_ = {};
+      static_output_ = {};
+      refuse(reason_of(e), /*give_up=*/true);
+      // Nothing of the failed capture ran: this batch takes the ordinary path, whose optimizer
+      // step continues from the host step counts kept above.
+      return std::nullopt;
+    }
+    captured_ = true;
+    graph_->replay();
+    adam_->advance_host_steps();
+    spdlog::debug("cuda_graphs: the training step was captured at batch {} ({} logged values replayed per step)",
+                  batch_idx, recorded_logs_.size());
+    log_recorded();
+    return static_output_;
+  } else if (const std::string why = shape_mismatch(batch); !why.empty()) {
+    refuse(why, /*give_up=*/false);
+    StepOutput output = eager_step(batch, batch_idx, /*grads_to_none=*/false);
+    adam_->advance_host_steps();
+    return output;
+  } else {
+    copy_into_static(batch);
+  }
+  graph_->replay();
+  adam_->advance_host_steps();
+  log_recorded();
+  return static_output_;
+}
+
+}  // namespace fulgur
