@@ -1,14 +1,19 @@
 // bench_compare: the C++ sides of bench/compare.sh. One process runs one side once and prints one
 // line "BENCH_RESULT {json}" that bench/python/compare.py collects:
 //
-//   bench_compare --side raw|fulgur|fulgur-bare --model mlp|cnn|gpt --batch B --steps N
+//   bench_compare --side raw|fulgur|fulgur-bare|fulgur-graphs --model mlp|cnn|gpt --batch B --steps N
 //                 [--warmup W] [--pool P] [--device cpu|cuda] [--threads T] [--root DIR] [--spawn-ns NS]
-//                 [--dtype float32|float64]
+//                 [--dtype float32|float64] [--precision 32-true|bf16-mixed]
 //
-//   raw          a hand-written LibTorch loop (narrow, forward, cross_entropy, zero_grad, backward, step)
-//   fulgur       the Trainer with its default plugins (csv logger, model summary, checkpoint at epoch
-//                end; progress bar only on a terminal)
-//   fulgur-bare  the Trainer with barebones = true (no loggers, callbacks or profiler)
+//   raw            a hand-written LibTorch loop (narrow, forward, cross_entropy, zero_grad, backward, step)
+//   fulgur         the Trainer with its default plugins (csv logger, model summary, checkpoint at epoch
+//                  end; progress bar only on a terminal)
+//   fulgur-bare    the Trainer with barebones = true (no loggers, callbacks or profiler)
+//   fulgur-graphs  `fulgur` with cuda_graphs = "on": the step captured once and replayed (cuda only;
+//                  bench/cuda_graphs.sh compares it with `fulgur`)
+//
+// --precision bf16-mixed: the raw loop runs its forward under bf16 autocast, the Trainer uses the
+// bf16-mixed plugin (float32 weights and optimizer either way).
 //
 // Data, initial weights and dropout masks are derived exactly as bench/python/models.py derives
 // them (seeded torch generators of the same libtorch, parameters initialised by sorted name), so
@@ -25,6 +30,7 @@
 #include <fulgur/module.h>
 #include <fulgur/trainer.h>
 
+#include <ATen/autocast_mode.h>
 #include <fmt/format.h>
 #include <sys/resource.h>
 #include <torch/torch.h>
@@ -68,6 +74,27 @@ struct Options {
   std::string root;
   int64_t spawn_ns = 0;
   std::string dtype = "float32";
+  std::string precision = "32-true";
+};
+
+// The raw loop's forward under autocast (what the bf16-mixed plugin does for the Trainer).
+class RawAutocast {
+ public:
+  RawAutocast(const Options& o) : type_(torch::Device(o.device).type()), on_(o.precision == "bf16-mixed") {
+    if (!on_) return;
+    at::autocast::set_autocast_enabled(type_, true);
+    at::autocast::set_autocast_dtype(type_, at::kBFloat16);
+    at::autocast::increment_nesting();
+  }
+  ~RawAutocast() {
+    if (!on_) return;
+    if (at::autocast::decrement_nesting() == 0) at::autocast::clear_cache();
+    at::autocast::set_autocast_enabled(type_, false);
+  }
+
+ private:
+  c10::DeviceType type_;
+  bool on_;
 };
 
 double process_cpu_s() {
@@ -271,11 +298,12 @@ struct Meter {
     return fmt::format(
         R"({{"side": "{}", "model": "{}", "batch": {}, "device": "{}", "threads": {}, "steps": {}, "first_loss": {:.17g}, )"
         R"("final_loss": {:.17g}, "steps_per_s": {:.6f}, "median_step_us": {:.3f}, "cpu_us_per_step": {:.3f}, )"
-        R"("first_step_ms": {:.3f}, "peak_rss_mib": {:.1f}, "data_sum": {:.17g}, "init_sum": {:.17g}}})",
+        R"("first_step_ms": {:.3f}, "peak_rss_mib": {:.1f}, "data_sum": {:.17g}, "init_sum": {:.17g}, "precision": "{}"}})",
         side, o.model, o.batch, o.device, at::get_num_threads(), count, first_loss, final_loss,
         static_cast<double>(timed) / window_s, us[us.size() / 2],
         (cpu_end - cpu_start) * 1e6 / static_cast<double>(timed),
-        std::chrono::duration<double, std::milli>(first_step - spawn).count(), peak_rss_mib(), data_sum, init_sum);
+        std::chrono::duration<double, std::milli>(first_step - spawn).count(), peak_rss_mib(), data_sum, init_sum,
+        o.precision);
   }
 
   std::vector<Clock::time_point> starts;  // preallocated: no allocation inside the loop
@@ -299,7 +327,10 @@ void run_raw(const Options& o, Model& m, const Pool& pool, Meter& meter) {
   for (int64_t i = 0; i < o.steps; ++i) {
     meter.step_start(i, loss);
     auto [x, y] = pool.at(i);
-    loss = m.loss(f64 && x.is_floating_point() ? x.to(device, torch::kDouble) : x.to(device), y.to(device));
+    {
+      RawAutocast autocast(o);
+      loss = m.loss(f64 && x.is_floating_point() ? x.to(device, torch::kDouble) : x.to(device), y.to(device));
+    }
     optimizer.zero_grad();
     loss.backward();
     optimizer.step();
@@ -359,7 +390,7 @@ class MeterCallback : public fulgur::Callback {
   at::Tensor last_loss_;
 };
 
-std::string trainer_toml(const Options& o, bool barebones) {
+std::string trainer_toml(const Options& o, bool barebones, bool graphs) {
   // The defaults a user gets, spelled out: csv logger, model summary and a checkpoint at epoch end;
   // the progress bar only on a terminal (Lightning's run in compare.py does the same).
   return fmt::format(R"(
@@ -373,15 +404,17 @@ default_root_dir = "{}"
 log_every_n_steps = 50
 enable_progress_bar = {}
 barebones = {}
+cuda_graphs = "{}"
 {}
 )",
-                     o.device == "cpu" ? "cpu" : "cuda", o.dtype == "float64" ? "64-true" : "32-true", kDropoutSeed,
+                     o.device == "cpu" ? "cpu" : "cuda", o.dtype == "float64" ? "64-true" : o.precision, kDropoutSeed,
                      o.root, isatty(STDOUT_FILENO) ? "true" : "false", barebones ? "true" : "false",
-                     barebones ? "" : "[[loggers]]\nname = \"csv\"\n");
+                     graphs ? "on" : "off", barebones ? "" : "[[loggers]]\nname = \"csv\"\n");
 }
 
-void run_fulgur(const Options& o, Model& m, const Pool& pool, Meter& meter, bool barebones) {
-  fulgur::Trainer trainer(fulgur::parse_config(trainer_toml(o, barebones), std::string(o.root) + "/bench.toml"));
+void run_fulgur(const Options& o, Model& m, const Pool& pool, Meter& meter, bool barebones, bool graphs) {
+  fulgur::Trainer trainer(
+      fulgur::parse_config(trainer_toml(o, barebones, graphs), std::string(o.root) + "/bench.toml"));
   trainer.add_callback(std::make_shared<MeterCallback>(meter));
   PoolData data(pool, o.steps);
   trainer.fit(*m.module, data);
@@ -400,10 +433,11 @@ int run(const Options& o) {
   const double init_sum = weight_checksum(*m.module);
   if (o.side == "raw")
     run_raw(o, m, pool, meter);
-  else if (o.side == "fulgur" || o.side == "fulgur-bare")
-    run_fulgur(o, m, pool, meter, o.side == "fulgur-bare");
+  else if (o.side == "fulgur" || o.side == "fulgur-bare" || o.side == "fulgur-graphs")
+    run_fulgur(o, m, pool, meter, o.side == "fulgur-bare", o.side == "fulgur-graphs");
   else
-    throw fulgur::Error(fulgur::ErrorKind::invalid_argument, "--side must be raw, fulgur or fulgur-bare");
+    throw fulgur::Error(fulgur::ErrorKind::invalid_argument,
+                        "--side must be raw, fulgur, fulgur-bare or fulgur-graphs");
   std::printf("BENCH_RESULT %s\n", meter.json(o.side, o, data_sum, init_sum).c_str());
   return 0;
 }
@@ -442,6 +476,8 @@ int main(int argc, char** argv) {
         o.spawn_ns = std::stoll(value());
       else if (a == "--dtype")
         o.dtype = value();
+      else if (a == "--precision")
+        o.precision = value();
       else
         throw fulgur::Error(fulgur::ErrorKind::invalid_argument, fmt::format("unexpected argument '{}'", a));
     }
@@ -449,6 +485,10 @@ int main(int argc, char** argv) {
       throw fulgur::Error(fulgur::ErrorKind::invalid_argument, "--model must be mlp, cnn or gpt");
     if (o.dtype != "float32" && o.dtype != "float64")
       throw fulgur::Error(fulgur::ErrorKind::invalid_argument, "--dtype must be float32 or float64");
+    if (o.precision != "32-true" && o.precision != "bf16-mixed")
+      throw fulgur::Error(fulgur::ErrorKind::invalid_argument, "--precision must be 32-true or bf16-mixed");
+    if (o.precision != "32-true" && o.dtype == "float64")
+      throw fulgur::Error(fulgur::ErrorKind::invalid_argument, "--precision bf16-mixed runs in --dtype float32");
     if (o.side != "raw" && o.root.empty())
       throw fulgur::Error(fulgur::ErrorKind::invalid_argument, "--root DIR is needed for the Trainer's output");
     return run(o);

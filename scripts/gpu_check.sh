@@ -7,7 +7,8 @@
 # installs what is missing (scripts/setup.sh), builds, runs the GPU tests (doctest suite "gpu",
 # CTest names "gpu: ..."), and the cuda accelerator tests, trains the Fashion-MNIST example on cuda
 # with 32-true and bf16-mixed (5 epochs each; test accuracy from the program's own output), runs
-# bench/compare.sh --device cuda on small cases, writes every log into RESULTS_DIR and prints one
+# bench/compare.sh --device cuda on small cases and bench/cuda_graphs.sh (captured steps on and
+# off, MFU in bf16), writes every log into RESULTS_DIR and prints one
 # markdown summary (also RESULTS_DIR/summary.md). Exits non-zero, saying why, without a visible GPU.
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -73,7 +74,10 @@ for precision in 32-true bf16-mixed; do step "fashion_mnist_$precision" train "$
 step bench_compare bench/compare.sh --device cuda --runs 3 --cases mlp:256:200:20,cnn:256:100:10,gpt:64:100:10 \
   --json "$out/bench_compare.json"
 
-# 5. One markdown summary, from the logs only.
+# 5. Captured steps (cuda_graphs) on the small GPT at batch 16, 32-true and bf16-mixed, with MFU.
+step bench_cuda_graphs bench/cuda_graphs.sh --runs 3 --cases gpt:16:300:30 --json "$out/bench_cuda_graphs.json"
+
+# 6. One markdown summary, from the logs only.
 {
   echo "## Fulgur GPU check ($(date -u +%Y-%m-%dT%H:%MZ), commit $(git rev-parse --short HEAD 2>/dev/null || echo '?'))"
   echo
@@ -103,6 +107,10 @@ step bench_compare bench/compare.sh --device cuda --runs 3 --cases mlp:256:200:2
   echo "### bench/compare.sh --device cuda"
   echo
   sed -n '/^torch /,$p' "$out/bench_compare.log" 2>/dev/null || echo "(no tables: see $out/bench_compare.log)"
+  echo
+  echo "### bench/cuda_graphs.sh (captured steps, MFU)"
+  echo
+  sed -n '/^device /,$p' "$out/bench_cuda_graphs.log" 2>/dev/null || echo "(no table: see $out/bench_cuda_graphs.log)"
 } >"$out/summary.md"
 cat "$out/summary.md"
 exit $status
