@@ -363,6 +363,27 @@ TEST_SUITE("gpu") {
     CHECK(counter.sum().item<double>() == 24.0);
   }
 
+  TEST_CASE("gpu: a staged batch copies on the copy stream and is ready on the current one after finish_transfer") {
+    const auto accelerator = cuda_plugin();
+    if (accelerator->device_count() == 0) {
+      MESSAGE("skipped: no CUDA device is visible");
+      return;
+    }
+    const c10::Device device(c10::DeviceType::CUDA, 0);
+    accelerator->setup_device(device);
+    fulgur::Batch batch;
+    batch.input = at::full({256, 1024}, 3.0, at::kFloat).pin_memory();
+    batch.target = at::full({256}, 7, at::kLong).pin_memory();
+    REQUIRE(accelerator->stage_transfer(device, [&] {
+      batch.input = batch.input.to(device, /*non_blocking=*/true);
+      batch.target = batch.target.to(device, /*non_blocking=*/true);
+    }));
+    accelerator->finish_transfer(device, batch);
+    CHECK(batch.input.device() == device);
+    CHECK(batch.input.sum().item<double>() == 3.0 * 256 * 1024);
+    CHECK(batch.target.sum().item<int64_t>() == 7 * 256);
+  }
+
   TEST_CASE("gpu: cuda_graphs = \"on\" trains the example in 32-true and bf16-mixed like the uncaptured run") {
     if (cuda_plugin()->device_count() == 0) {
       MESSAGE("skipped: no CUDA device is visible");

@@ -170,6 +170,9 @@ TEST_CASE("cuda_graphs = \"on\": the example warms up, captures once, replays ev
   FULGUR_CHECK_CONTAINS(off.output, "replay-graph: 0 warm-ups, 0 captures, 0 replays");
   FULGUR_CHECK_CONTAINS(on.output, "replay-graph: 3 warm-ups, 1 captures, 9 replays");
   FULGUR_CHECK_CONTAINS(on.output, "the training step was captured at batch 3 (1 logged values replayed per step)");
+  // Batches 2..6 of each epoch are transferred while the step before them runs (the first in line).
+  FULGUR_CHECK_CONTAINS(off.output, "replay-graph: 10 staged transfers, 10 finished");
+  FULGUR_CHECK_CONTAINS(on.output, "replay-graph: 10 staged transfers, 10 finished");
   // The same training: the fused Adam kernels round differently from libtorch's Adam, no more.
   const double diff = max_weight_difference(off_dir / "ckpt" / "last.ckpt", on_dir / "ckpt" / "last.ckpt");
   CHECK(diff < 1e-4);

@@ -28,6 +28,8 @@ StepGraph::~StepGraph() = default;
 
 std::string Accelerator::device_name(const c10::Device& device) const { return device.str(); }
 std::unique_ptr<StepGraph> Accelerator::make_step_graph(const c10::Device&) { return nullptr; }
+bool Accelerator::stage_transfer(const c10::Device&, const std::function<void()>&) { return false; }
+void Accelerator::finish_transfer(const c10::Device&, Batch&) {}
 
 c10::ScalarType Precision::compute_dtype() const { return c10::ScalarType::Float; }
 std::string Precision::step_capture_refusal() const {

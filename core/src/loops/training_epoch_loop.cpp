@@ -50,6 +50,16 @@ void TrainingEpochLoop::run(BatchLoader& train) {
     if (agree_on_end && !strategy.reduce_boolean_decision(batch.has_value(), /*all=*/true)) batch.reset();
     return batch;
   };
+  // Staged transfers (an accelerator with a copy stream): once batch n's step is queued (and any
+  // validation after it has run), batch n+1 goes through its transfer hooks and copies on the copy
+  // stream, overlapping step n on the device; its own step waits for the copy. The hooks run in
+  // Lightning's order either way: batch n+1 is transferred after batch n ended, before it starts.
+  Accelerator& accelerator = *t.plugins_.accelerator;
+  const c10::Device device = t.device();
+  bool next_staged = false;
+  auto stage_next = [&] {
+    next_staged = next && accelerator.stage_transfer(device, [&] { *next = t.transfer(std::move(*next)); });
+  };
   // Signals: with several processes on Gloo the ranks vote one batch behind (SignalVote).
   std::optional<SignalVote> vote;
   if (strategy.cluster().world_size > 1)
@@ -58,17 +68,20 @@ void TrainingEpochLoop::run(BatchLoader& train) {
   if (!batches_done(skip)) next = fetch();
   for (int64_t batch_idx = skip; next; ++batch_idx) {
     Batch batch = std::move(*next);
+    const bool staged = next_staged;
     next.reset();
+    next_staged = false;
     if (!batches_done(batch_idx + 1)) next = fetch();
     is_last_batch_ = !next.has_value();
     epoch_was_empty_ = false;
-    run_batch(batch, batch_idx);
+    run_batch(batch, batch_idx, staged);
     if (validate_this_epoch && val_check_batches_ > 0 && (batch_idx + 1) % val_check_batches_ == 0 && !is_last_batch_)
       val_loop_.run(/*sanity=*/false);
     if (vote ? vote->after_batch() : interrupt_due(t)) interrupt_at_safe_point(t);  // after the step and its validation
     // Mid-epoch, the fit loop's epoch limit cannot hold yet: this checks max_steps, max_time and
     // a requested stop.
     if (fit_.done()) break;
+    stage_next();
   }
   if (vote && vote->finish()) interrupt_at_safe_point(t);  // the last batch's vote
   epoch_end_phase_ = true;
@@ -113,7 +126,7 @@ void TrainingEpochLoop::manual_backward(const at::Tensor& loss) {
   t.hooks_.module("on_after_backward", [&] { t.module_->on_after_backward(); });
 }
 
-void TrainingEpochLoop::run_batch(Batch& batch, int64_t batch_idx) {
+void TrainingEpochLoop::run_batch(Batch& batch, int64_t batch_idx, bool staged) {
   Trainer::Impl& t = trainer_;
   HookDispatcher& hooks = t.hooks_;
   Module& module = *t.module_;
@@ -127,7 +140,10 @@ void TrainingEpochLoop::run_batch(Batch& batch, int64_t batch_idx) {
   // _batches_that_stepped), due every log_every_n_steps steps and on the last batch.
   row_step_ = position_.global_step;
   step_row_due_ = (position_.global_step + (steps ? 1 : 0)) % t.settings_.log_every_n_steps == 0 || is_last_batch_;
-  batch = t.transfer(std::move(batch));
+  if (staged)
+    t.plugins_.accelerator->finish_transfer(t.device(), batch);  // transferred while the last step ran
+  else
+    batch = t.transfer(std::move(batch));
   t.binding_.batch_size = batch.size();
   LogContext log(t.binding_, &t.logging_.train_metrics(), /*training=*/true, /*allowed=*/true);
   in_batch_ = true;

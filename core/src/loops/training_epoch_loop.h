@@ -67,7 +67,8 @@ class TrainingEpochLoop {
   bool load_state_dict(const c10::impl::GenericDict& fit_loop_state, const std::string& path);
 
  private:
-  void run_batch(Batch& batch, int64_t batch_idx);
+  // `staged`: the accelerator already transferred the batch (stage_transfer); else it is here.
+  void run_batch(Batch& batch, int64_t batch_idx, bool staged);
   // The batch's step through capture_ when it is active; nullopt: the ordinary path runs it.
   std::optional<StepOutput> run_captured(Batch& batch, int64_t batch_idx);
   bool batches_done(int64_t batch_idx) const { return num_batches_ >= 0 && batch_idx >= num_batches_; }

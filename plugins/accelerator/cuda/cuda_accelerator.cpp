@@ -17,6 +17,7 @@
 #include <fmt/format.h>
 
 #include <cstdlib>
+#include <optional>
 #include <string>
 
 #include "cuda_devices.h"
@@ -169,6 +170,36 @@ class CudaAccelerator final : public fulgur::Accelerator {
     return at::cuda::getDeviceProperties(device.index() < 0 ? 0 : device.index())->name;
   }
 
+  // The next batch's copies on a stream of their own: they overlap the step queued before them on
+  // the current stream (pinned batches copy asynchronously). The Trainer stages one batch at a
+  // time, so one event orders it: finish_transfer makes the current stream wait for it and marks
+  // the batch's memory as used there (it was allocated on the copy stream).
+  bool stage_transfer(const c10::Device& device, const std::function<void()>& transfer) override {
+    if (!device.is_cuda() || device_count() <= 0) return false;
+    const c10::DeviceIndex index = device.index() < 0 ? c10::cuda::current_device() : device.index();
+    if (!copy_stream_ || copy_stream_->device_index() != index)
+      copy_stream_ = c10::cuda::getStreamFromPool(/*isHighPriority=*/false, index);
+    {
+      c10::cuda::CUDAStreamGuard guard(*copy_stream_);
+      transfer();
+    }
+    copied_.record(*copy_stream_);
+    return true;
+  }
+
+  void finish_transfer(const c10::Device& device, fulgur::Batch& batch) override {
+    if (!copy_stream_) return;
+    const c10::cuda::CUDAStream current = c10::cuda::getCurrentCUDAStream(copy_stream_->device_index());
+    copied_.block(current);
+    auto used_here = [&](at::Tensor& t) {
+      if (t.defined() && t.is_cuda()) t.record_stream(current);
+    };
+    used_here(batch.input);
+    used_here(batch.target);
+    for (at::Tensor& t : batch.extra) used_here(t);
+    (void)device;
+  }
+
   std::unique_ptr<fulgur::StepGraph> make_step_graph(const c10::Device& device) override {
     if (!device.is_cuda() || device_count() <= 0) return nullptr;
     return std::make_unique<CudaStepGraph>(device.index() < 0 ? c10::cuda::current_device() : device.index());
@@ -177,6 +208,8 @@ class CudaAccelerator final : public fulgur::Accelerator {
  private:
   bool benchmark_;
   std::string matmul_precision_;
+  std::optional<c10::cuda::CUDAStream> copy_stream_;
+  at::cuda::CUDAEvent copied_;
 };
 
 }  // namespace

@@ -31,6 +31,7 @@ extern "C" {
  * training batch size and batch-size trials; 5 gave Strategy::configure_model a ModelBuild and
  * BlockHooks block_built (blocks sharded as the Module builds them); 6 added captured steps
  * (Accelerator::make_step_graph and StepGraph, step_capture_refusal on Strategy and Precision),
+ * staged batch transfers (Accelerator::stage_transfer/finish_transfer),
  * Accelerator::device_name, Precision::compute_dtype and the TrainerContext's device_name and
  * compute_dtype (peak FLOP/s tables). */
 #define FULGUR_CXX_INTERFACE_MAJOR 6

@@ -55,6 +55,15 @@ class FULGUR_SDK_API Accelerator {
   virtual std::string device_name(const c10::Device& device) const;
   // A StepGraph on `device`, or nullptr where this accelerator cannot capture steps (the default).
   virtual std::unique_ptr<StepGraph> make_step_graph(const c10::Device& device);
+  // Overlapped batch copies (cuda: a side stream). The Trainer fetches the next training batch
+  // before running the current step; where this returns true it has run `transfer` (the batch's
+  // transfer hooks and copies to `device`) so that the copies overlap the steps already queued,
+  // and the Trainer calls finish_transfer before the batch's step uses it. Default: false,
+  // without calling `transfer` (the batch is transferred in line, at its step).
+  virtual bool stage_transfer(const c10::Device& device, const std::function<void()>& transfer);
+  // Makes the batch that stage_transfer copied safe to use on the current stream (it waits for the
+  // copies; the memory is marked as used there).
+  virtual void finish_transfer(const c10::Device& device, Batch& batch);
 };
 
 }  // namespace fulgur
