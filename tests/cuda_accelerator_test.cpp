@@ -16,9 +16,12 @@
 #include "../plugins/callback/throughput_monitor/peak_flops.h"
 
 #include <ATen/Context.h>
+#include <ATen/ops/empty.h>
 #include <ATen/ops/equal.h>
 #include <ATen/ops/full.h>
 #include <ATen/ops/ones.h>
+#include <ATen/ops/rand.h>
+#include <ATen/ops/randn.h>
 #include <ATen/ops/scalar_tensor.h>
 #include <ATen/ops/zeros.h>
 #include <doctest/doctest.h>
@@ -358,9 +361,34 @@ TEST_SUITE("gpu") {
     const fulgur::Error refused = error_from([&] { syncing->capture([&] { (void)counter.sum().item<double>(); }); });
     INFO(refused.what());
     CHECK(std::string(refused.what()).find('\n') == std::string::npos);
-    // The device is usable after the refused capture.
+    // The device is usable after the refused capture: kernels, random numbers outside a graph (the
+    // generator left capture mode), memory freed after use on another stream is reused, and a new
+    // capture with random numbers draws new ones at every replay.
     counter.add_(1);
     CHECK(counter.sum().item<double>() == 24.0);
+    CHECK(at::randn({8}, at::TensorOptions().device(device)).defined());
+    // Staged copies are allocated on the copy stream and marked used on the current one: their
+    // blocks are reused only through the allocator's stream events, which a capture left
+    // "underway" would stop processing.
+    const at::Tensor host = at::ones({64, 1024, 1024}, at::kFloat).pin_memory();  // 256 MiB
+    accelerator->synchronize(device);
+    const double reserved_before = accelerator->device_stats(device).at("reserved_bytes.all.current");
+    for (int i = 0; i < 20; ++i) {
+      fulgur::Batch staged;
+      REQUIRE(accelerator->stage_transfer(device, [&] { staged.input = host.to(device, /*non_blocking=*/true); }));
+      accelerator->finish_transfer(device, staged);
+      staged.input.add_(1);
+    }
+    accelerator->synchronize(device);
+    CHECK(accelerator->device_stats(device).at("reserved_bytes.all.current") <= reserved_before + 3 * 268435456.0);
+    at::Tensor noise = at::zeros({1024}, at::TensorOptions().device(device));
+    auto random = accelerator->make_step_graph(device);
+    random->warm_up([&] { noise.copy_(at::rand({1024}, noise.options())); });
+    random->capture([&] { noise.copy_(at::rand({1024}, noise.options())); });
+    random->replay();
+    const at::Tensor first = noise.clone();
+    random->replay();
+    CHECK_FALSE(at::equal(first, noise));
   }
 
   TEST_CASE("gpu: a staged batch copies on the copy stream and is ready on the current one after finish_transfer") {

@@ -52,9 +52,30 @@ void check_fused_equals_libtorch(bool amsgrad, double weight_decay) {
   REQUIRE(fulgur::CapturableAdam::refusal(actual).empty());
   fulgur::CapturableAdam capturable(actual);
   capturable.sync_from_host();
-  for (int step = 0; step < 6; ++step) {
+  using State = std::conditional_t<std::is_same_v<Optimizer, torch::optim::AdamW>, torch::optim::AdamWParamState,
+                                   torch::optim::AdamParamState>;
+  const at::Tensor recorded_exp_avg =
+      static_cast<State&>(*actual.state().at(fused->weight.unsafeGetTensorImpl())).exp_avg();
+  for (int step = 0; step < 8; ++step) {
     if (step == 3)  // a scheduler's change of lr reaches the device copy through refresh_lr
       for (auto* o : {&expected, &actual}) o->param_groups()[0].options().set_lr(7e-3);
+    if (step == 5) {
+      // Something replaces the optimizer's state (a checkpoint load, lr_finder's restore): new
+      // objects, new tensors, other values. The recorded tensors take the values over.
+      for (auto* o : {&expected, &actual})
+        for (auto& [key, base] : o->state()) {
+          auto& old = static_cast<State&>(*base);
+          auto fresh = std::make_unique<State>();
+          fresh->step(old.step() + 10);
+          fresh->exp_avg(old.exp_avg() * 0.5);
+          fresh->exp_avg_sq(old.exp_avg_sq() * 2.0);
+          if (amsgrad) fresh->max_exp_avg_sq(old.max_exp_avg_sq() * 2.0);
+          base = std::move(fresh);
+        }
+      capturable.adopt_replaced_state();
+      auto& now = static_cast<State&>(*actual.state().at(fused->weight.unsafeGetTensorImpl()));
+      CHECK(now.exp_avg().is_same(recorded_exp_avg));  // the state points at the recorded tensor again
+    }
     for (auto [r, f] : {std::pair{reference->weight, fused->weight}, std::pair{reference->bias, fused->bias}}) {
       const at::Tensor g = at::randn(r.sizes());
       r.mutable_grad() = g.clone();
@@ -63,16 +84,14 @@ void check_fused_equals_libtorch(bool amsgrad, double weight_decay) {
     expected.step();
     capturable.refresh_lr();
     capturable.step();
-    capturable.advance_host_steps();
+    capturable.advance_host_steps(/*replayed=*/false);
   }
   for (auto [r, f] : {std::pair{reference->weight, fused->weight}, std::pair{reference->bias, fused->bias}}) {
     CHECK(at::allclose(r, f, 1e-5, 1e-6));
-    using State = std::conditional_t<std::is_same_v<Optimizer, torch::optim::AdamW>, torch::optim::AdamWParamState,
-                                     torch::optim::AdamParamState>;
     auto& rs = static_cast<State&>(*expected.state().at(r.unsafeGetTensorImpl()));
     auto& fs_ = static_cast<State&>(*actual.state().at(f.unsafeGetTensorImpl()));
-    CHECK(rs.step() == 6);
-    CHECK(fs_.step() == 6);  // the host counts checkpoints save
+    CHECK(rs.step() == 18);
+    CHECK(fs_.step() == 18);  // the host counts checkpoints save
     CHECK(at::allclose(rs.exp_avg(), fs_.exp_avg(), 1e-5, 1e-7));
     CHECK(at::allclose(rs.exp_avg_sq(), fs_.exp_avg_sq(), 1e-5, 1e-7));
     if (amsgrad) CHECK(at::allclose(rs.max_exp_avg_sq(), fs_.max_exp_avg_sq(), 1e-5, 1e-7));
@@ -197,6 +216,18 @@ TEST_CASE("cuda_graphs = \"on\": the example warms up, captures once, replays ev
   const ProcessRun straight = run_job(straight_dir, kReplayAccelerator, "", 192, 3);
   REQUIRE(straight.exit_code == 0);
   CHECK(max_weight_difference(straight_dir / "ckpt" / "last.ckpt", resumed_dir / "ckpt" / "last.ckpt") < 1e-4);
+}
+
+TEST_CASE("cuda_graphs: the step is not captured on an epoch's last batch but on the next one shaped like it") {
+  // 128 images: 4 full batches per epoch. Batches 0-2 warm up; batch 3 is the epoch's last (it
+  // could be smaller), so it warms up too; the capture is the next epoch's first batch.
+  TempDir dir;
+  const ProcessRun on = run_job(dir.subdir("on"), kReplayAccelerator + "cuda_graphs = \"on\"\n", "", 128);
+  INFO(on.output);
+  REQUIRE(on.exit_code == 0);
+  FULGUR_CHECK_CONTAINS(on.output, "the training step was captured at batch 0");
+  FULGUR_CHECK_CONTAINS(on.output, "replay-graph: 4 warm-ups, 1 captures, 4 replays");
+  CHECK(logged_losses(dir.path() / "on").size() == 8);
 }
 
 TEST_CASE("cuda_graphs: refusals say why in one line, and \"try\" trains uncaptured instead") {

@@ -27,7 +27,8 @@ struct Module::Binding {
   bool logging_allowed = false;    // false in hooks where Lightning forbids self.log
   int64_t batch_size = 0;          // of the current batch (weights epoch means)
   std::string name_suffix;         // appended to logged names ("/dataloader_idx_1" with several loaders)
-  std::vector<RecordedLog>* recorded_logs = nullptr;  // set while a training step is captured
+  std::vector<RecordedLog>* recorded_logs = nullptr;   // set while a training step is captured
+  c10::Device recording_device{c10::DeviceType::CPU};  // where values logged while capturing must live
   std::vector<torch::optim::Optimizer*> optimizers;
   Strategy* strategy = nullptr;
   Precision* precision = nullptr;

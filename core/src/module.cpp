@@ -45,6 +45,12 @@ void Module::log(const std::string& name, const at::Tensor& value, const LogOpti
                             name));
   std::string full_name = binding_->name_suffix.empty() ? name : name + binding_->name_suffix;
   if (binding_->recorded_logs) {  // the step is being captured: the value is logged after each replay
+    if (value.device() != binding_->recording_device)
+      throw Error(ErrorKind::invalid_argument,
+                  fmt::format("log('{}') inside a captured training step (cuda_graphs) logs a value on {} (a host "
+                              "number), which a replay cannot update; log a tensor the step computes on {}, or log "
+                              "it from a hook outside the step",
+                              name, value.device().str(), binding_->recording_device.str()));
     binding_->recorded_logs->push_back(RecordedLog{std::move(full_name), value.detach(), options});
     return;
   }

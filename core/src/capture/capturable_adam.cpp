@@ -68,8 +68,51 @@ struct CapturableAdam::Group {
     torch::optim::OptimizerParamState* host = nullptr;
   };
   std::map<std::pair<c10::ScalarType, std::string>, std::vector<Parameter>> by_dtype;
-  std::vector<torch::optim::OptimizerParamState*> stepped;  // by the last step()
 };
+
+namespace {
+
+using Parameter = CapturableAdam::Group::Parameter;
+
+template <class State>
+void adopt(torch::optim::Optimizer& optimizer, Parameter& e, bool amsgrad) {
+  auto& states = optimizer.state();
+  auto it = states.find(e.param.unsafeGetTensorImpl());
+  if (it == states.end()) {  // cleared: a fresh state, in the recorded tensors
+    e.exp_avg.zero_();
+    e.exp_avg_sq.zero_();
+    if (amsgrad) e.max_exp_avg_sq.zero_();
+    e.step.zero_();
+    auto state = std::make_unique<State>();
+    state->step(0);
+    state->exp_avg(e.exp_avg);
+    state->exp_avg_sq(e.exp_avg_sq);
+    if (amsgrad) state->max_exp_avg_sq(e.max_exp_avg_sq);
+    e.host = state.get();
+    states.emplace(e.param.unsafeGetTensorImpl(), std::move(state));
+    return;
+  }
+  auto& state = static_cast<State&>(*it->second);
+  const bool same = it->second.get() == e.host && state.exp_avg().is_same(e.exp_avg) &&
+                    state.exp_avg_sq().is_same(e.exp_avg_sq) &&
+                    (!amsgrad || state.max_exp_avg_sq().is_same(e.max_exp_avg_sq));
+  if (same) return;
+  e.exp_avg.copy_(state.exp_avg());
+  e.exp_avg_sq.copy_(state.exp_avg_sq());
+  if (amsgrad) {
+    if (state.max_exp_avg_sq().defined())
+      e.max_exp_avg_sq.copy_(state.max_exp_avg_sq());
+    else
+      e.max_exp_avg_sq.zero_();
+  }
+  e.step.fill_(static_cast<double>(state.step()));
+  state.exp_avg(e.exp_avg);
+  state.exp_avg_sq(e.exp_avg_sq);
+  if (amsgrad) state.max_exp_avg_sq(e.max_exp_avg_sq);
+  e.host = &state;
+}
+
+}  // namespace
 
 std::string CapturableAdam::refusal(torch::optim::Optimizer& optimizer) {
   if (!dynamic_cast<torch::optim::Adam*>(&optimizer) && !dynamic_cast<torch::optim::AdamW*>(&optimizer))
@@ -90,6 +133,8 @@ CapturableAdam::~CapturableAdam() = default;
 
 void CapturableAdam::sync_from_host() {
   groups_.clear();
+  last_.clear();
+  captured_.clear();
   for (auto& group : optimizer_.param_groups()) {
     auto g = std::make_unique<Group>();
     g->hp = hyperparameters_of(group.options());
@@ -146,9 +191,20 @@ void CapturableAdam::check_hyperparameters() const {
   }
 }
 
+void CapturableAdam::adopt_replaced_state() {
+  for (auto& g : groups_)
+    for (auto& [key, entries] : g->by_dtype)
+      for (auto& e : entries) {
+        if (decoupled_weight_decay_)
+          adopt<torch::optim::AdamWParamState>(optimizer_, e, g->hp.amsgrad);
+        else
+          adopt<torch::optim::AdamParamState>(optimizer_, e, g->hp.amsgrad);
+      }
+}
+
 void CapturableAdam::step() {
+  last_.clear();
   for (auto& g : groups_) {
-    g->stepped.clear();
     for (auto& [key, entries] : g->by_dtype) {
       std::vector<at::Tensor> params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps;
       for (auto& e : entries) {
@@ -160,7 +216,7 @@ void CapturableAdam::step() {
         exp_avg_sqs.push_back(e.exp_avg_sq);
         if (g->hp.amsgrad) max_exp_avg_sqs.push_back(e.max_exp_avg_sq);
         steps.push_back(e.step);
-        g->stepped.push_back(e.host);
+        last_.push_back(&e);
       }
       if (params.empty()) continue;
       // The kernels read the incremented count (Python's fused Adam adds 1 before calling them).
@@ -176,17 +232,17 @@ void CapturableAdam::step() {
   }
 }
 
-void CapturableAdam::advance_host_steps() {
-  for (auto& g : groups_)
-    for (auto* state : g->stepped) {
-      if (decoupled_weight_decay_) {
-        auto& s = static_cast<torch::optim::AdamWParamState&>(*state);
-        s.step(s.step() + 1);
-      } else {
-        auto& s = static_cast<torch::optim::AdamParamState&>(*state);
-        s.step(s.step() + 1);
-      }
+void CapturableAdam::advance_host_steps(bool replayed) {
+  for (void* entry : replayed ? captured_ : last_) {
+    torch::optim::OptimizerParamState* state = static_cast<Group::Parameter*>(entry)->host;
+    if (decoupled_weight_decay_) {
+      auto& s = static_cast<torch::optim::AdamWParamState&>(*state);
+      s.step(s.step() + 1);
+    } else {
+      auto& s = static_cast<torch::optim::AdamParamState&>(*state);
+      s.step(s.step() + 1);
     }
+  }
 }
 
 }  // namespace fulgur

@@ -38,17 +38,26 @@ class CapturableAdam {
   void refresh_lr();
   // One step of every parameter that has a gradient: device work only, no host synchronisation.
   void step();
-  // The host step counts after a step() that ran (replayed or eager).
-  void advance_host_steps();
+  // The parameters the last step() stepped are the ones a recorded step steps: call after the
+  // step() inside a capture.
+  void remember_captured_step() { captured_ = last_; }
+  // The host step counts after a step ran: the last step() (eager), or the recorded one (replay).
+  void advance_host_steps(bool replayed);
+  // The tensors a recorded step updates must stay the optimizer's state: where something replaced
+  // the state (a checkpoint or a callback loaded it), its values are copied into the recorded
+  // tensors and the new state objects are pointed at them. Cheap: one lookup per parameter.
+  void adopt_replaced_state();
   // Throws fulgur::Error(config) when a group's betas, eps, weight decay or amsgrad changed since
   // sync_from_host(): a captured step keeps them as recorded (only lr is read at each replay).
   void check_hyperparameters() const;
 
+  struct Group;  // defined in the .cpp: one param group's recorded tensors
+
  private:
-  struct Group;
   torch::optim::Optimizer& optimizer_;
   bool decoupled_weight_decay_ = false;  // AdamW
   std::vector<std::unique_ptr<Group>> groups_;
+  std::vector<void*> last_, captured_;  // Group::Parameter entries stepped
 };
 
 }  // namespace fulgur

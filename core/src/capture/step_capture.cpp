@@ -113,7 +113,7 @@ void StepCapture::refuse(const std::string& reason, bool give_up) {
   }
 }
 
-std::string StepCapture::shape_mismatch(const Batch& batch) const {
+std::string StepCapture::shape_mismatch(const Batch& batch, const Batch& reference) {
   auto differs = [&](const char* what, const at::Tensor& now, const at::Tensor& then) -> std::string {
     if (same_layout(now, then)) return {};
     return fmt::format(
@@ -121,13 +121,13 @@ std::string StepCapture::shape_mismatch(const Batch& batch) const {
         "drop_last = true in the data loader keeps the last batch from being smaller)",
         what, shape_text(now), shape_text(then));
   };
-  if (auto why = differs("input", batch.input, static_batch_.input); !why.empty()) return why;
-  if (auto why = differs("target", batch.target, static_batch_.target); !why.empty()) return why;
-  if (batch.extra.size() != static_batch_.extra.size())
+  if (auto why = differs("input", batch.input, reference.input); !why.empty()) return why;
+  if (auto why = differs("target", batch.target, reference.target); !why.empty()) return why;
+  if (batch.extra.size() != reference.extra.size())
     return fmt::format("the batch has {} extra tensors, the captured step {}", batch.extra.size(),
-                       static_batch_.extra.size());
+                       reference.extra.size());
   for (size_t i = 0; i < batch.extra.size(); ++i)
-    if (auto why = differs(fmt::format("extra[{}]", i).c_str(), batch.extra[i], static_batch_.extra[i]); !why.empty())
+    if (auto why = differs(fmt::format("extra[{}]", i).c_str(), batch.extra[i], reference.extra[i]); !why.empty())
       return why;
   return {};
 }
@@ -179,20 +179,35 @@ void StepCapture::log_recorded() {
     store->log(r.name, r.value.clone(), r.options, t_.binding_.training_context, t_.binding_.batch_size);
 }
 
+// What the hooks after the step see: copies, since the graph's own output tensors are rewritten
+// by the next replay (a callback may keep them).
+StepOutput StepCapture::output_copy() const {
+  StepOutput out;
+  if (static_output_.loss.defined()) out.loss = static_output_.loss.detach().clone();
+  for (const auto& [name, value] : static_output_.extra) out.extra[name] = value.defined() ? value.clone() : value;
+  return out;
+}
+
 std::optional<StepOutput> StepCapture::run(Batch& batch, int64_t batch_idx) {
   if (!active_) return std::nullopt;
   if (!adam_synced_) {  // the optimizer's state as resumed or as left by a batch-size trial
     adam_->sync_from_host();
     adam_synced_ = true;
   }
+  adam_->adopt_replaced_state();  // a callback or a checkpoint load may have replaced it
   adam_->check_hyperparameters();
   adam_->refresh_lr();  // schedulers move the host lr; the device copy is read at the launch
 
-  if (warmups_done_ < kWarmupSteps) {
+  // Warm-up, and no capture on the epoch's last batch or on a batch shaped unlike the one before
+  // it: the recording must be of the shape most batches have (a smaller last batch would make
+  // every full one mismatch).
+  const bool shaped_like_last = previous_batch_.input.defined() && shape_mismatch(batch, previous_batch_).empty();
+  if (!captured_ && (warmups_done_ < kWarmupSteps || !shaped_like_last || t_.is_last_batch())) {
     StepOutput output;
     graph_->warm_up([&] { output = eager_step(batch, batch_idx, /*grads_to_none=*/true); });
-    adam_->advance_host_steps();
+    adam_->advance_host_steps(/*replayed=*/false);
     ++warmups_done_;
+    previous_batch_ = batch;  // (the same tensors: kept only until the capture)
     return output;
   }
 
@@ -205,6 +220,7 @@ std::optional<StepOutput> StepCapture::run(Batch& batch, int64_t batch_idx) {
       graph_->capture([&] {
         recorded_logs_.clear();
         t_.binding_.recorded_logs = &recorded_logs_;
+        t_.binding_.recording_device = t_.device();
         // Autocast's cast cache would keep casts made inside the recording past it: every use casts
         // anew while capturing (as torch.cuda.make_graphed_callables requires).
         struct Restore {
@@ -217,9 +233,11 @@ std::optional<StepOutput> StepCapture::run(Batch& batch, int64_t batch_idx) {
         } restore{t_.binding_};
         at::autocast::set_autocast_cache_enabled(false);
         static_output_ = eager_step(static_batch_, batch_idx, /*grads_to_none=*/true);
+        adam_->remember_captured_step();
       });
     } catch (const std::exception& e) {
       t_.binding_.recorded_logs = nullptr;
+      recorded_logs_.clear();
       static_batch_ = {};
       static_output_ = {};
       refuse(reason_of(e), /*give_up=*/true);
@@ -228,24 +246,25 @@ std::optional<StepOutput> StepCapture::run(Batch& batch, int64_t batch_idx) {
       return std::nullopt;
     }
     captured_ = true;
+    previous_batch_ = {};
     graph_->replay();
-    adam_->advance_host_steps();
+    adam_->advance_host_steps(/*replayed=*/true);
     spdlog::debug("cuda_graphs: the training step was captured at batch {} ({} logged values replayed per step)",
                   batch_idx, recorded_logs_.size());
     log_recorded();
-    return static_output_;
-  } else if (const std::string why = shape_mismatch(batch); !why.empty()) {
+    return output_copy();
+  }
+  if (const std::string why = shape_mismatch(batch, static_batch_); !why.empty()) {
     refuse(why, /*give_up=*/false);
     StepOutput output = eager_step(batch, batch_idx, /*grads_to_none=*/false);
-    adam_->advance_host_steps();
+    adam_->advance_host_steps(/*replayed=*/false);
     return output;
-  } else {
-    copy_into_static(batch);
   }
+  copy_into_static(batch);
   graph_->replay();
-  adam_->advance_host_steps();
+  adam_->advance_host_steps(/*replayed=*/true);
   log_recorded();
-  return static_output_;
+  return output_copy();
 }
 
 }  // namespace fulgur

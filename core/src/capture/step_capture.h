@@ -5,7 +5,8 @@
 //   prepare()        at fit start: what can be known before training is checked (the accelerator
 //                    can capture, one Adam/AdamW optimizer, no accumulation, a strategy and a
 //                    precision that opt in, no callback hook inside the step, ...)
-//   3 warm-up steps  eager, on the capture stream, with the capturable optimizer step
+//   3 warm-up steps  eager, on the capture stream, with the capturable optimizer step (more when
+//                    the next batch is the epoch's last or shaped unlike the one before it)
 //   capture          the next step is recorded on static copies of its batch, then replayed
 //   replays          each batch is copied into the static buffers and the graph replayed; values
 //                    the step logged are logged again from the graph's output tensors
@@ -51,7 +52,9 @@ class StepCapture {
   StepOutput eager_step(Batch& batch, int64_t batch_idx, bool grads_to_none);
   // Under "on": throws `reason` as the run's error. Under "try": warns once and returns.
   void refuse(const std::string& reason, bool give_up);
-  std::string shape_mismatch(const Batch& batch) const;
+  // Why `batch` cannot replay a step recorded for `reference` ("" when it can).
+  static std::string shape_mismatch(const Batch& batch, const Batch& reference);
+  StepOutput output_copy() const;
   void copy_into_static(const Batch& batch);
   void log_recorded();
 
@@ -64,6 +67,7 @@ class StepCapture {
   bool adam_synced_ = false;
   int64_t warmups_done_ = 0;
   bool captured_ = false;
+  Batch previous_batch_;  // the last warm-up batch: a capture needs two alike in a row
   Batch static_batch_;
   StepOutput static_output_;
   std::vector<RecordedLog> recorded_logs_;

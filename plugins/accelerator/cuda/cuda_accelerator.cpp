@@ -6,8 +6,10 @@
 #include <fulgur/plugin.h>
 
 #include <ATen/Context.h>
+#include <ATen/core/CachingHostAllocator.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <ATen/cuda/CUDAEvent.h>
+#include <ATen/cuda/CUDAGeneratorImpl.h>
 #include <ATen/cuda/CUDAGraph.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAFunctions.h>
@@ -48,56 +50,90 @@ class CudaStepGraph final : public fulgur::StepGraph {
 
   void capture(const std::function<void()>& step) override {
     graph_ = std::make_unique<at::cuda::CUDAGraph>();
+    // Our own pool id, so that a failed capture can release what capture_begin set up (the
+    // graph only does that after a successful capture_end), and the default generator's state,
+    // which capture_begin marks as capturing until capture_end.
+    const auto pool = at::cuda::graph_pool_handle();
+    at::Generator generator = at::cuda::detail::getDefaultCUDAGenerator(index_);
+    at::Generator before;
+    {
+      std::lock_guard<std::mutex> lock(generator.mutex());
+      before = generator.clone();
+    }
+    bool begun = false;
     try {
       on_side_stream([&] {
-        graph_->capture_begin({0, 0}, cudaStreamCaptureModeThreadLocal);
-        try {
-          step();
-        } catch (...) {
-          abandon_capture();
-          throw;
-        }
+        graph_->capture_begin(pool, cudaStreamCaptureModeThreadLocal);
+        begun = true;
+        step();
         graph_->capture_end();
+        begun = false;
       });
-    } catch (const c10::Error& e) {
+    } catch (const std::exception& e) {
+      if (begun) abandon_capture(pool, generator, before);
       graph_.reset();
       (void)cudaGetLastError();  // a refused capture leaves no error behind for the next kernel
       // CUDA errors carry advice lines (CUDA_LAUNCH_BLOCKING, ...) after the cause: keep the cause.
-      const std::string text = e.what_without_backtrace();
+      const auto* c10_error = dynamic_cast<const c10::Error*>(&e);
+      const std::string text = c10_error ? c10_error->what_without_backtrace() : e.what();
       throw fulgur::Error(fulgur::ErrorKind::runtime, text.substr(0, text.find('\n')));
-    } catch (...) {
-      graph_.reset();
-      (void)cudaGetLastError();
-      throw;
     }
   }
 
   void replay() override { graph_->replay(); }
 
  private:
+  // Runs `fn` on the side stream, ordered after the work queued on the current stream and before
+  // the work queued there afterwards, also when `fn` throws (the current stream must not reuse
+  // memory the side stream may still read).
   template <class Fn>
   void on_side_stream(Fn&& fn) {
     const c10::cuda::CUDAStream current = c10::cuda::getCurrentCUDAStream(index_);
     at::cuda::CUDAEvent ready;
     ready.record(current);
     ready.block(stream_);
-    {
-      c10::cuda::CUDAStreamGuard guard(stream_);
-      fn();
-    }
-    at::cuda::CUDAEvent done;
-    done.record(stream_);
-    done.block(current);
+    struct Rejoin {
+      c10::cuda::CUDAStream side, current;
+      ~Rejoin() {
+        at::cuda::CUDAEvent done;
+        done.record(side);
+        done.block(current);
+      }
+    } rejoin{stream_, current};
+    c10::cuda::CUDAStreamGuard guard(stream_);
+    fn();
   }
 
-  // The step threw during capture: end the capture on the stream (the recording is dropped), so
-  // that the stream leaves capture mode; the caching allocator routes allocations to the graph's
-  // pool only while the stream captures, so later work allocates as before.
-  void abandon_capture() {
-    cudaGraph_t partial = nullptr;
-    (void)cudaStreamEndCapture(stream_.stream(), &partial);
-    if (partial) (void)cudaGraphDestroy(partial);
+  // The capture failed between capture_begin and capture_end: ends the stream's capture (the
+  // recording is dropped), then undoes what capture_begin set up and only a successful
+  // capture_end undoes: the caching allocators' routing of this stream's allocations into the
+  // graph's pool (else they would stay in "capture underway" mode and never reuse freed blocks),
+  // the pool itself, and the generator's capturing flag (else the next random op outside a graph
+  // fails). Each step is best effort: this runs while an error is already on its way.
+  void abandon_capture(const decltype(at::cuda::graph_pool_handle())& pool, at::Generator& generator,
+                       const at::Generator& before) {
+    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+    if (cudaStreamIsCapturing(stream_.stream(), &status) == cudaSuccess && status != cudaStreamCaptureStatusNone) {
+      cudaGraph_t partial = nullptr;
+      (void)cudaStreamEndCapture(stream_.stream(), &partial);
+      if (partial) (void)cudaGraphDestroy(partial);
+    }
     (void)cudaGetLastError();
+    auto quietly = [](auto&& fn) {
+      try {
+        fn();
+      } catch (...) {
+      }
+    };
+    quietly([&] { c10::cuda::CUDACachingAllocator::endAllocateToPool(index_, pool); });
+    quietly([&] { at::getHostAllocator(at::kCUDA)->end_allocate_to_pool(pool); });
+    quietly([&] {
+      std::lock_guard<std::mutex> lock(generator.mutex());
+      generator.graphsafe_set_state(before);
+    });
+    graph_.reset();  // unregisters from the generator; releases no pool (capture_end never ran)
+    quietly([&] { c10::cuda::CUDACachingAllocator::releasePool(index_, pool); });
+    quietly([&] { at::getHostAllocator(at::kCUDA)->release_pool(pool); });
   }
 
   c10::DeviceIndex index_;
