@@ -3,6 +3,11 @@
 # CI. One command:
 #
 #   scripts/gpu_check.sh RESULTS_DIR
+#   scripts/gpu_check.sh --prebuilt BUNDLE_DIR RESULTS_DIR
+#
+# The second form is for a GPU machine that can install nothing (no network): it runs what
+# scripts/gpu_bundle.sh packed on a build machine (programs, plugins, libraries, data) against that
+# machine's own python3 and torch, and neither installs nor builds. The first form:
 #
 # installs what is missing (scripts/setup.sh), builds, runs the GPU tests (doctest suite "gpu",
 # CTest names "gpu: ..."), and the cuda accelerator tests, trains the Fashion-MNIST example on cuda
@@ -12,8 +17,13 @@
 # markdown summary (also RESULTS_DIR/summary.md). Exits non-zero, saying why, without a visible GPU.
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+bundle=""
+if [ "${1:-}" = "--prebuilt" ] && [ $# -ge 2 ]; then
+  bundle="$(cd "$2" && pwd)"
+  shift 2
+fi
 if [ $# -ne 1 ]; then
-  echo "usage: scripts/gpu_check.sh RESULTS_DIR" >&2
+  echo "usage: scripts/gpu_check.sh [--prebuilt BUNDLE_DIR] RESULTS_DIR" >&2
   exit 2
 fi
 mkdir -p "$1"
@@ -28,7 +38,40 @@ if ! command -v nvidia-smi >/dev/null 2>&1 || ! nvidia-smi -L >"$out/nvidia-smi.
   echo "gpu_check: no NVIDIA GPU is visible on this machine (nvidia-smi -L: $(head -1 "$out/nvidia-smi.txt" 2>/dev/null || echo 'not installed')); run this on a GPU machine" >&2
   exit 1
 fi
-"$here/setup.sh"
+# --prebuilt (scripts/gpu_bundle.sh made BUNDLE_DIR on a build machine): nothing is installed or
+# built here. The programs look for their build folder, the venv's torch and the sources at the
+# absolute paths they were built with: those paths are made here, the torch ones pointing at this
+# machine's python3 and its torch (the same release, checked), the sources at this checkout.
+if [ -n "$bundle" ]; then
+  py="$(command -v python3)"
+  want="$(cat "$bundle/torch_version")"
+  have="$("$py" -c 'import torch; print(torch.__version__)')"
+  if [ "$want" != "$have" ]; then
+    echo "gpu_check: the bundle was built against torch $want, but python3 here has torch $have" >&2
+    exit 1
+  fi
+  build_dir="$(cat "$bundle/build_dir")"
+  venv_dir="$(cat "$bundle/venv_dir")"
+  site_dir="$(cat "$bundle/site_dir")"
+  src_dir="$(dirname "$build_dir")"
+  if [ "$src_dir" != "$PWD" ]; then
+    mkdir -p "$src_dir"
+    for entry in "$PWD"/* "$PWD"/.ci; do
+      [ "$(basename "$entry")" = build ] || ln -sfn "$entry" "$src_dir/$(basename "$entry")"
+    done
+  fi
+  mkdir -p "$build_dir/syslibs" "$(dirname "$site_dir")" "$venv_dir/bin" /usr/share/datasets/fashion-mnist
+  tar -C "$build_dir" -xJf "$bundle/build.tar.xz"
+  tar -C "$build_dir/syslibs" -xJf "$bundle/syslibs.tar.xz"
+  ln -sfn "$("$py" -c 'import os, torch; print(os.path.dirname(os.path.dirname(torch.__file__)))')" "$site_dir"
+  ln -sfn "$py" "$venv_dir/bin/python"
+  cp -n "$bundle"/fashion-mnist/*.gz /usr/share/datasets/fashion-mnist/
+  export LD_LIBRARY_PATH="$build_dir/syslibs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+  export FULGUR_BUILD_DIR="$build_dir" FULGUR_VENV="$venv_dir"
+else
+  "$here/setup.sh"
+fi
+build_abs="$(cd "$FULGUR_BUILD_DIR" 2>/dev/null && pwd || echo "$PWD/$FULGUR_BUILD_DIR")"
 torch_cuda="$("$FULGUR_VENV/bin/python" -c 'import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)' 2>"$out/torch-cuda.txt" || echo 0)"
 if [ "${torch_cuda:-0}" -lt 1 ]; then
   echo "gpu_check: torch sees no CUDA device (CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES-<unset>}; see $out/torch-cuda.txt); a CPU-only torch wheel or a driver mismatch" >&2
@@ -50,12 +93,15 @@ step() {  # step NAME COMMAND...: runs it, logs to $out/NAME.log, records the ex
 : >"$out/steps.txt"
 
 # 2. Build everything, then the GPU tests and the cuda accelerator's own tests.
-step build "$here/build.sh" -- -j"$jobs"
-[ -f "$FULGUR_BUILD_DIR/lib/fulgur/plugins/libfulgur-accelerator-cuda.so" ] || {
+if [ -z "$bundle" ]; then
+  step build "$here/build.sh" -- -j"$jobs"
+  build_abs="$(cd "$FULGUR_BUILD_DIR" && pwd)"
+fi
+[ -f "$build_abs/lib/fulgur/plugins/libfulgur-accelerator-cuda.so" ] || {
   echo "build: FAILED (no libfulgur-accelerator-cuda.so: is the torch wheel a CUDA build?)" >>"$out/steps.txt"
   status=1
 }
-step gpu_tests ctest --test-dir "$FULGUR_BUILD_DIR" -R '^gpu: |cuda|nccl' --output-on-failure -j1
+step gpu_tests ctest --test-dir "$build_abs" -R '^gpu: |cuda|nccl' --output-on-failure -j1
 grep -h 'skipped: no CUDA device' "$out/gpu_tests.log" >/dev/null 2>&1 &&
   echo "gpu_tests: WARNING a GPU test skipped itself: no device visible to the test process" >>"$out/steps.txt"
 
@@ -66,16 +112,22 @@ train() {  # train PRECISION
   sed -e 's/^accelerator = .*/accelerator = "cuda"\ndevices = 1/' -e "s/^precision = .*/precision = \"$1\"/" \
     -e 's/^max_epochs = .*/max_epochs = 5/' -e "s|^default_root_dir = .*|default_root_dir = \"$dir/runs\"|" \
     -e 's/^num_workers = .*/num_workers = 4/' examples/fashion_mnist/fashion_mnist.toml >"$dir/job.toml"
-  (cd "$dir" && /usr/bin/time -f 'wall_seconds %e' "$OLDPWD/$FULGUR_BUILD_DIR/bin/fashion_mnist" --config job.toml)
+  local start="$EPOCHREALTIME" status=0
+  (cd "$dir" && "$build_abs/bin/fashion_mnist" --config job.toml) || status=$?
+  awk -v a="$start" -v b="$EPOCHREALTIME" 'BEGIN { printf "wall_seconds %.1f\n", b - a }'
+  return "$status"
 }
 for precision in 32-true bf16-mixed; do step "fashion_mnist_$precision" train "$precision"; done
 
 # 4. Side-by-side throughput on small cases.
-step bench_compare bench/compare.sh --device cuda --runs 3 --cases mlp:256:200:20,cnn:256:100:10,gpt:64:100:10 \
+# The benchmarks through their Python drivers with the built bench_compare (their .sh wrappers
+# would build first).
+bench_py="$FULGUR_VENV/bin/python"
+step bench_compare "$bench_py" bench/python/compare.py --bench-compare "$build_abs/bin/bench_compare" --device cuda --runs 3 --cases mlp:256:200:20,cnn:256:100:10,gpt:64:100:10 \
   --json "$out/bench_compare.json"
 
 # 5. Captured steps (cuda_graphs) on the small GPT at batch 16, 32-true and bf16-mixed, with MFU.
-step bench_cuda_graphs bench/cuda_graphs.sh --runs 3 --cases gpt:16:300:30 --json "$out/bench_cuda_graphs.json"
+step bench_cuda_graphs "$bench_py" bench/python/cuda_graphs.py --bench-compare "$build_abs/bin/bench_compare" --runs 3 --cases gpt:16:300:30 --json "$out/bench_cuda_graphs.json"
 
 # 6. One markdown summary, from the logs only.
 {
