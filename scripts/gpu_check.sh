@@ -64,7 +64,9 @@ if [ -n "$bundle" ]; then
   tar -C "$build_dir" -xJf "$bundle/build.tar.xz"
   tar -C "$build_dir/syslibs" -xJf "$bundle/syslibs.tar.xz"
   ln -sfn "$("$py" -c 'import os, torch; print(os.path.dirname(os.path.dirname(torch.__file__)))')" "$site_dir"
-  ln -sfn "$py" "$venv_dir/bin/python"
+  # A wrapper, not a link: python3 must find its own venv (a link would make it look beside the link).
+  printf '#!/bin/sh\nexec "%s" "$@"\n' "$py" >"$venv_dir/bin/python"
+  chmod +x "$venv_dir/bin/python"
   cp -n "$bundle"/fashion-mnist/*.gz /usr/share/datasets/fashion-mnist/
   export LD_LIBRARY_PATH="$build_dir/syslibs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
   export FULGUR_BUILD_DIR="$build_dir" FULGUR_VENV="$venv_dir"
