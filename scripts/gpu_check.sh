@@ -125,7 +125,7 @@ for precision in 32-true bf16-mixed; do step "fashion_mnist_$precision" train "$
 # The benchmarks through their Python drivers with the built bench_compare (their .sh wrappers
 # would build first).
 bench_py="$FULGUR_VENV/bin/python"
-step bench_compare "$bench_py" bench/python/compare.py --bench-compare "$build_abs/bin/bench_compare" --device cuda --runs 3 --cases mlp:256:200:20,cnn:256:100:10,gpt:64:100:10 \
+step bench_compare "$bench_py" bench/python/compare.py --bench-compare "$build_abs/bin/bench_compare" --device cuda --runs 2 --cases mlp:256:200:20,cnn:256:100:10,gpt:64:100:10 \
   --json "$out/bench_compare.json"
 
 # 5. Captured steps (cuda_graphs) on the small GPT at batch 16, 32-true and bf16-mixed, with MFU.
