@@ -81,6 +81,48 @@ if [ "${torch_cuda:-0}" -lt 1 ]; then
 fi
 
 status=0
+# One markdown summary, from the logs only (missing logs show as n/a).
+write_summary() {
+  (
+    set +e +o pipefail
+    {
+      echo "## Fulgur GPU check ($(date -u +%Y-%m-%dT%H:%MZ), commit $(git rev-parse --short HEAD 2>/dev/null || echo '?'))"
+      echo
+      echo '```'
+      cat "$out/nvidia-smi.txt"
+      echo '```'
+      echo
+      echo "| step | result |"
+      echo "|---|---|"
+      sed -e 's/^\([^:]*\): \(.*\)$/| \1 | \2 |/' "$out/steps.txt"
+      echo
+      echo "| Fashion-MNIST on cuda (5 epochs) | test accuracy | wall time |"
+      echo "|---|---|---|"
+      for precision in 32-true bf16-mixed; do
+        log="$out/fashion_mnist_$precision.log"
+        acc="$(grep -o 'test accuracy: [0-9.]*%' "$log" 2>/dev/null | tail -1 | cut -d' ' -f3)"
+        wall="$(grep -o 'wall_seconds [0-9.]*' "$log" 2>/dev/null | tail -1 | cut -d' ' -f2)"
+        echo "| $precision | ${acc:-n/a} | ${wall:+${wall} s} |"
+      done
+      echo
+      echo "### gpu tests"
+      echo
+      echo '```'
+      grep -E 'tests passed|tests failed|Failed|\*\*\*' "$out/gpu_tests.log" 2>/dev/null | tail -15 || true
+      echo '```'
+      echo
+      echo "### bench/compare.sh --device cuda"
+      echo
+      sed -n '/^torch /,$p' "$out/bench_compare.log" 2>/dev/null || echo "(no tables: see $out/bench_compare.log)"
+      echo
+      echo "### bench/cuda_graphs.sh (captured steps, MFU)"
+      echo
+      sed -n '/^device /,$p' "$out/bench_cuda_graphs.log" 2>/dev/null || echo "(no table: see $out/bench_cuda_graphs.log)"
+    } >"$out/summary.md.new" 2>/dev/null
+    mv "$out/summary.md.new" "$out/summary.md"
+  )
+}
+
 step() {  # step NAME COMMAND...: runs it, logs to $out/NAME.log, records the exit code
   local name="$1"
   shift
@@ -91,6 +133,7 @@ step() {  # step NAME COMMAND...: runs it, logs to $out/NAME.log, records the ex
     echo "$name: FAILED (exit $?; $out/$name.log)" >>"$out/steps.txt"
     status=1
   fi
+  write_summary
 }
 : >"$out/steps.txt"
 
@@ -131,40 +174,7 @@ step bench_compare "$bench_py" bench/python/compare.py --bench-compare "$build_a
 # 5. Captured steps (cuda_graphs) on the small GPT at batch 16, 32-true and bf16-mixed, with MFU.
 step bench_cuda_graphs "$bench_py" bench/python/cuda_graphs.py --bench-compare "$build_abs/bin/bench_compare" --runs 3 --cases gpt:16:300:30 --json "$out/bench_cuda_graphs.json"
 
-# 6. One markdown summary, from the logs only.
-{
-  echo "## Fulgur GPU check ($(date -u +%Y-%m-%dT%H:%MZ), commit $(git rev-parse --short HEAD 2>/dev/null || echo '?'))"
-  echo
-  echo '```'
-  cat "$out/nvidia-smi.txt"
-  echo '```'
-  echo
-  echo "| step | result |"
-  echo "|---|---|"
-  sed -e 's/^\([^:]*\): \(.*\)$/| \1 | \2 |/' "$out/steps.txt"
-  echo
-  echo "| Fashion-MNIST on cuda (5 epochs) | test accuracy | wall time |"
-  echo "|---|---|---|"
-  for precision in 32-true bf16-mixed; do
-    log="$out/fashion_mnist_$precision.log"
-    acc="$(grep -o 'test accuracy: [0-9.]*%' "$log" 2>/dev/null | tail -1 | cut -d' ' -f3)"
-    wall="$(grep -o 'wall_seconds [0-9.]*' "$log" 2>/dev/null | tail -1 | cut -d' ' -f2)"
-    echo "| $precision | ${acc:-n/a} | ${wall:+${wall} s} |"
-  done
-  echo
-  echo "### gpu tests"
-  echo
-  echo '```'
-  grep -E 'tests passed|tests failed|Failed|\*\*\*' "$out/gpu_tests.log" 2>/dev/null | tail -15 || true
-  echo '```'
-  echo
-  echo "### bench/compare.sh --device cuda"
-  echo
-  sed -n '/^torch /,$p' "$out/bench_compare.log" 2>/dev/null || echo "(no tables: see $out/bench_compare.log)"
-  echo
-  echo "### bench/cuda_graphs.sh (captured steps, MFU)"
-  echo
-  sed -n '/^device /,$p' "$out/bench_cuda_graphs.log" 2>/dev/null || echo "(no table: see $out/bench_cuda_graphs.log)"
-} >"$out/summary.md"
+# 6. The summary (also rewritten after every step above, so a check cut short still has one).
+write_summary
 cat "$out/summary.md"
 exit $status
