@@ -47,6 +47,7 @@ trap 'rm -rf "$stage"' EXIT
 find "$stage/build" -type f \( -name '*.so*' -o -path '*/bin/*' \) -exec strip --strip-debug {} +
 tar -C "$stage/build" -cJf "$bundle/build.tar.xz" .
 echo "$build" >"$bundle/build_dir"
+git rev-parse --short HEAD >"$bundle/commit" 2>/dev/null || echo '?' >"$bundle/commit"
 echo "$FULGUR_VENV" >"$bundle/venv_dir"
 "$FULGUR_VENV/bin/python" -c 'import os, torch; print(os.path.dirname(os.path.dirname(torch.__file__)))' \
   >"$bundle/site_dir"
@@ -54,14 +55,24 @@ echo "$FULGUR_VENV" >"$bundle/venv_dir"
 
 # 2. Shared libraries resolved here that a fresh image may lack.
 mkdir -p "$stage/syslibs"
-find "$stage/build" -type f \( -name '*.so*' -o -path '*/bin/*' \) -print0 |
-  xargs -0 ldd 2>/dev/null | awk '/=> \//{print $3}' | sort -u |
+find "$stage/build" -type f \( -name '*.so*' -o -path '*/bin/*' \) -print0 | xargs -0 ldd >"$stage/ldd" 2>/dev/null || true
+if grep -q 'not found' "$stage/ldd"; then
+  echo "gpu_bundle: libraries not found here:" >&2
+  grep 'not found' "$stage/ldd" | sort -u >&2
+  exit 1
+fi
+awk '/=> \//{print $3}' "$stage/ldd" | sort -u |
   grep -v -E '/(libc|libm|libdl|libpthread|librt|libresolv|libutil|libanl|libnsl|ld-linux-x86-64|libstdc\+\+|libgcc_s)\.so' |
   grep -v -E '/torch/lib/|/nvidia/|libcuda\.so|/build/lib/' |
   while read -r lib; do cp -L "$lib" "$stage/syslibs/"; done
+# The cuda plugin's CUDA runtime: its RUNPATH names /usr/local/cuda/lib, which that machine may lack.
+ls "$stage/syslibs"/libcudart.so.* >/dev/null 2>&1 || {
+  echo "gpu_bundle: libcudart was not among the libraries the cuda plugin resolved" >&2
+  exit 1
+}
 tar -C "$stage/syslibs" -cJf "$bundle/syslibs.tar.xz" .
 
 # 3. The example's data.
 mkdir -p "$bundle/fashion-mnist"
 cp /usr/share/datasets/fashion-mnist/*.gz "$bundle/fashion-mnist/"
-du -sh "$bundle" "$bundle"/*
+du -sh "$bundle"/* "$bundle"
