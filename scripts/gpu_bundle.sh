@@ -75,4 +75,5 @@ tar -C "$stage/syslibs" -cJf "$bundle/syslibs.tar.xz" .
 # 3. The example's data.
 mkdir -p "$bundle/fashion-mnist"
 cp /usr/share/datasets/fashion-mnist/*.gz "$bundle/fashion-mnist/"
-du -sh "$bundle"/* "$bundle"
+du -sh "$bundle"/*
+du -sh "$bundle"
