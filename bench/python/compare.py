@@ -99,14 +99,19 @@ def command(args, side, case, root, dtype="float32"):
 
 def run_one(args, side, case, root, dtype="float32"):
     """One process; returns its BENCH_RESULT dict or {"error": text}."""
-    cmd = command(args, side, case, root, dtype)
+    return run_bench(command(args, side, case, root, dtype), args.timeout)
+
+
+def run_bench(cmd, timeout):
+    """Runs one side's process (bench_compare or a Python side; --spawn-ns is appended) and returns
+    its BENCH_RESULT dict or {"error": text, "cmd": ...}. bench/python/cuda_graphs.py uses it too."""
     env = dict(os.environ, FULGUR_LOG_LEVEL=os.environ.get("FULGUR_LOG_LEVEL", "warn"), PYTHONWARNINGS="ignore")
     spawn_ns = time.monotonic_ns()  # the clock both languages read at their first step
     try:
         p = subprocess.run(cmd + ["--spawn-ns", str(spawn_ns)], capture_output=True, text=True, env=env,
-                           timeout=args.timeout, stdin=subprocess.DEVNULL)
+                           timeout=timeout, stdin=subprocess.DEVNULL)
     except subprocess.TimeoutExpired:
-        return {"error": f"timed out after {args.timeout} s"}
+        return {"error": f"timed out after {timeout} s"}
     for line in p.stdout.splitlines():
         if line.startswith("BENCH_RESULT "):
             return json.loads(line[len("BENCH_RESULT "):])

@@ -21,7 +21,6 @@ import os
 import re
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -29,6 +28,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, HERE)
+from compare import run_bench  # noqa: E402  (one way to run a side's process and read its result)
 
 SIDES = {"raw": "LibTorch loop", "fulgur": "Fulgur", "fulgur-graphs": "Fulgur cuda_graphs"}
 
@@ -62,20 +62,9 @@ def gpt_flops_per_step(batch):
 
 def run_one(args, side, case, precision, root):
     model, batch, steps, warmup = case
-    cmd = [args.bench_compare, "--side", side, "--model", model, "--batch", str(batch), "--steps", str(steps),
-           "--warmup", str(warmup), "--device", args.device, "--threads", str(args.threads), "--root", root,
-           "--precision", precision, "--spawn-ns", str(time.monotonic_ns())]
-    env = dict(os.environ, FULGUR_LOG_LEVEL=os.environ.get("FULGUR_LOG_LEVEL", "warn"))
-    try:
-        p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.timeout, stdin=subprocess.DEVNULL)
-    except subprocess.TimeoutExpired:
-        return {"error": f"timed out after {args.timeout} s"}
-    for line in p.stdout.splitlines():
-        if line.startswith("BENCH_RESULT "):
-            return json.loads(line[len("BENCH_RESULT "):])
-    lines = [l for l in (p.stderr or "").splitlines() if l.strip()]
-    mine = [l for l in lines if "error:" in l]
-    return {"error": f"exit {p.returncode}: {(mine or lines or ['no output'])[-1]}"}
+    return run_bench([args.bench_compare, "--side", side, "--model", model, "--batch", str(batch), "--steps",
+                      str(steps), "--warmup", str(warmup), "--device", args.device, "--threads", str(args.threads),
+                      "--root", root, "--precision", precision], args.timeout)
 
 
 def main():

@@ -62,7 +62,8 @@ State& state_for(torch::optim::Optimizer& optimizer, const at::Tensor& p, bool a
 // its state tensors and a device step count; the host state objects, to keep their steps equal.
 struct CapturableAdam::Group {
   AdamHyperparameters hp;
-  at::Tensor lr;  // float32 on the parameters' device: the fused kernels read it at every launch
+  at::Tensor lr;          // float32 on the parameters' device: the fused kernels read it at every launch
+  double lr_written = 0;  // the host value lr holds (a fill is a kernel launch: only on change)
   struct Parameter {
     at::Tensor param, exp_avg, exp_avg_sq, max_exp_avg_sq, step;
     torch::optim::OptimizerParamState* host = nullptr;
@@ -73,6 +74,26 @@ struct CapturableAdam::Group {
 namespace {
 
 using Parameter = CapturableAdam::Group::Parameter;
+
+// Parameter `p`'s entry over its (created if missing) state.
+template <class State>
+Parameter recorded_entry(torch::optim::Optimizer& optimizer, const at::Tensor& p, bool amsgrad) {
+  State& s = state_for<State>(optimizer, p, amsgrad);
+  Parameter entry;
+  entry.param = p;
+  entry.exp_avg = s.exp_avg();
+  entry.exp_avg_sq = s.exp_avg_sq();
+  entry.max_exp_avg_sq = s.max_exp_avg_sq();
+  entry.step = at::full({}, static_cast<double>(s.step()), p.options().dtype(at::kFloat));
+  entry.host = &s;
+  return entry;
+}
+
+template <class State>
+void advance_host_step(Parameter& entry) {
+  auto& s = static_cast<State&>(*entry.host);
+  s.step(s.step() + 1);
+}
 
 template <class State>
 void adopt(torch::optim::Optimizer& optimizer, Parameter& e, bool amsgrad) {
@@ -139,39 +160,28 @@ void CapturableAdam::sync_from_host() {
     auto g = std::make_unique<Group>();
     g->hp = hyperparameters_of(group.options());
     for (const auto& p : group.params()) {
-      Group::Parameter entry;
-      entry.param = p;
-      int64_t host_step = 0;
-      if (decoupled_weight_decay_) {
-        auto& s = state_for<torch::optim::AdamWParamState>(optimizer_, p, g->hp.amsgrad);
-        entry.exp_avg = s.exp_avg();
-        entry.exp_avg_sq = s.exp_avg_sq();
-        entry.max_exp_avg_sq = s.max_exp_avg_sq();
-        host_step = s.step();
-        entry.host = &s;
-      } else {
-        auto& s = state_for<torch::optim::AdamParamState>(optimizer_, p, g->hp.amsgrad);
-        entry.exp_avg = s.exp_avg();
-        entry.exp_avg_sq = s.exp_avg_sq();
-        entry.max_exp_avg_sq = s.max_exp_avg_sq();
-        host_step = s.step();
-        entry.host = &s;
-      }
-      entry.step = at::full({}, static_cast<double>(host_step), p.options().dtype(at::kFloat));
-      g->by_dtype[{p.scalar_type(), p.device().str()}].push_back(std::move(entry));
+      g->by_dtype[{p.scalar_type(), p.device().str()}].push_back(
+          decoupled_weight_decay_ ? recorded_entry<torch::optim::AdamWParamState>(optimizer_, p, g->hp.amsgrad)
+                                  : recorded_entry<torch::optim::AdamParamState>(optimizer_, p, g->hp.amsgrad));
     }
     const at::Tensor first = group.params().empty() ? at::Tensor() : group.params().front();
     g->lr = at::full({}, g->hp.lr,
                      at::TensorOptions()
                          .dtype(at::kFloat)
                          .device(first.defined() ? first.device() : c10::Device(c10::DeviceType::CPU)));
+    g->lr_written = g->hp.lr;
     groups_.push_back(std::move(g));
   }
 }
 
 void CapturableAdam::refresh_lr() {
   auto& groups = optimizer_.param_groups();
-  for (size_t i = 0; i < groups_.size() && i < groups.size(); ++i) groups_[i]->lr.fill_(groups[i].options().get_lr());
+  for (size_t i = 0; i < groups_.size() && i < groups.size(); ++i) {
+    const double lr = groups[i].options().get_lr();
+    if (lr == groups_[i]->lr_written) continue;
+    groups_[i]->lr.fill_(lr);
+    groups_[i]->lr_written = lr;
+  }
 }
 
 void CapturableAdam::check_hyperparameters() const {
@@ -234,14 +244,11 @@ void CapturableAdam::step() {
 
 void CapturableAdam::advance_host_steps(bool replayed) {
   for (void* entry : replayed ? captured_ : last_) {
-    torch::optim::OptimizerParamState* state = static_cast<Group::Parameter*>(entry)->host;
-    if (decoupled_weight_decay_) {
-      auto& s = static_cast<torch::optim::AdamWParamState&>(*state);
-      s.step(s.step() + 1);
-    } else {
-      auto& s = static_cast<torch::optim::AdamParamState&>(*state);
-      s.step(s.step() + 1);
-    }
+    auto& parameter = *static_cast<Group::Parameter*>(entry);
+    if (decoupled_weight_decay_)
+      advance_host_step<torch::optim::AdamWParamState>(parameter);
+    else
+      advance_host_step<torch::optim::AdamParamState>(parameter);
   }
 }
 
