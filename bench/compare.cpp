@@ -3,7 +3,7 @@
 //
 //   bench_compare --side raw|fulgur|fulgur-bare|fulgur-graphs --model mlp|cnn|gpt --batch B --steps N
 //                 [--warmup W] [--pool P] [--device cpu|cuda] [--threads T] [--root DIR] [--spawn-ns NS]
-//                 [--dtype float32|float64] [--precision 32-true|bf16-mixed]
+//                 [--dtype float32|float64] [--precision 32-true|bf16-mixed|16-mixed]
 //
 //   raw            a hand-written LibTorch loop (narrow, forward, cross_entropy, zero_grad, backward, step)
 //   fulgur         the Trainer with its default plugins (csv logger, model summary, checkpoint at epoch
@@ -13,7 +13,11 @@
 //                  bench/cuda_graphs.sh compares it with `fulgur`)
 //
 // --precision bf16-mixed: the raw loop runs its forward under bf16 autocast, the Trainer uses the
-// bf16-mixed plugin (float32 weights and optimizer either way).
+// bf16-mixed plugin (float32 weights and optimizer either way). --precision 16-mixed: float16
+// autocast on CUDA (bf16 elsewhere, as the plugin) with dynamic loss scaling; the raw loop scales
+// as a hand-written LibTorch loop does (C++ has no GradScaler): torch's AMP kernels for the unscale,
+// the inf check and the scale update, and the skip decided by reading the flag on the host each
+// step, where the Trainer decides it on the device (fused Adam).
 //
 // Data, initial weights and dropout masks are derived exactly as bench/python/models.py derives
 // them (seeded torch generators of the same libtorch, parameters initialised by sorted name), so
@@ -77,13 +81,14 @@ struct Options {
   std::string precision = "32-true";
 };
 
-// The raw loop's forward under autocast (what the bf16-mixed plugin does for the Trainer).
+// The raw loop's forward under autocast (what the mixed precision plugins do for the Trainer).
 class RawAutocast {
  public:
-  RawAutocast(const Options& o) : type_(torch::Device(o.device).type()), on_(o.precision == "bf16-mixed") {
+  RawAutocast(const Options& o) : type_(torch::Device(o.device).type()), on_(o.precision != "32-true") {
     if (!on_) return;
     at::autocast::set_autocast_enabled(type_, true);
-    at::autocast::set_autocast_dtype(type_, at::kBFloat16);
+    at::autocast::set_autocast_dtype(
+        type_, o.precision == "16-mixed" && type_ == c10::DeviceType::CUDA ? at::kHalf : at::kBFloat16);
     at::autocast::increment_nesting();
   }
   ~RawAutocast() {
@@ -95,6 +100,36 @@ class RawAutocast {
  private:
   c10::DeviceType type_;
   bool on_;
+};
+
+// The raw loop's loss scaling under 16-mixed (GradScaler's defaults: 65536, x2 every 2000 finite
+// steps, x0.5 after a non-finite one), written with torch's AMP kernels.
+class RawLossScaler {
+ public:
+  RawLossScaler(bool on, const torch::Device& device) : on_(on) {
+    if (!on_) return;
+    scale_ = torch::full({}, 65536.0, torch::TensorOptions().dtype(torch::kFloat).device(device));
+    tracker_ = torch::zeros({}, torch::TensorOptions().dtype(torch::kInt).device(device));
+  }
+  at::Tensor scale(const at::Tensor& loss) const { return on_ ? loss * scale_ : loss; }
+  // Unscales the gradients and updates the scale; whether the step may be taken (read on the host).
+  bool unscale_and_check(torch::optim::Optimizer& optimizer) {
+    if (!on_) return true;
+    torch::NoGradGuard no_grad;
+    std::vector<at::Tensor> grads;
+    for (auto& group : optimizer.param_groups())
+      for (auto& p : group.params())
+        if (p.grad().defined()) grads.push_back(p.grad());
+    at::Tensor found_inf = torch::zeros({}, scale_.options());
+    at::_amp_foreach_non_finite_check_and_unscale_(grads, found_inf,
+                                                   scale_.to(torch::kDouble).reciprocal().to(torch::kFloat));
+    at::_amp_update_scale_(scale_, tracker_, found_inf, 2.0, 0.5, 2000);
+    return found_inf.item<float>() == 0.0f;
+  }
+
+ private:
+  bool on_;
+  at::Tensor scale_, tracker_;
 };
 
 double process_cpu_s() {
@@ -323,6 +358,7 @@ void run_raw(const Options& o, Model& m, const Pool& pool, Meter& meter) {
   m.module->to(device, f64 ? torch::kDouble : torch::kFloat);
   m.module->train();
   torch::optim::Adam optimizer(m.module->parameters(), torch::optim::AdamOptions(kLr));
+  RawLossScaler scaler(o.precision == "16-mixed", device);
   at::Tensor loss;
   for (int64_t i = 0; i < o.steps; ++i) {
     meter.step_start(i, loss);
@@ -332,8 +368,8 @@ void run_raw(const Options& o, Model& m, const Pool& pool, Meter& meter) {
       loss = m.loss(f64 && x.is_floating_point() ? x.to(device, torch::kDouble) : x.to(device), y.to(device));
     }
     optimizer.zero_grad();
-    loss.backward();
-    optimizer.step();
+    scaler.scale(loss).backward();
+    if (scaler.unscale_and_check(optimizer)) optimizer.step();
     meter.step_end(i, loss);
   }
 }
@@ -485,10 +521,11 @@ int main(int argc, char** argv) {
       throw fulgur::Error(fulgur::ErrorKind::invalid_argument, "--model must be mlp, cnn or gpt");
     if (o.dtype != "float32" && o.dtype != "float64")
       throw fulgur::Error(fulgur::ErrorKind::invalid_argument, "--dtype must be float32 or float64");
-    if (o.precision != "32-true" && o.precision != "bf16-mixed")
-      throw fulgur::Error(fulgur::ErrorKind::invalid_argument, "--precision must be 32-true or bf16-mixed");
+    if (o.precision != "32-true" && o.precision != "bf16-mixed" && o.precision != "16-mixed")
+      throw fulgur::Error(fulgur::ErrorKind::invalid_argument, "--precision must be 32-true, bf16-mixed or 16-mixed");
     if (o.precision != "32-true" && o.dtype == "float64")
-      throw fulgur::Error(fulgur::ErrorKind::invalid_argument, "--precision bf16-mixed runs in --dtype float32");
+      throw fulgur::Error(fulgur::ErrorKind::invalid_argument,
+                          fmt::format("--precision {} runs in --dtype float32", o.precision));
     if (o.side != "raw" && o.root.empty())
       throw fulgur::Error(fulgur::ErrorKind::invalid_argument, "--root DIR is needed for the Trainer's output");
     return run(o);

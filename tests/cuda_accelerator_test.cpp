@@ -412,7 +412,8 @@ TEST_SUITE("gpu") {
     CHECK(batch.target.sum().item<int64_t>() == 7 * 256);
   }
 
-  TEST_CASE("gpu: cuda_graphs = \"on\" trains the example in 32-true and bf16-mixed like the uncaptured run") {
+  TEST_CASE(
+      "gpu: cuda_graphs = \"on\" trains the example in 32-true, bf16-mixed and 16-mixed like the uncaptured run") {
     if (cuda_plugin()->device_count() == 0) {
       MESSAGE("skipped: no CUDA device is visible");
       return;
@@ -422,7 +423,7 @@ TEST_SUITE("gpu") {
       REQUIRE(at != std::string::npos);
       return std::stod(output.substr(at + 15));
     };
-    for (const std::string precision : {"32-true", "bf16-mixed"}) {
+    for (const std::string precision : {"32-true", "bf16-mixed", "16-mixed"}) {
       INFO(precision);
       double accuracy[2] = {0, 0};
       for (const bool graphs : {false, true}) {
@@ -434,6 +435,9 @@ TEST_SUITE("gpu") {
         INFO(run.output);
         REQUIRE(run.exit_code == 0);
         CHECK(fulgur::test::contains(run.output, "the training step was captured at batch 3") == graphs);
+        // 16-mixed: float16 autocast and the skip decided on the device, captured or not.
+        CHECK(fulgur::test::contains(run.output, "optimizer steps are decided on the device") ==
+              (precision == "16-mixed"));
         accuracy[graphs] = accuracy_of(run.output);
       }
       CHECK(std::abs(accuracy[1] - accuracy[0]) < 3.0);  // percentage points, 20 steps of the MLP

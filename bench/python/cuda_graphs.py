@@ -72,7 +72,9 @@ def main():
     p.add_argument("--bench-compare", required=True, help="path of the built bench_compare program")
     p.add_argument("--device", default="cuda", help="cuda (cpu: a smoke test; the captured side is refused)")
     p.add_argument("--cases", default="gpt:16:300:30,gpt:64:200:20", help="model:batch:steps:warmup,...")
-    p.add_argument("--precisions", default="32-true,bf16-mixed")
+    p.add_argument("--precisions", default="32-true,bf16-mixed",
+                   help="comma-separated, of 32-true, bf16-mixed and 16-mixed (the raw loop then reads the "
+                        "inf check on the host each step, as a hand-written LibTorch loop does)")
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--timeout", type=int, default=600)
@@ -143,7 +145,7 @@ def main():
             graphs = ratio((case, precision, "fulgur-graphs"), (case, precision, "fulgur"), "steps_per_s")
             step_time = ratio((case, precision, "fulgur"), (case, precision, "raw"), "median_step_us")
             mfu = []
-            key = "bf16" if precision == "bf16-mixed" else "fp32"
+            key = {"bf16-mixed": "bf16", "16-mixed": "fp16"}.get(precision, "fp32")
             peak = peak_flops(device_name, key) if args.device == "cuda" else None
             for s in sides:
                 v = med((case, precision, s), "steps_per_s")

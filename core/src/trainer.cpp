@@ -352,6 +352,11 @@ void Trainer::Impl::finish_stage(Stage stage, RunStatus status) {
       if (!first) first = std::current_exception();
     }
   };
+  step([&] {
+    // The user's optimizer keeps the step counts the fused steps reached.
+    sync_optimizer_host_state();
+    fused_adam_.reset();
+  });
   step([&] { hooks_.call(Hook::teardown, [&](Callback& c) { c.teardown(*this, stage); }); });
   step([&] {
     if (data_) data_->teardown(stage);
@@ -365,6 +370,10 @@ void Trainer::Impl::finish_stage(Stage stage, RunStatus status) {
   });
   if (module_) module_->bind(nullptr);
   if (first && status == RunStatus::success) std::rethrow_exception(first);
+}
+
+void Trainer::Impl::sync_optimizer_host_state() {
+  if (fused_adam_) fused_adam_->sync_host_steps();
 }
 
 // ---- fit / validate / test / predict -----------------------------------------------------------
@@ -390,7 +399,7 @@ void Trainer::Impl::fit(Module& module, DataModule& data, const std::string& ckp
     hooks_.call(Hook::fit_start, [&](Callback& c) { c.on_fit_start(*this); });
     hooks_.module("on_fit_start", [&] { module.on_fit_start(); });
     if (checkpoint) checkpoints_.restore_training_state(*checkpoint);
-    epoch_loop.prepare_step_capture();
+    epoch_loop.prepare_optimizer_steps();
     fit_loop_.run();
     hooks_.call(Hook::fit_end, [&](Callback& c) { c.on_fit_end(*this); });
     hooks_.module("on_fit_end", [&] { module.on_fit_end(); });

@@ -16,10 +16,12 @@
 #include <fulgur/trainer_context.h>
 
 #include <functional>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include "binding.h"
+#include "capture/capturable_adam.h"
 #include "connectors/checkpoint_connector.h"
 #include "connectors/logger_connector.h"
 #include "connectors/plugin_connector.h"
@@ -128,6 +130,9 @@ class Trainer::Impl final : public TrainerContext {
   // One trial batch (batch_size_trial.cpp): the step, backward and optimizer step, no hooks.
   void run_trial_batch(Batch batch, int64_t batch_idx);
   void step_schedulers(SchedulerInterval interval, bool skip_monitored = false);
+  // The optimizer's host state as the fused steps left it (their step counts are on the device
+  // when the precision decides steps there): before a checkpoint or anything else reads it.
+  void sync_optimizer_host_state();
 
   Config config_;
   TrainerSettings settings_;
@@ -149,6 +154,9 @@ class Trainer::Impl final : public TrainerContext {
   Module::Binding binding_;
   std::vector<OptimizerConfig> optimizer_configs_;
   std::vector<torch::optim::Optimizer*> optimizer_ptrs_;
+  // During fit, the single Adam/AdamW of automatic optimization stepped by fused kernels: by
+  // captured steps (cuda_graphs) and where the precision decides steps on the device (16-mixed).
+  std::unique_ptr<CapturableAdam> fused_adam_;
   Stage stage_ = Stage::fit;
   bool sanity_checking_ = false;
   bool should_stop_ = false;

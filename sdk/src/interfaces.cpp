@@ -35,6 +35,9 @@ c10::ScalarType Precision::compute_dtype() const { return c10::ScalarType::Float
 std::string Precision::step_capture_refusal() const {
   return "the precision plugin does not declare that its steps can be captured (Precision::step_capture_refusal)";
 }
+at::Tensor Precision::device_found_inf(torch::optim::Optimizer&) { return {}; }
+void Precision::update_after_device_step(torch::optim::Optimizer&, const at::Tensor&) {}
+bool Strategy::delegates_optimizer_step() const { return false; }
 std::string Strategy::step_capture_refusal() const {
   return "the strategy plugin does not declare that its steps can be captured (Strategy::step_capture_refusal)";
 }

@@ -3,15 +3,20 @@
 #include <fulgur/error.h>
 
 #include <ATen/ops/_foreach_add.h>
+#include <ATen/ops/_foreach_sub.h>
 #include <ATen/ops/_fused_adam.h>
 #include <ATen/ops/_fused_adamw.h>
 #include <ATen/ops/full.h>
+#include <ATen/ops/stack.h>
 #include <ATen/ops/zeros_like.h>
 #include <fmt/format.h>
+#include <spdlog/spdlog.h>
 #include <torch/optim/adam.h>
 #include <torch/optim/adamw.h>
 
+#include <cmath>
 #include <map>
+#include <optional>
 
 namespace fulgur {
 
@@ -69,6 +74,7 @@ struct CapturableAdam::Group {
     torch::optim::OptimizerParamState* host = nullptr;
   };
   std::map<std::pair<c10::ScalarType, std::string>, std::vector<Parameter>> by_dtype;
+  size_t parameter_count = 0;  // of the optimizer's group when it was recorded
 };
 
 namespace {
@@ -93,6 +99,11 @@ template <class State>
 void advance_host_step(Parameter& entry) {
   auto& s = static_cast<State&>(*entry.host);
   s.step(s.step() + 1);
+}
+
+template <class State>
+void set_host_step(Parameter& entry, int64_t step) {
+  static_cast<State&>(*entry.host).step(step);
 }
 
 template <class State>
@@ -153,12 +164,15 @@ CapturableAdam::CapturableAdam(torch::optim::Optimizer& optimizer)
 CapturableAdam::~CapturableAdam() = default;
 
 void CapturableAdam::sync_from_host() {
+  sync_host_steps();  // the device counts are the current ones where steps read found_inf
+  synced_ = true;
   groups_.clear();
   last_.clear();
   captured_.clear();
   for (auto& group : optimizer_.param_groups()) {
     auto g = std::make_unique<Group>();
     g->hp = hyperparameters_of(group.options());
+    g->parameter_count = group.params().size();
     for (const auto& p : group.params()) {
       g->by_dtype[{p.scalar_type(), p.device().str()}].push_back(
           decoupled_weight_decay_ ? recorded_entry<torch::optim::AdamWParamState>(optimizer_, p, g->hp.amsgrad)
@@ -172,6 +186,24 @@ void CapturableAdam::sync_from_host() {
     g->lr_written = g->hp.lr;
     groups_.push_back(std::move(g));
   }
+}
+
+void CapturableAdam::before_step(bool recorded) {
+  if (!synced_) sync_from_host();
+  adopt_replaced_state();  // a callback or a checkpoint load may have replaced it
+  if (recorded) {
+    check_hyperparameters();
+  } else {
+    // An uncaptured step reads the groups as they are now (a callback may change betas, or add
+    // a group): record them again when they changed.
+    auto& groups = optimizer_.param_groups();
+    bool changed = groups.size() != groups_.size();
+    for (size_t i = 0; !changed && i < groups.size(); ++i)
+      changed = !(hyperparameters_of(groups[i].options()) == groups_[i]->hp) ||
+                groups[i].params().size() != groups_[i]->parameter_count;
+    if (changed) sync_from_host();
+  }
+  refresh_lr();  // schedulers move the host lr; the device copy is read at the launch
 }
 
 void CapturableAdam::refresh_lr() {
@@ -212,8 +244,16 @@ void CapturableAdam::adopt_replaced_state() {
       }
 }
 
-void CapturableAdam::step() {
+void CapturableAdam::step(const at::Tensor& found_inf) {
   last_.clear();
+  last_read_found_inf_ = found_inf.defined();
+  if (last_read_found_inf_ && !announced_found_inf_) {
+    announced_found_inf_ = true;
+    spdlog::debug(
+        "optimizer steps are decided on the device: fused Adam kernels skip a step whose gradients are not "
+        "finite, with no host synchronisation per step");
+  }
+  const std::optional<at::Tensor> skip = found_inf.defined() ? std::optional<at::Tensor>(found_inf) : std::nullopt;
   for (auto& g : groups_) {
     for (auto& [key, entries] : g->by_dtype) {
       std::vector<at::Tensor> params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps;
@@ -232,17 +272,26 @@ void CapturableAdam::step() {
       // The kernels read the incremented count (Python's fused Adam adds 1 before calling them).
       at::_foreach_add_(steps, 1);
       // A tensor lr on the CPU makes the kernel read it on the host; keep it there on the CPU.
+      // With found_inf = 1 the kernels return before touching anything; the counts they were
+      // handed are taken back (Python's fused Adam does the same after the kernel).
       if (decoupled_weight_decay_)
         at::_fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, g->lr, g->hp.beta1, g->hp.beta2,
-                          g->hp.weight_decay, g->hp.eps, g->hp.amsgrad, /*maximize=*/false);
+                          g->hp.weight_decay, g->hp.eps, g->hp.amsgrad, /*maximize=*/false, /*grad_scale=*/std::nullopt,
+                          skip);
       else
         at::_fused_adam_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, g->lr, g->hp.beta1, g->hp.beta2,
-                         g->hp.weight_decay, g->hp.eps, g->hp.amsgrad, /*maximize=*/false);
+                         g->hp.weight_decay, g->hp.eps, g->hp.amsgrad, /*maximize=*/false, /*grad_scale=*/std::nullopt,
+                         skip);
+      if (skip) at::_foreach_sub_(steps, std::vector<at::Tensor>(steps.size(), found_inf));
     }
   }
 }
 
 void CapturableAdam::advance_host_steps(bool replayed) {
+  if (replayed ? captured_reads_found_inf_ : last_read_found_inf_) {
+    host_steps_stale_ = true;  // only the device knows whether the step was taken
+    return;
+  }
   for (void* entry : replayed ? captured_ : last_) {
     auto& parameter = *static_cast<Group::Parameter*>(entry);
     if (decoupled_weight_decay_)
@@ -250,6 +299,35 @@ void CapturableAdam::advance_host_steps(bool replayed) {
     else
       advance_host_step<torch::optim::AdamParamState>(parameter);
   }
+}
+
+void CapturableAdam::sync_host_steps() {
+  if (!host_steps_stale_) return;
+  host_steps_stale_ = false;
+  auto& states = optimizer_.state();
+  for (auto& g : groups_)
+    for (auto& [key, entries] : g->by_dtype) {
+      // The entries whose state object is still the one recorded (a replaced state brought its own
+      // count, and adopt_replaced_state() takes it over at the next step).
+      std::vector<Parameter*> current;
+      std::vector<at::Tensor> steps;
+      for (auto& e : entries) {
+        auto it = states.find(e.param.unsafeGetTensorImpl());
+        if (it == states.end() || it->second.get() != e.host) continue;
+        current.push_back(&e);
+        steps.push_back(e.step);
+      }
+      if (steps.empty()) continue;
+      const at::Tensor counts = at::stack(steps).to(at::kDouble).cpu();  // one synchronisation per dtype
+      const double* values = counts.data_ptr<double>();
+      for (size_t i = 0; i < current.size(); ++i) {
+        const auto count = static_cast<int64_t>(std::llround(values[i]));
+        if (decoupled_weight_decay_)
+          set_host_step<torch::optim::AdamWParamState>(*current[i], count);
+        else
+          set_host_step<torch::optim::AdamParamState>(*current[i], count);
+      }
+    }
 }
 
 }  // namespace fulgur

@@ -6,6 +6,11 @@
 // Adam(fused=True, capturable=True) does. The host step counts are kept equal after every step,
 // so checkpoints, and the optimizer's own step() where a batch runs uncaptured, see what they
 // would have seen.
+//
+// It is also the step of a precision that decides on the device whether a step is taken (16-mixed:
+// Precision::device_found_inf), captured or not: the kernels skip on the flag, and the host step
+// counts, which only the device knows then, are brought up to date by sync_host_steps() where
+// something reads them (a checkpoint, the end of fit, a step by the optimizer's own step()).
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -33,15 +38,28 @@ class CapturableAdam {
   // step counts from the host ones. Call before the first step() and after anything else stepped
   // the optimizer (its own step(), a checkpoint load).
   void sync_from_host();
+  // What precedes every step: sync_from_host() the first time, adopt_replaced_state(), the
+  // hyperparameters (`recorded`: a change is refused by check_hyperparameters(); otherwise the
+  // groups are read anew) and refresh_lr().
+  void before_step(bool recorded);
   // Writes each group's current lr into its device tensor (schedulers change the host value).
   // Queued on the current stream: the next replay reads it.
   void refresh_lr();
   // One step of every parameter that has a gradient: device work only, no host synchronisation.
-  void step();
+  // `found_inf` (optional, a 0-dim float32 tensor on the parameters' device): where it holds 1 the
+  // kernels leave parameters and state as they are and the step counts do not advance.
+  void step(const at::Tensor& found_inf = {});
+  // Where steps read found_inf, the host step counts are left behind: copies the device counts to
+  // the host state objects (one synchronisation). Does nothing when they are current.
+  void sync_host_steps();
   // The parameters the last step() stepped are the ones a recorded step steps: call after the
   // step() inside a capture.
-  void remember_captured_step() { captured_ = last_; }
+  void remember_captured_step() {
+    captured_ = last_;
+    captured_reads_found_inf_ = last_read_found_inf_;
+  }
   // The host step counts after a step ran: the last step() (eager), or the recorded one (replay).
+  // After a step that read found_inf they are only provisional until sync_host_steps().
   void advance_host_steps(bool replayed);
   // The tensors a recorded step updates must stay the optimizer's state: where something replaced
   // the state (a checkpoint or a callback loaded it), its values are copied into the recorded
@@ -57,7 +75,12 @@ class CapturableAdam {
   torch::optim::Optimizer& optimizer_;
   bool decoupled_weight_decay_ = false;  // AdamW
   std::vector<std::unique_ptr<Group>> groups_;
-  std::vector<void*> last_, captured_;  // Group::Parameter entries stepped
+  std::vector<void*> last_, captured_;     // Group::Parameter entries stepped
+  bool synced_ = false;                    // sync_from_host() ran
+  bool host_steps_stale_ = false;          // a step read found_inf since the last sync_host_steps()
+  bool announced_found_inf_ = false;       // the debug line that says so was written
+  bool last_read_found_inf_ = false;       // the last step() was given a found_inf
+  bool captured_reads_found_inf_ = false;  // ... and so was the recorded one
 };
 
 }  // namespace fulgur

@@ -45,12 +45,12 @@ std::string reason_of(const std::exception& e) {
 StepCapture::StepCapture(Trainer::Impl& trainer) : t_(trainer), mode_(trainer.settings_.cuda_graphs) {}
 StepCapture::~StepCapture() = default;
 
+CapturableAdam& StepCapture::adam() { return *t_.fused_adam_; }
+
 void StepCapture::prepare() {
   active_ = false;
   warned_ = false;
   graph_.reset();
-  adam_.reset();
-  adam_synced_ = false;
   warmups_done_ = 0;
   captured_ = false;
   static_batch_ = {};
@@ -91,7 +91,7 @@ void StepCapture::prepare() {
   active_ = true;  // refuse() turns it off again under "try"
   if (!why.empty()) refuse(why, /*give_up=*/true);
   if (active_) {
-    adam_ = std::make_unique<CapturableAdam>(*t_.optimizer_ptrs_.front());
+    if (!t_.fused_adam_) t_.fused_adam_ = std::make_unique<CapturableAdam>(*t_.optimizer_ptrs_.front());
     spdlog::info("cuda_graphs = \"{}\": the training step is captured after {} warm-up steps and replayed",
                  mode_ == StepCaptureMode::on ? "on" : "try", kWarmupSteps);
   }
@@ -168,7 +168,11 @@ StepOutput StepCapture::eager_step(Batch& batch, int64_t batch_idx, bool grads_t
   t_.hooks_.module("on_before_optimizer_step", [&] { module.on_before_optimizer_step(optimizer); });
   if (t_.settings_.gradient_clip_val > 0)
     strategy.clip_gradients(optimizer, precision, t_.settings_.gradient_clip_val, t_.settings_.gradient_clip_algorithm);
-  adam_->step();
+  // 16-mixed: the step is skipped on the device where the gradients were not finite, and the
+  // loss scale updated there (inside the recording, so every replay does both).
+  const at::Tensor found_inf = precision.device_found_inf(optimizer);
+  adam().step(found_inf);
+  if (found_inf.defined()) precision.update_after_device_step(optimizer, found_inf);
   return output;
 }
 
@@ -190,13 +194,9 @@ StepOutput StepCapture::output_copy() const {
 
 std::optional<StepOutput> StepCapture::run(Batch& batch, int64_t batch_idx) {
   if (!active_) return std::nullopt;
-  if (!adam_synced_) {  // the optimizer's state as resumed or as left by a batch-size trial
-    adam_->sync_from_host();
-    adam_synced_ = true;
-  }
-  adam_->adopt_replaced_state();  // a callback or a checkpoint load may have replaced it
-  adam_->check_hyperparameters();
-  adam_->refresh_lr();  // schedulers move the host lr; the device copy is read at the launch
+  // The optimizer's state as resumed, as left by a batch-size trial or replaced by a callback;
+  // the hyperparameters as recorded; the lr as the schedulers left it.
+  adam().before_step(/*recorded=*/true);
 
   // Warm-up, and no capture on the epoch's last batch or on a batch shaped unlike the one before
   // it: the recording must be of the shape most batches have (a smaller last batch would make
@@ -205,7 +205,7 @@ std::optional<StepOutput> StepCapture::run(Batch& batch, int64_t batch_idx) {
   if (!captured_ && (warmups_done_ < kWarmupSteps || !shaped_like_last || t_.is_last_batch())) {
     StepOutput output;
     graph_->warm_up([&] { output = eager_step(batch, batch_idx, /*grads_to_none=*/true); });
-    adam_->advance_host_steps(/*replayed=*/false);
+    adam().advance_host_steps(/*replayed=*/false);
     ++warmups_done_;
     previous_batch_ = batch;  // (the same tensors: kept only until the capture)
     return output;
@@ -233,9 +233,12 @@ std::optional<StepOutput> StepCapture::run(Batch& batch, int64_t batch_idx) {
         } restore{t_.binding_};
         at::autocast::set_autocast_cache_enabled(false);
         static_output_ = eager_step(static_batch_, batch_idx, /*grads_to_none=*/true);
-        adam_->remember_captured_step();
+        adam().remember_captured_step();
       });
     } catch (const std::exception& e) {
+      // The recorded step never ran: the precision forgets its unscale (the next step unscales
+      // its own gradients), and nothing else of it happened.
+      t_.plugins_.precision->update_after_device_step(*t_.optimizer_ptrs_.front(), at::Tensor());
       t_.binding_.recorded_logs = nullptr;
       recorded_logs_.clear();
       static_batch_ = {};
@@ -248,7 +251,7 @@ std::optional<StepOutput> StepCapture::run(Batch& batch, int64_t batch_idx) {
     captured_ = true;
     previous_batch_ = {};
     graph_->replay();
-    adam_->advance_host_steps(/*replayed=*/true);
+    adam().advance_host_steps(/*replayed=*/true);
     spdlog::debug("cuda_graphs: the training step was captured at batch {} ({} logged values replayed per step)",
                   batch_idx, recorded_logs_.size());
     log_recorded();
@@ -257,12 +260,12 @@ std::optional<StepOutput> StepCapture::run(Batch& batch, int64_t batch_idx) {
   if (const std::string why = shape_mismatch(batch, static_batch_); !why.empty()) {
     refuse(why, /*give_up=*/false);
     StepOutput output = eager_step(batch, batch_idx, /*grads_to_none=*/false);
-    adam_->advance_host_steps(/*replayed=*/false);
+    adam().advance_host_steps(/*replayed=*/false);
     return output;
   }
   copy_into_static(batch);
   graph_->replay();
-  adam_->advance_host_steps(/*replayed=*/true);
+  adam().advance_host_steps(/*replayed=*/true);
   log_recorded();
   return output_copy();
 }

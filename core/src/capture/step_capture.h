@@ -14,7 +14,9 @@
 // A step that cannot be captured (the capture fails, a batch of another shape, a refusal found
 // at prepare()) ends the run under "on" with one line that says why; under "try" it is trained
 // uncaptured with one warning. The optimizer's host state (step counts, its state tensors) stays
-// what its own step() would have left, so checkpoints and uncaptured steps need nothing special.
+// what its own step() would have left, so checkpoints and uncaptured steps need nothing special;
+// under 16-mixed, whose skips are decided on the device, the step counts are copied back from the
+// device where something reads them (Trainer::Impl::sync_optimizer_host_state).
 #pragma once
 
 #include <fulgur/accelerator.h>
@@ -50,6 +52,7 @@ class StepCapture {
 
  private:
   StepOutput eager_step(Batch& batch, int64_t batch_idx, bool grads_to_none);
+  CapturableAdam& adam();  // the Trainer's, set by prepare()
   // Under "on": throws `reason` as the run's error. Under "try": warns once and returns.
   void refuse(const std::string& reason, bool give_up);
   // Why `batch` cannot replay a step recorded for `reference` ("" when it can).
@@ -63,8 +66,6 @@ class StepCapture {
   bool active_ = false;
   bool warned_ = false;
   std::unique_ptr<StepGraph> graph_;
-  std::unique_ptr<CapturableAdam> adam_;
-  bool adam_synced_ = false;
   int64_t warmups_done_ = 0;
   bool captured_ = false;
   Batch previous_batch_;  // the last warm-up batch: a capture needs two alike in a row

@@ -118,8 +118,10 @@ void CheckpointConnector::save(const std::string& path, bool weights_only) {
   // The strategy owns the model and optimizer state: it may return full tensors or its shards.
   c10::IValue model_state = strategy.module_state_dict(*t.module_);
   std::vector<c10::IValue> optimizer_states;
-  if (!weights_only)
+  if (!weights_only) {
+    t.sync_optimizer_host_state();
     for (auto* opt : t.optimizer_ptrs_) optimizer_states.push_back(strategy.optimizer_state_dict(*opt));
+  }
   c10::IValue metadata = dump_metadata(weights_only);
   strategy.save_checkpoint(CheckpointParts{&model_state, &optimizer_states, &metadata}, path);
 }

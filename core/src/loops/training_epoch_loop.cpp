@@ -114,7 +114,27 @@ bool TrainingEpochLoop::step_optimizer(torch::optim::Optimizer& optimizer) {
     t.plugins_.strategy->clip_gradients(optimizer, precision, t.settings_.gradient_clip_val,
                                         t.settings_.gradient_clip_algorithm);
   ProfileScope scope(t.plugins_.profiler.get(), "optimizer_step");
+  if (t.fused_adam_ && &optimizer == t.optimizer_ptrs_.front()) {
+    // 16-mixed: the inf/NaN verdict stays on the device, and so does the decision to skip.
+    if (const at::Tensor found_inf = precision.device_found_inf(optimizer); found_inf.defined()) {
+      t.fused_adam_->before_step(/*recorded=*/false);
+      t.fused_adam_->step(found_inf);
+      t.fused_adam_->advance_host_steps(/*replayed=*/false);
+      precision.update_after_device_step(optimizer, found_inf);
+      return true;  // taken or skipped: only the device knows, and nothing here asks it
+    }
+    t.sync_optimizer_host_state();  // the optimizer's own step() reads the host counts
+  }
   return t.plugins_.strategy->optimizer_step(optimizer, precision);
+}
+
+void TrainingEpochLoop::prepare_optimizer_steps() {
+  Trainer::Impl& t = trainer_;
+  t.fused_adam_.reset();
+  if (t.module_->automatic_optimization && t.optimizer_ptrs_.size() == 1 &&
+      t.plugins_.strategy->delegates_optimizer_step() && CapturableAdam::refusal(*t.optimizer_ptrs_.front()).empty())
+    t.fused_adam_ = std::make_unique<CapturableAdam>(*t.optimizer_ptrs_.front());
+  capture_.prepare();
 }
 
 void TrainingEpochLoop::manual_backward(const at::Tensor& loss) {

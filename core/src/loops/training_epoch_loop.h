@@ -26,8 +26,11 @@ class TrainingEpochLoop {
   TrainingEpochLoop(Trainer::Impl& trainer, FitLoop& fit, RunPosition& position)
       : trainer_(trainer), fit_(fit), position_(position), val_loop_(trainer, Stage::validate), capture_(trainer) {}
 
-  // At fit start, with model and optimizers set up: whether steps are captured (cuda_graphs).
-  void prepare_step_capture() { capture_.prepare(); }
+  // At fit start, with model and optimizers set up: whether the optimizer is stepped by fused
+  // kernels (one Adam/AdamW under automatic optimization and a strategy that delegates its step,
+  // used where the precision decides steps on the device) and whether steps are captured
+  // (cuda_graphs).
+  void prepare_optimizer_steps();
 
   // Batch counts for the coming epochs (-1: a loader of unknown length) and the validation
   // cadence inside an epoch (0: only at its end).

@@ -7,6 +7,9 @@
 //
 // On CUDA the scaler uses ATen's AMP kernels (_amp_foreach_non_finite_check_and_unscale_,
 // _amp_update_scale_). Elsewhere it uses the same arithmetic written with ordinary tensor ops.
+// Where the Trainer steps an Adam/AdamW itself (device_found_inf), nothing waits for the host: the
+// fused optimizer kernels skip a step on the inf flag and the scale is updated on the device;
+// otherwise optimizer_step reads the flag once per step, as GradScaler.step does.
 // CPU: like Lightning, which switches 16-mixed to bf16 on CPU, the forward pass autocasts to
 // bfloat16 (with a warning); the loss scaler stays on (harmless with bf16's range, and it keeps
 // the scaler's behaviour testable without a GPU).
@@ -113,11 +116,21 @@ class Fp16MixedPrecision final : public fulgur::Precision {
     return !skip;
   }
 
-  c10::ScalarType compute_dtype() const override { return autocast_dtype_; }
-  std::string step_capture_refusal() const override {
-    return "precision '16-mixed' decides on the host whether each step is taken or skipped (dynamic loss "
-           "scaling reads the inf/NaN check); use precision = \"bf16-mixed\" with cuda_graphs";
+  // The same decision without the host: the Trainer's fused Adam/AdamW step reads the flag on the
+  // device (Python's GradScaler hands found_inf to a fused optimizer in the same way).
+  at::Tensor device_found_inf(torch::optim::Optimizer& optimizer) override {
+    unscale_gradients(optimizer);
+    return found_inf_.at(&optimizer);
   }
+  void update_after_device_step(torch::optim::Optimizer& optimizer, const at::Tensor& found_inf) override {
+    found_inf_.erase(&optimizer);
+    if (found_inf.defined()) update_scale(found_inf);  // undefined: an abandoned step
+  }
+
+  c10::ScalarType compute_dtype() const override { return autocast_dtype_; }
+  // Capturable: unscale, the inf/NaN check and the scale update are device work, and the step is
+  // skipped on the device through device_found_inf.
+  std::string step_capture_refusal() const override { return {}; }
 
   void state_dict(c10::IValue& out) const override {
     c10::impl::GenericDict dict = ps::empty_state();

@@ -89,6 +89,9 @@ class DdpStrategy final : public fulgur::strategy_support::ProcessGroupStrategy 
   bool optimizer_step(torch::optim::Optimizer& optimizer, fulgur::Precision& precision) override {
     return precision.optimizer_step(optimizer);
   }
+  // Gradients are averaged in backward, so every rank reaches the same inf/NaN verdict on the
+  // device; optimizer_step adds nothing to the precision's and may be bypassed.
+  bool delegates_optimizer_step() const override { return true; }
 
   // Replicas are identical, so the Strategy defaults fit: rank zero writes one file and the others
   // wait at a barrier; the state dicts are the full ones.

@@ -39,6 +39,8 @@ class SingleDeviceStrategy final : public fulgur::Strategy {
   bool optimizer_step(torch::optim::Optimizer& optimizer, fulgur::Precision& precision) override {
     return precision.optimizer_step(optimizer);
   }
+  // optimizer_step adds nothing to the precision's: a step decided on the device may bypass it.
+  bool delegates_optimizer_step() const override { return true; }
   // backward() is the precision's scaled backward and nothing else; parameters are the model's.
   std::string step_capture_refusal() const override { return {}; }
 

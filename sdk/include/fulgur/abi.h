@@ -33,8 +33,9 @@ extern "C" {
  * (Accelerator::make_step_graph and StepGraph, step_capture_refusal on Strategy and Precision),
  * staged batch transfers (Accelerator::stage_transfer/finish_transfer),
  * Accelerator::device_name, Precision::compute_dtype and the TrainerContext's device_name and
- * compute_dtype (peak FLOP/s tables). */
-#define FULGUR_CXX_INTERFACE_MAJOR 6
+ * compute_dtype (peak FLOP/s tables); 7 added steps decided on the device
+ * (Precision::device_found_inf/update_after_device_step, Strategy::delegates_optimizer_step). */
+#define FULGUR_CXX_INTERFACE_MAJOR 7
 
 #define FULGUR_PLUGIN_QUERY_SYMBOL "fulgur_plugin_query_v1"
 #define FULGUR_NOTE_OWNER "fulgur"

@@ -27,6 +27,18 @@ class FULGUR_SDK_API Precision {
   virtual void clip_gradients(torch::optim::Optimizer& optimizer, double clip_value, GradClipAlgorithm algorithm) = 0;
   // Steps the optimizer unless gradients are not finite; returns whether it stepped.
   virtual bool optimizer_step(torch::optim::Optimizer& optimizer) = 0;
+  // Steps decided on the device, without a host synchronisation (16-mixed): after
+  // unscale_gradients(optimizer), a 0-dim float32 tensor on the gradients' device that holds 1
+  // when this step must be skipped (inf/NaN gradients) and 0 when it is taken; an undefined tensor
+  // (the default) where the precision never skips or decides on the host. When it is defined and
+  // the Trainer can step the optimizer with fused kernels that read it (one Adam/AdamW under
+  // automatic optimization, a strategy that delegates_optimizer_step), the Trainer takes the step
+  // itself instead of calling optimizer_step, then calls update_after_device_step.
+  virtual at::Tensor device_found_inf(torch::optim::Optimizer& optimizer);
+  // Ends a step decided by device_found_inf: updates the loss scale on the device and forgets this
+  // step's unscale. With an undefined `found_inf` the step was abandoned (a capture that failed
+  // part-way): forget the unscale, change nothing else. Default: nothing.
+  virtual void update_after_device_step(torch::optim::Optimizer& optimizer, const at::Tensor& found_inf);
   // Scaler state for checkpoints (an empty dict when stateless).
   virtual void state_dict(c10::IValue& out) const = 0;
   virtual void load_state_dict(const c10::IValue& state) = 0;
@@ -35,8 +47,9 @@ class FULGUR_SDK_API Precision {
   virtual c10::ScalarType compute_dtype() const;
   // Why a training step under this precision cannot be recorded as a StepGraph (for example, a
   // step skipped or taken by a decision on the host), or "" when it can: the step is then
-  // forward under forward_enter/exit, backward of scale_loss(loss) and clipping through
-  // clip_gradients, with the optimizer stepped by the Trainer's capturable step, not by
+  // forward under forward_enter/exit, backward of scale_loss(loss), unscale_gradients and
+  // clipping through clip_gradients, with the optimizer stepped by the Trainer's capturable step
+  // (which skips where device_found_inf says so, then calls update_after_device_step), not by
   // optimizer_step. Default: a refusal, so a plugin opts in knowingly.
   virtual std::string step_capture_refusal() const;
 };

@@ -104,6 +104,11 @@ class FULGUR_SDK_API Strategy {
   // only queue device work and the optimizer may be stepped on its own parameters by the
   // Trainer's capturable step. Default: a refusal, so a plugin opts in knowingly.
   virtual std::string step_capture_refusal() const;
+  // Whether optimizer_step does nothing but precision.optimizer_step(optimizer) (no agreement
+  // across ranks, no shards to refresh after the step): the Trainer may then take a step that the
+  // precision decides on the device (Precision::device_found_inf) without calling optimizer_step.
+  // Default: false.
+  virtual bool delegates_optimizer_step() const;
 
   virtual at::Tensor reduce(const at::Tensor& tensor, ReduceOp op) = 0;
   virtual std::vector<at::Tensor> all_gather(const at::Tensor& tensor) = 0;
