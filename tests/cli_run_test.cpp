@@ -184,8 +184,7 @@ TEST_CASE("bad command lines get one line and exit 2 before anything starts") {
        "no [[callbacks]] entry selects 'early_stopping'"},
       {{"fit", "--config", "run.toml", "--trainer.max_epochs"}, "--trainer.max_epochs needs a value"},
       {{"fit", "--config", "run.toml", "stray"}, "unexpected argument 'stray'"},
-      {{"test", "--config", "run.toml", "--ckpt_path=nowhere.ckpt"},
-       "--ckpt_path: no checkpoint at 'nowhere.ckpt'"},
+      {{"test", "--config", "run.toml", "--ckpt_path=nowhere.ckpt"}, "--ckpt_path: no checkpoint at 'nowhere.ckpt'"},
       {{"fit", "--config", "run.toml", "--ckpt_path=garbage.ckpt"}, "garbage.ckpt"},
   };
   for (const Case& c : cases) {

@@ -17,6 +17,10 @@
 //   FULGUR_TEST_VALIDATE_AFTER_FIT=1: trainer.validate after fit, in the same process.
 //   FULGUR_TEST_UNKNOWN_LENGTH=1: the train loader does not know its length, and the last rank's
 //   yields one batch fewer per epoch than the others (a streaming dataset split unevenly).
+//   FULGUR_TEST_INF_RANK=r FULGUR_TEST_INF_STEP=s: rank r's loss is infinite at its s-th
+//   training_step (counted from 1), so that its gradients, and after the all-reduce everyone's,
+//   are not finite. The metrics file records `optimizer_step_count` (the first parameter's step
+//   count in the Adam/AdamW state) and `loss_scale` (16-mixed) after fit.
 #include <fulgur/blocks.h>
 #include <fulgur/callback.h>
 #include <fulgur/config.h>
@@ -24,6 +28,7 @@
 #include <fulgur/error.h>
 #include <fulgur/metrics.h>
 #include <fulgur/module.h>
+#include <fulgur/precision.h>
 #include <fulgur/strategy.h>
 #include <fulgur/trainer.h>
 #include <fulgur/trainer_context.h>
@@ -35,6 +40,7 @@
 #include <cstdlib>
 #include <fstream>
 #include <iostream>
+#include <limits>
 #include <optional>
 
 namespace {
@@ -74,6 +80,10 @@ struct Mlp : fulgur::Module {
   fulgur::StepOutput training_step(const fulgur::Batch& b, int64_t) override {
     at::Tensor loss = torch::nn::functional::cross_entropy(forward(b.input), b.target);
     log("train/loss", loss, fulgur::LogOptions().sync_dist(true));
+    ++calls;
+    const char* inf_rank = std::getenv("FULGUR_TEST_INF_RANK");
+    if (inf_rank && std::atoll(inf_rank) == rank && calls == std::atoll(std::getenv("FULGUR_TEST_INF_STEP")))
+      loss = loss * std::numeric_limits<float>::infinity();
     return {loss};
   }
   fulgur::StepOutput validation_step(const fulgur::Batch& b, int64_t) override {
@@ -94,14 +104,17 @@ struct Mlp : fulgur::Module {
   }
   std::vector<fulgur::OptimizerConfig> configure_optimizers() override {
     const char* which = std::getenv("FULGUR_TEST_OPTIMIZER");
-    if (which && std::string(which) == "adamw")
-      return {fulgur::OptimizerConfig(
-          std::make_shared<torch::optim::AdamW>(parameters(), torch::optim::AdamWOptions(1e-2).weight_decay(0.1)))};
+    if (which && std::string(which) == "adamw") {
+      adamw = std::make_shared<torch::optim::AdamW>(parameters(), torch::optim::AdamWOptions(1e-2).weight_decay(0.1));
+      return {fulgur::OptimizerConfig(adamw)};
+    }
     return {fulgur::OptimizerConfig(std::make_shared<torch::optim::SGD>(parameters(), torch::optim::SGDOptions(0.1)))};
   }
   torch::nn::Linear fc1{nullptr}, fc2{nullptr}, frozen{nullptr};
   at::Tensor scale;
   int64_t rank = 0;
+  int64_t calls = 0;
+  std::shared_ptr<torch::optim::AdamW> adamw;
   fulgur::metrics::Accuracy val_acc{
       fulgur::metrics::ClassificationOptions::multiclass(4).average(fulgur::metrics::Average::micro)};
   fulgur::metrics::AUROC val_auroc{fulgur::metrics::ClassificationOptions::multiclass(4)};
@@ -233,6 +246,17 @@ int main(int argc, char** argv) {
     for (const auto& [k, v] : trainer.callback_metrics()) metrics << k << ' ' << fmt::format("{:.9g}", v) << '\n';
     metrics << "global_step " << trainer.global_step() << '\n';
     metrics << "current_epoch " << trainer.current_epoch() << '\n';
+    if (module->adamw && !module->adamw->state().empty()) {
+      const auto& first = module->adamw->param_groups().front().params().front();
+      metrics
+          << "optimizer_step_count "
+          << static_cast<torch::optim::AdamWParamState&>(*module->adamw->state().at(first.unsafeGetTensorImpl())).step()
+          << '\n';
+    }
+    c10::IValue precision_state;
+    trainer.precision().state_dict(precision_state);
+    if (precision_state.isGenericDict() && precision_state.toGenericDict().contains("scale"))
+      metrics << "loss_scale " << precision_state.toGenericDict().at("scale").toDouble() << '\n';
     return 0;
   } catch (const std::exception& e) {
     std::cerr << "fulgur_ddp_worker: " << e.what() << '\n';

@@ -258,6 +258,36 @@ TEST_CASE("ddp: gradient accumulation syncs once per window and matches one proc
   CHECK(max_difference(weights(*ddp, 0), weights(*single, 0)) < 1e-5);
 }
 
+TEST_CASE("ddp under 16-mixed: an inf on one rank skips that step on every rank, decided on the device") {
+  // Rank 1's 3rd loss is infinite: after the gradient all-reduce both ranks hold non-finite
+  // gradients, and both fused AdamW steps skip on the device flag; the scale halves once.
+  auto env = clean_env();
+  env["FULGUR_TEST_OPTIMIZER"] = "adamw";
+  env["FULGUR_TEST_INF_RANK"] = "1";
+  env["FULGUR_TEST_INF_STEP"] = "3";
+  env["FULGUR_LOG_LEVEL"] = "debug";
+  std::string config = worker_config("ddp", "2", 8, 6);
+  config.insert(config.find("logger = false"), "precision = \"16-mixed\"\n");
+  auto ddp = run_worker(config, {}, env);
+  REQUIRE_SUCCESS(ddp);
+  CHECK(contains(ddp->result.output, "optimizer steps are decided on the device"));
+  CHECK(max_difference(weights(*ddp, 0), weights(*ddp, 1)) == 0.0);  // the same decision on both
+  for (int rank : {0, 1}) {
+    CAPTURE(rank);
+    const auto m = metrics(*ddp, rank);
+    CHECK(m.at("global_step") == 6);
+    CHECK(m.at("optimizer_step_count") == 5);  // 6 batches, 1 skipped
+    CHECK(m.at("loss_scale") == 32768.0);      // 65536 halved once
+  }
+  // Without the inf: every step taken, the scale untouched.
+  env.erase("FULGUR_TEST_INF_RANK");
+  auto clean = run_worker(config, {}, env);
+  REQUIRE_SUCCESS(clean);
+  CHECK(metrics(*clean, 1).at("optimizer_step_count") == 6);
+  CHECK(metrics(*clean, 1).at("loss_scale") == 65536.0);
+  CHECK(max_difference(weights(*clean, 0), weights(*ddp, 0)) > 0.0);
+}
+
 TEST_CASE("ddp: parameters without gradients need find_unused_parameters") {
   auto env = clean_env();
   env["FULGUR_TEST_UNUSED_LAYER"] = "1";

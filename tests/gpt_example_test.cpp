@@ -525,8 +525,8 @@ TEST_CASE(
   auto loaded_libraries = [&](const std::string& name, const std::string& accelerator) {
     const ProcessRun run = fulgur::test::run_process(
         {FULGUR_TEST_FULGUR_BIN, "fit", "--config", job.toml.string(), "--trainer.max_steps=2",
-         "--trainer.limit_val_batches=0", "--trainer.enable_checkpointing=false", "--trainer.accelerator=" + accelerator,
-         "--trainer.default_root_dir=" + (job.dir / name).string()},
+         "--trainer.limit_val_batches=0", "--trainer.enable_checkpointing=false",
+         "--trainer.accelerator=" + accelerator, "--trainer.default_root_dir=" + (job.dir / name).string()},
         {{"LD_DEBUG", "files"}}, job.dir.path());
     INFO(run.output.substr(0, 4000));
     REQUIRE(run.exit_code == 0);

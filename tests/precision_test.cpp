@@ -218,6 +218,69 @@ TEST_CASE("16-mixed: scaled loss, unscale once, skip on inf, back off, grow afte
   }
 }
 
+TEST_CASE("16-mixed: the device decision: found_inf after unscale, the scale updated on it, an abandoned step") {
+  auto p = precision("16-mixed", {{"init_scale", 1024.0}});
+  torch::manual_seed(2);
+  torch::nn::Linear model(4, 2);
+  torch::nn::Linear reference(4, 2);
+  {
+    torch::NoGradGuard no_grad;
+    reference->weight.copy_(model->weight);
+    reference->bias.copy_(model->bias);
+  }
+  p->convert_module(*model);
+  torch::optim::Adam adam(model->parameters(), torch::optim::AdamOptions(0.1));
+  const at::Tensor x = torch::randn({8, 4});
+  reference->forward(x).pow(2).mean().backward();
+  auto scaled_grads = [&] {
+    adam.zero_grad();
+    scaled_backward(*p, model, x);
+    CHECK(torch::allclose(model->weight.grad(), reference->weight.grad() * scale_of(*p)));
+  };
+
+  // Finite gradients: unscaled by the call, flag 0, the scale kept (growth_interval 2000).
+  scaled_grads();
+  const at::Tensor found = p->device_found_inf(adam);
+  REQUIRE(found.defined());
+  CHECK(found.dim() == 0);
+  CHECK((found.scalar_type() == at::kFloat));
+  CHECK(found.item<float>() == 0.0f);
+  CHECK(torch::allclose(model->weight.grad(), reference->weight.grad()));
+  CHECK(p->device_found_inf(adam).is_same(found));  // the same step: no second unscale
+  p->update_after_device_step(adam, found);
+  CHECK(scale_of(*p) == 1024.0);
+  CHECK(tracker_of(*p) == 1);
+
+  // An inf: flag 1 (exactly: the fused kernels skip on 1.0), the scale halves on the device.
+  scaled_grads();
+  {
+    torch::NoGradGuard no_grad;
+    model->bias.grad()[0] = std::numeric_limits<float>::infinity();
+  }
+  const at::Tensor bad = p->device_found_inf(adam);
+  CHECK(bad.item<float>() == 1.0f);
+  p->update_after_device_step(adam, bad);
+  CHECK(scale_of(*p) == 512.0);
+  CHECK(tracker_of(*p) == 0);
+
+  // A step abandoned after its unscale (a failed capture) changes nothing, and the next step's
+  // gradients are unscaled again instead of being taken for done.
+  scaled_grads();
+  p->device_found_inf(adam);
+  p->update_after_device_step(adam, at::Tensor());
+  CHECK(scale_of(*p) == 512.0);
+  CHECK(tracker_of(*p) == 0);
+  scaled_grads();
+  CHECK(p->device_found_inf(adam).item<float>() == 0.0f);
+  CHECK(torch::allclose(model->weight.grad(), reference->weight.grad()));
+  // And one left behind by a fit that failed mid-step is forgotten when the next fit converts
+  // the model.
+  p->convert_module(*model);
+  scaled_grads();
+  p->unscale_gradients(adam);
+  CHECK(torch::allclose(model->weight.grad(), reference->weight.grad()));
+}
+
 TEST_CASE("16-mixed: state_dict / load_state_dict round-trip restores the scale") {
   auto p = precision("16-mixed", {{"init_scale", 64.0}});
   torch::nn::Linear model(3, 1);

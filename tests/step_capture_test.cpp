@@ -226,10 +226,51 @@ TEST_CASE("16-mixed's device decision: the fused step skips where found_inf is 1
     fresh->exp_avg_sq(at::zeros_like(fused->bias));
     if (amsgrad) fresh->max_exp_avg_sq(at::zeros_like(fused->bias));
     actual.state()[fused->bias.unsafeGetTensorImpl()] = std::move(fresh);
+    // Also a state object that is the recorded one by address but holds other tensors (what a
+    // new object allocated where a freed one was looks like).
+    auto& weight_state =
+        static_cast<torch::optim::AdamWParamState&>(*actual.state().at(fused->weight.unsafeGetTensorImpl()));
+    capturable.step(at::zeros({}, at::kFloat));  // makes the counts stale again
+    capturable.advance_host_steps(/*replayed=*/false);
+    weight_state.exp_avg(at::zeros_like(fused->weight));
+    weight_state.step(30);
     capturable.sync_host_steps();
-    CHECK(host_step(fused->weight) == 5);
+    CHECK(host_step(fused->weight) == 30);
     CHECK(host_step(fused->bias) == 40);
   }
+}
+
+TEST_CASE("the fused step creates state only for parameters with gradients, as Adam's own step()") {
+  torch::nn::Linear m(torch::nn::LinearOptions(3, 2));
+  torch::optim::Adam adam(m->parameters(), torch::optim::AdamOptions(1e-2));
+  fulgur::CapturableAdam fused(adam);
+  m->weight.mutable_grad() = at::randn(m->weight.sizes());  // the bias is frozen, for now
+  for (int step = 0; step < 3; ++step) {
+    fused.before_step(/*recorded=*/false);
+    fused.step(at::zeros({}, at::kFloat));
+    fused.advance_host_steps(/*replayed=*/false);
+  }
+  fused.sync_host_steps();
+  CHECK(adam.state().size() == 1);
+  CHECK(adam.state().count(m->bias.unsafeGetTensorImpl()) == 0);
+  // Unfrozen: the next step records it, and the weight's count carries on.
+  m->bias.mutable_grad() = at::randn(m->bias.sizes());
+  fused.before_step(/*recorded=*/false);
+  fused.step(at::zeros({}, at::kFloat));
+  fused.advance_host_steps(/*replayed=*/false);
+  fused.sync_host_steps();
+  auto step_of = [&](const at::Tensor& p) {
+    return static_cast<torch::optim::AdamParamState&>(*adam.state().at(p.unsafeGetTensorImpl())).step();
+  };
+  CHECK(step_of(m->weight) == 4);
+  CHECK(step_of(m->bias) == 1);
+  // A captured step records every parameter up front; a subclass of Adam is refused (its own
+  // step() would be bypassed).
+  struct MyAdam : torch::optim::Adam {
+    using torch::optim::Adam::Adam;
+  };
+  MyAdam mine(m->parameters(), torch::optim::AdamOptions(1e-2));
+  FULGUR_CHECK_CONTAINS(fulgur::CapturableAdam::refusal(mine), "but a class derived from one");
 }
 
 TEST_CASE("cuda_graphs = \"on\": the example warms up, captures once, replays every later step and logs each one") {

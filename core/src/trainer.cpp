@@ -352,11 +352,10 @@ void Trainer::Impl::finish_stage(Stage stage, RunStatus status) {
       if (!first) first = std::current_exception();
     }
   };
-  step([&] {
-    // The user's optimizer keeps the step counts the fused steps reached.
-    sync_optimizer_host_state();
-    fused_adam_.reset();
-  });
+  // The user's optimizer keeps the step counts the fused steps reached (a fit that failed or
+  // was interrupted too; one that finished synced before its end hooks).
+  step([&] { sync_optimizer_host_state(); });
+  fused_adam_.reset();
   step([&] { hooks_.call(Hook::teardown, [&](Callback& c) { c.teardown(*this, stage); }); });
   step([&] {
     if (data_) data_->teardown(stage);

@@ -1,6 +1,7 @@
 #include "capturable_adam.h"
 
 #include <fulgur/error.h>
+#include <fulgur/precision.h>
 
 #include <ATen/ops/_foreach_add.h>
 #include <ATen/ops/_foreach_sub.h>
@@ -17,6 +18,7 @@
 #include <cmath>
 #include <map>
 #include <optional>
+#include <typeinfo>
 
 namespace fulgur {
 
@@ -74,7 +76,8 @@ struct CapturableAdam::Group {
     torch::optim::OptimizerParamState* host = nullptr;
   };
   std::map<std::pair<c10::ScalarType, std::string>, std::vector<Parameter>> by_dtype;
-  size_t parameter_count = 0;  // of the optimizer's group when it was recorded
+  size_t parameter_count = 0;          // of the optimizer's group when it was recorded
+  std::vector<at::Tensor> unrecorded;  // parameters without state or gradient then (uncaptured steps)
 };
 
 namespace {
@@ -146,10 +149,24 @@ void adopt(torch::optim::Optimizer& optimizer, Parameter& e, bool amsgrad) {
 
 }  // namespace
 
+AbandonedStepGuard::~AbandonedStepGuard() {
+  if (!active_) return;
+  try {
+    precision_.update_after_device_step(optimizer_, at::Tensor());
+  } catch (...) {  // already unwinding from the step's own error, which is the one to report
+  }
+}
+
 std::string CapturableAdam::refusal(torch::optim::Optimizer& optimizer) {
-  if (!dynamic_cast<torch::optim::Adam*>(&optimizer) && !dynamic_cast<torch::optim::AdamW*>(&optimizer))
-    return "the optimizer is not torch::optim::Adam or AdamW, the two with fused kernels whose step count and "
-           "learning rate live on the device (a recorded step would freeze them)";
+  // The exact classes: a subclass may override step(), which the fused kernels would bypass.
+  const std::type_info& type = typeid(optimizer);
+  if (type != typeid(torch::optim::Adam) && type != typeid(torch::optim::AdamW))
+    return fmt::format(
+        "the optimizer is not torch::optim::Adam or AdamW{}, the two with fused kernels whose step count and "
+        "learning rate live on the device (a recorded step would freeze them)",
+        dynamic_cast<torch::optim::Adam*>(&optimizer) || dynamic_cast<torch::optim::AdamW*>(&optimizer)
+            ? " but a class derived from one (its own step() would be bypassed)"
+            : "");
   for (auto& group : optimizer.param_groups())
     for (const auto& p : group.params())
       if (!at::isFloatingType(p.scalar_type()))
@@ -163,7 +180,7 @@ CapturableAdam::CapturableAdam(torch::optim::Optimizer& optimizer)
 
 CapturableAdam::~CapturableAdam() = default;
 
-void CapturableAdam::sync_from_host() {
+void CapturableAdam::sync_from_host(bool every_parameter) {
   sync_host_steps();  // the device counts are the current ones where steps read found_inf
   synced_ = true;
   groups_.clear();
@@ -174,6 +191,12 @@ void CapturableAdam::sync_from_host() {
     g->hp = hyperparameters_of(group.options());
     g->parameter_count = group.params().size();
     for (const auto& p : group.params()) {
+      // As the optimizer's own step(): no state for a parameter before it has a gradient (frozen
+      // ones may never have one). A recorded step needs every tensor it may touch up front.
+      if (!every_parameter && !p.grad().defined() && !optimizer_.state().count(p.unsafeGetTensorImpl())) {
+        g->unrecorded.push_back(p);
+        continue;
+      }
       g->by_dtype[{p.scalar_type(), p.device().str()}].push_back(
           decoupled_weight_decay_ ? recorded_entry<torch::optim::AdamWParamState>(optimizer_, p, g->hp.amsgrad)
                                   : recorded_entry<torch::optim::AdamParamState>(optimizer_, p, g->hp.amsgrad));
@@ -189,7 +212,7 @@ void CapturableAdam::sync_from_host() {
 }
 
 void CapturableAdam::before_step(bool recorded) {
-  if (!synced_) sync_from_host();
+  if (!synced_) sync_from_host(/*every_parameter=*/recorded);
   adopt_replaced_state();  // a callback or a checkpoint load may have replaced it
   if (recorded) {
     check_hyperparameters();
@@ -201,7 +224,9 @@ void CapturableAdam::before_step(bool recorded) {
     for (size_t i = 0; !changed && i < groups.size(); ++i)
       changed = !(hyperparameters_of(groups[i].options()) == groups_[i]->hp) ||
                 groups[i].params().size() != groups_[i]->parameter_count;
-    if (changed) sync_from_host();
+    for (size_t i = 0; !changed && i < groups_.size(); ++i)
+      for (const at::Tensor& p : groups_[i]->unrecorded) changed = changed || p.grad().defined();  // unfrozen
+    if (changed) sync_from_host(/*every_parameter=*/false);
   }
   refresh_lr();  // schedulers move the host lr; the device copy is read at the launch
 }
@@ -312,8 +337,14 @@ void CapturableAdam::sync_host_steps() {
       std::vector<Parameter*> current;
       std::vector<at::Tensor> steps;
       for (auto& e : entries) {
+        // The same object holding the recorded tensor (an address alone could be a new object
+        // allocated where a replaced one was; the recorded tensor keeps its storage alive).
         auto it = states.find(e.param.unsafeGetTensorImpl());
         if (it == states.end() || it->second.get() != e.host) continue;
+        const at::Tensor& exp_avg = decoupled_weight_decay_
+                                        ? static_cast<torch::optim::AdamWParamState&>(*it->second).exp_avg()
+                                        : static_cast<torch::optim::AdamParamState&>(*it->second).exp_avg();
+        if (!exp_avg.is_same(e.exp_avg)) continue;
         current.push_back(&e);
         steps.push_back(e.step);
       }

@@ -25,6 +25,26 @@ class Optimizer;
 
 namespace fulgur {
 
+class Precision;
+
+// A step decided on the device that throws before it ends (an allocation, a kernel's check):
+// the precision still forgets the step's unscale (Precision::update_after_device_step without a
+// flag), so the next step unscales its own gradients. dismiss() once the step has run.
+class AbandonedStepGuard {
+ public:
+  AbandonedStepGuard(Precision& precision, torch::optim::Optimizer& optimizer)
+      : precision_(precision), optimizer_(optimizer) {}
+  ~AbandonedStepGuard();
+  AbandonedStepGuard(const AbandonedStepGuard&) = delete;
+  AbandonedStepGuard& operator=(const AbandonedStepGuard&) = delete;
+  void dismiss() { active_ = false; }
+
+ private:
+  Precision& precision_;
+  torch::optim::Optimizer& optimizer_;
+  bool active_ = true;
+};
+
 class CapturableAdam {
  public:
   // Why `optimizer` cannot be stepped here ("" when it can): only Adam and AdamW have fused
@@ -36,8 +56,9 @@ class CapturableAdam {
 
   // Creates missing state (zeros, step 0, as the optimizer's first step would) and the device
   // step counts from the host ones. Call before the first step() and after anything else stepped
-  // the optimizer (its own step(), a checkpoint load).
-  void sync_from_host();
+  // the optimizer (its own step(), a checkpoint load). `every_parameter` false: parameters with
+  // neither state nor a gradient are left out until they have a gradient (uncaptured steps).
+  void sync_from_host(bool every_parameter = true);
   // What precedes every step: sync_from_host() the first time, adopt_replaced_state(), the
   // hyperparameters (`recorded`: a change is refused by check_hyperparameters(); otherwise the
   // groups are read anew) and refresh_lr().
@@ -58,6 +79,8 @@ class CapturableAdam {
     captured_ = last_;
     captured_reads_found_inf_ = last_read_found_inf_;
   }
+  // The optimizer's own step() ran: the device state is recorded again before the next step().
+  void host_stepped() { synced_ = false; }
   // The host step counts after a step ran: the last step() (eager), or the recorded one (replay).
   // After a step that read found_inf they are only provisional until sync_host_steps().
   void advance_host_steps(bool replayed);

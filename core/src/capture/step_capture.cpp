@@ -171,7 +171,9 @@ StepOutput StepCapture::eager_step(Batch& batch, int64_t batch_idx, bool grads_t
   // 16-mixed: the step is skipped on the device where the gradients were not finite, and the
   // loss scale updated there (inside the recording, so every replay does both).
   const at::Tensor found_inf = precision.device_found_inf(optimizer);
+  AbandonedStepGuard guard(precision, optimizer);
   adam().step(found_inf);
+  guard.dismiss();
   if (found_inf.defined()) precision.update_after_device_step(optimizer, found_inf);
   return output;
 }
@@ -237,7 +239,8 @@ std::optional<StepOutput> StepCapture::run(Batch& batch, int64_t batch_idx) {
       });
     } catch (const std::exception& e) {
       // The recorded step never ran: the precision forgets its unscale (the next step unscales
-      // its own gradients), and nothing else of it happened.
+      // its own gradients), and nothing else of it happened. (A step that failed before its
+      // optimizer step leaves the unscale behind too.)
       t_.plugins_.precision->update_after_device_step(*t_.optimizer_ptrs_.front(), at::Tensor());
       t_.binding_.recorded_logs = nullptr;
       recorded_logs_.clear();
@@ -245,7 +248,8 @@ std::optional<StepOutput> StepCapture::run(Batch& batch, int64_t batch_idx) {
       static_output_ = {};
       refuse(reason_of(e), /*give_up=*/true);
       // Nothing of the failed capture ran: this batch takes the ordinary path, whose optimizer
-      // step continues from the host step counts kept above.
+      // step continues from the state the warm-ups left (the host step counts, or under 16-mixed
+      // the device's, which the ordinary path then also steps).
       return std::nullopt;
     }
     captured_ = true;

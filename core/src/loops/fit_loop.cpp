@@ -59,6 +59,7 @@ void FitLoop::run() {
                               "training cannot progress (check the dataset, batch_size and drop_last)",
                               position_.epoch - 1, t.settings_.max_epochs, t.settings_.max_steps));
   }
+  t.sync_optimizer_host_state();  // on_train_end and on_fit_end may read the optimizer's state
   t.hooks_.call(Hook::train_end, [&](Callback& c) { c.on_train_end(t); });
   t.hooks_.module("on_train_end", [&] { t.module_->on_train_end(); });
 }

@@ -114,18 +114,27 @@ bool TrainingEpochLoop::step_optimizer(torch::optim::Optimizer& optimizer) {
     t.plugins_.strategy->clip_gradients(optimizer, precision, t.settings_.gradient_clip_val,
                                         t.settings_.gradient_clip_algorithm);
   ProfileScope scope(t.plugins_.profiler.get(), "optimizer_step");
-  if (t.fused_adam_ && &optimizer == t.optimizer_ptrs_.front()) {
-    // 16-mixed: the inf/NaN verdict stays on the device, and so does the decision to skip.
+  if (!t.fused_adam_ || &optimizer != t.optimizer_ptrs_.front())
+    return t.plugins_.strategy->optimizer_step(optimizer, precision);
+  // 16-mixed: the inf/NaN verdict stays on the device, and so does the decision to skip (a
+  // strategy that only delegates its step may be bypassed; under cuda_graphs = "try" one that
+  // does more may have given up on capturing).
+  if (t.plugins_.strategy->delegates_optimizer_step())
     if (const at::Tensor found_inf = precision.device_found_inf(optimizer); found_inf.defined()) {
+      // If the step throws, the precision still forgets this step's unscale (the next step's
+      // gradients must be unscaled, not taken for done).
+      AbandonedStepGuard guard(precision, optimizer);
       t.fused_adam_->before_step(/*recorded=*/false);
       t.fused_adam_->step(found_inf);
       t.fused_adam_->advance_host_steps(/*replayed=*/false);
+      guard.dismiss();
       precision.update_after_device_step(optimizer, found_inf);
       return true;  // taken or skipped: only the device knows, and nothing here asks it
     }
-    t.sync_optimizer_host_state();  // the optimizer's own step() reads the host counts
-  }
-  return t.plugins_.strategy->optimizer_step(optimizer, precision);
+  t.sync_optimizer_host_state();  // the optimizer's own step() reads the host counts
+  const bool stepped = t.plugins_.strategy->optimizer_step(optimizer, precision);
+  t.fused_adam_->host_stepped();
+  return stepped;
 }
 
 void TrainingEpochLoop::prepare_optimizer_steps() {

@@ -50,6 +50,7 @@ class Fp16MixedPrecision final : public fulgur::Precision {
   }
 
   void convert_module(torch::nn::Module& module) override {
+    found_inf_.clear();  // a fit that failed mid-step must not leave its unscale to the next one
     const c10::Device device = ps::device_of(module);
     device_type_ = device.type();
     use_amp_kernels_ = device_type_ == c10::DeviceType::CUDA;
