@@ -281,6 +281,33 @@ TEST_CASE("16-mixed: the device decision: found_inf after unscale, the scale upd
   CHECK(torch::allclose(model->weight.grad(), reference->weight.grad()));
 }
 
+TEST_CASE("16-mixed: sparse gradients are unscaled and checked through their values") {
+  auto p = precision("16-mixed", {{"init_scale", 256.0}});
+  torch::manual_seed(3);
+  torch::nn::Embedding table(torch::nn::EmbeddingOptions(10, 3).sparse(true));
+  p->convert_module(*table);
+  torch::optim::Adam adam(table->parameters(), torch::optim::AdamOptions(0.1));
+  const at::Tensor ids = torch::tensor({1, 2, 2, 7});
+  auto backward = [&] {
+    adam.zero_grad();
+    p->scale_loss(table->forward(ids).pow(2).sum()).backward();
+    REQUIRE(table->weight.grad().is_sparse());
+  };
+  // d/dw sum(w[i]^2) = 2 w[i] per occurrence: row 2 twice.
+  at::Tensor expected = torch::zeros({10, 3});
+  for (int64_t i : {1, 2, 2, 7}) expected[i] += 2 * table->weight.detach()[i];
+  backward();
+  CHECK(p->device_found_inf(adam).item<float>() == 0.0f);
+  CHECK(torch::allclose(table->weight.grad().to_dense(), expected));
+  p->update_after_device_step(adam, p->device_found_inf(adam));
+  backward();
+  {
+    torch::NoGradGuard no_grad;
+    table->weight.grad()._values()[0][0] = std::numeric_limits<float>::quiet_NaN();
+  }
+  CHECK(p->device_found_inf(adam).item<float>() == 1.0f);
+}
+
 TEST_CASE("16-mixed: state_dict / load_state_dict round-trip restores the scale") {
   auto p = precision("16-mixed", {{"init_scale", 64.0}});
   torch::nn::Linear model(3, 1);

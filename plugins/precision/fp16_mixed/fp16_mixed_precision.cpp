@@ -5,8 +5,8 @@
 // gradients hold inf/NaN is skipped and the scale backs off, and after `growth_interval` good
 // steps in a row it grows.
 //
-// On CUDA the scaler uses ATen's AMP kernels (_amp_foreach_non_finite_check_and_unscale_,
-// _amp_update_scale_). Elsewhere it uses the same arithmetic written with ordinary tensor ops.
+// The scaler is ATen's AMP kernels (_amp_foreach_non_finite_check_and_unscale_, _amp_update_scale_;
+// CUDA and the CPU have them, as torch.amp.GradScaler uses them on both).
 // Where the Trainer steps an Adam/AdamW itself (device_found_inf), nothing waits for the host: the
 // fused optimizer kernels skip a step on the inf flag and the scale is updated on the device;
 // otherwise optimizer_step reads the flag once per step, as GradScaler.step does.
@@ -17,13 +17,11 @@
 
 #include <ATen/ops/_amp_foreach_non_finite_check_and_unscale.h>
 #include <ATen/ops/_amp_update_scale.h>
-#include <ATen/ops/isfinite.h>
-#include <ATen/ops/logical_not.h>
+#include <ATen/ops/maximum.h>
 #include <ATen/ops/scalar_tensor.h>
-#include <ATen/ops/where.h>
 #include <ATen/ops/zeros.h>
-#include <ATen/ops/zeros_like.h>
 
+#include <algorithm>
 #include <cmath>
 #include <map>
 
@@ -53,9 +51,9 @@ class Fp16MixedPrecision final : public fulgur::Precision {
     found_inf_.clear();  // a fit that failed mid-step must not leave its unscale to the next one
     const c10::Device device = ps::device_of(module);
     device_type_ = device.type();
-    use_amp_kernels_ = device_type_ == c10::DeviceType::CUDA;
-    autocast_dtype_ = use_amp_kernels_ ? at::kHalf : at::kBFloat16;
-    if (!use_amp_kernels_ && !warned_fallback_) {
+    const bool cuda = device_type_ == c10::DeviceType::CUDA;
+    autocast_dtype_ = cuda ? at::kHalf : at::kBFloat16;
+    if (!cuda && !warned_fallback_) {
       warned_fallback_ = true;
       spdlog::warn(
           "16-mixed on {} runs bf16 autocast (float16 autocast is only used on CUDA, as in Lightning); use "
@@ -79,21 +77,32 @@ class Fp16MixedPrecision final : public fulgur::Precision {
   void unscale_gradients(torch::optim::Optimizer& optimizer) override {
     if (found_inf_.count(&optimizer)) return;
     std::vector<at::Tensor> grads = ps::gradients_of(optimizer);
+    // A sparse gradient (an Embedding with sparse = true) is checked and unscaled through its
+    // values, in place, as GradScaler does; the kernel takes dense tensors only.
+    for (at::Tensor& grad : grads)
+      if (grad.is_sparse()) grad = grad._values();
     if (!grads.empty() && grads.front().device() != scale_.device()) move_state_to(grads.front().device());
     at::Tensor found = at::zeros({}, scale_.options());
     if (!grads.empty()) {
       at::NoGradGuard no_grad;
       const at::Tensor inv_scale = scale_.to(at::kDouble).reciprocal().to(at::kFloat);
-      if (use_amp_kernels_ && kernel_ready(grads)) {
-        at::_amp_foreach_non_finite_check_and_unscale_(grads, found, inv_scale);
-      } else {
-        std::vector<at::Tensor> flags;
-        flags.reserve(grads.size());
-        for (at::Tensor& grad : grads) {
-          flags.push_back(at::logical_not(at::isfinite(grad)).any().to(scale_.device()));
-          grad.mul_(grad.device() == inv_scale.device() ? inv_scale : inv_scale.to(grad.device()));
+      // One kernel launch per device the gradients are on (a model split over devices); the
+      // kernel sets its flag to exactly 1, which the fused optimizer kernels compare against.
+      std::vector<std::pair<c10::Device, std::vector<at::Tensor>>> by_device;
+      for (const at::Tensor& grad : grads) {
+        auto it = std::find_if(by_device.begin(), by_device.end(),
+                               [&](const auto& entry) { return entry.first == grad.device(); });
+        if (it == by_device.end()) it = by_device.insert(by_device.end(), {grad.device(), {}});
+        it->second.push_back(grad);
+      }
+      for (auto& [device, list] : by_device) {
+        if (device == scale_.device()) {
+          at::_amp_foreach_non_finite_check_and_unscale_(list, found, inv_scale);
+          continue;
         }
-        found = at::stack(flags).any().to(at::kFloat);
+        at::Tensor flag = at::zeros({}, scale_.options().device(device));
+        at::_amp_foreach_non_finite_check_and_unscale_(list, flag, inv_scale.to(device));
+        found = at::maximum(found, flag.to(found.device()));
       }
     }
     found_inf_[&optimizer] = found;
@@ -182,31 +191,13 @@ class Fp16MixedPrecision final : public fulgur::Precision {
     growth_tracker_ = growth_tracker_.to(device);
   }
 
-  // The fused kernel wants every gradient dense and on the scaler's device.
-  bool kernel_ready(const std::vector<at::Tensor>& grads) const {
-    for (const at::Tensor& grad : grads)
-      if (grad.device() != scale_.device() || grad.is_sparse()) return false;
-    return true;
-  }
-
-  // _amp_update_scale_'s rule: inf/NaN -> scale *= backoff, tracker = 0; else tracker += 1 and on
-  // reaching growth_interval scale *= growth (only if that stays finite), tracker = 0.
+  // GradScaler.update through _amp_update_scale_ (on the scale's device): inf/NaN -> scale *=
+  // backoff, tracker = 0; else tracker += 1 and on reaching growth_interval scale *= growth (only
+  // if that stays finite), tracker = 0.
   void update_scale(const at::Tensor& found_inf) {
     at::NoGradGuard no_grad;
-    const at::Tensor found = found_inf.to(scale_.device());
-    if (use_amp_kernels_ && scale_.is_cuda()) {
-      at::_amp_update_scale_(scale_, growth_tracker_, found, growth_factor_, backoff_factor_, growth_interval_);
-      return;
-    }
-    const at::Tensor bad = found.ne(0);
-    const at::Tensor successful = growth_tracker_ + 1;
-    const at::Tensor grow = successful.ge(growth_interval_);
-    const at::Tensor grown = scale_ * growth_factor_;
-    const at::Tensor kept_or_grown = at::where(grow.logical_and(at::isfinite(grown)), grown, scale_);
-    const at::Tensor new_scale = at::where(bad, scale_ * backoff_factor_, kept_or_grown);
-    const at::Tensor new_tracker = at::where(bad.logical_or(grow), at::zeros_like(successful), successful);
-    scale_.copy_(new_scale);
-    growth_tracker_.copy_(new_tracker);
+    at::_amp_update_scale_(scale_, growth_tracker_, found_inf.to(scale_.device()), growth_factor_, backoff_factor_,
+                           growth_interval_);
   }
 
   double init_scale_;
@@ -218,7 +209,6 @@ class Fp16MixedPrecision final : public fulgur::Precision {
   std::map<const torch::optim::Optimizer*, at::Tensor> found_inf_;  // set by unscale, used by the step
   c10::DeviceType device_type_ = c10::DeviceType::CPU;
   at::ScalarType autocast_dtype_ = at::kBFloat16;
-  bool use_amp_kernels_ = false;
   bool warned_fallback_ = false;
   ps::AutocastState autocast_;
 };
