@@ -57,7 +57,7 @@ class Fp16MixedPrecision final : public fulgur::Precision {
       warned_fallback_ = true;
       spdlog::warn(
           "16-mixed on {} runs bf16 autocast (float16 autocast is only used on CUDA, as in Lightning); use "
-          "precision = \"bf16-mixed\" to silence this. Loss scaling stays on with the generic scaler",
+          "precision = \"bf16-mixed\" to silence this. Loss scaling stays on",
           c10::DeviceTypeName(device_type_));
     }
     move_state_to(device);
