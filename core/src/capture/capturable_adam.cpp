@@ -313,10 +313,10 @@ void CapturableAdam::step(const at::Tensor& found_inf) {
 }
 
 void CapturableAdam::advance_host_steps(bool replayed) {
-  if (replayed ? captured_reads_found_inf_ : last_read_found_inf_) {
-    host_steps_stale_ = true;  // only the device knows whether the step was taken
-    return;
-  }
+  // Where the step read found_inf only the device knows whether it was taken: the host counts
+  // advance as if it was (what a callback reading them mid-fit is least surprised by) and are
+  // corrected by sync_host_steps().
+  if (replayed ? captured_reads_found_inf_ : last_read_found_inf_) host_steps_stale_ = true;
   for (void* entry : replayed ? captured_ : last_) {
     auto& parameter = *static_cast<Group::Parameter*>(entry);
     if (decoupled_weight_decay_)

@@ -82,7 +82,8 @@ class CapturableAdam {
   // The optimizer's own step() ran: the device state is recorded again before the next step().
   void host_stepped() { synced_ = false; }
   // The host step counts after a step ran: the last step() (eager), or the recorded one (replay).
-  // After a step that read found_inf they are only provisional until sync_host_steps().
+  // After a step that read found_inf they are provisional (skips counted as steps) until
+  // sync_host_steps().
   void advance_host_steps(bool replayed);
   // The tensors a recorded step updates must stay the optimizer's state: where something replaced
   // the state (a checkpoint or a callback loaded it), its values are copied into the recorded
