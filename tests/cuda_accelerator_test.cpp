@@ -265,13 +265,18 @@ TEST_CASE("throughput_monitor: MFU against the peak FLOP/s table, by device name
   CHECK(logged_row("cpu", at::kFloat, 0.0).count("train/mfu") == 0);  // unknown device: no MFU
 }
 
+namespace {
+// The gpu: tests' preamble: true, with a note in the report, when no CUDA device is visible.
+bool skip_without_device(bool visible) {
+  if (!visible) MESSAGE("skipped: no CUDA device is visible");
+  return !visible;
+}
+}  // namespace
+
 TEST_SUITE("gpu") {
   TEST_CASE("gpu: set_device, allocator statistics, synchronize and the TF32 option on a visible device") {
     const auto accelerator = cuda_plugin({{"float32_matmul_precision", std::string("high")}});
-    if (accelerator->device_count() == 0) {
-      MESSAGE("skipped: no CUDA device is visible");
-      return;
-    }
+    if (skip_without_device(accelerator->device_count() > 0)) return;
     const std::vector<c10::Device> devices = accelerator->parse_devices("auto");
     REQUIRE(static_cast<int64_t>(devices.size()) == accelerator->device_count());
     const c10::Device last = devices.back();
@@ -293,10 +298,7 @@ TEST_SUITE("gpu") {
 
   TEST_CASE("gpu: DataLoader pin_memory hands out pinned batches that copy to the device asynchronously") {
     // The plugin first: loading it loads libtorch_cuda, without which torch sees no CUDA at all.
-    if (cuda_plugin({})->device_count() == 0 || !at::globalContext().hasCUDA()) {
-      MESSAGE("skipped: no CUDA device is visible");
-      return;
-    }
+    if (skip_without_device(cuda_plugin({})->device_count() > 0 && at::globalContext().hasCUDA())) return;
     struct Squares final : fulgur::data::Dataset {
       int64_t size() const override { return 40; }
       fulgur::data::Sample get(int64_t i) const override {
@@ -324,10 +326,7 @@ TEST_SUITE("gpu") {
   }
 
   TEST_CASE("gpu: fsdp offload_optimizer keeps the optimizer's rows in pinned host memory and trains the example") {
-    if (cuda_plugin()->device_count() == 0) {
-      MESSAGE("skipped: no CUDA device is visible");
-      return;
-    }
+    if (skip_without_device(cuda_plugin()->device_count() > 0)) return;
     TempDir dir;
     const auto run = run_offloaded_example(dir, "cuda");
     INFO(run.output);
@@ -340,10 +339,7 @@ TEST_SUITE("gpu") {
 
   TEST_CASE("gpu: a StepGraph records kernels, replays them, and refuses a step that waits for the host") {
     const auto accelerator = cuda_plugin();
-    if (accelerator->device_count() == 0) {
-      MESSAGE("skipped: no CUDA device is visible");
-      return;
-    }
+    if (skip_without_device(accelerator->device_count() > 0)) return;
     const c10::Device device(c10::DeviceType::CUDA, 0);
     accelerator->setup_device(device);
     CHECK(fulgur::test::contains(accelerator->device_name(device), "NVIDIA"));
@@ -393,10 +389,7 @@ TEST_SUITE("gpu") {
 
   TEST_CASE("gpu: a staged batch copies on the copy stream and is ready on the current one after finish_transfer") {
     const auto accelerator = cuda_plugin();
-    if (accelerator->device_count() == 0) {
-      MESSAGE("skipped: no CUDA device is visible");
-      return;
-    }
+    if (skip_without_device(accelerator->device_count() > 0)) return;
     const c10::Device device(c10::DeviceType::CUDA, 0);
     accelerator->setup_device(device);
     fulgur::Batch batch;
@@ -414,10 +407,7 @@ TEST_SUITE("gpu") {
 
   TEST_CASE(
       "gpu: cuda_graphs = \"on\" trains the example in 32-true, bf16-mixed and 16-mixed like the uncaptured run") {
-    if (cuda_plugin()->device_count() == 0) {
-      MESSAGE("skipped: no CUDA device is visible");
-      return;
-    }
+    if (skip_without_device(cuda_plugin()->device_count() > 0)) return;
     auto accuracy_of = [](const std::string& output) {
       const size_t at = output.rfind("test accuracy: ");
       REQUIRE(at != std::string::npos);
@@ -445,10 +435,7 @@ TEST_SUITE("gpu") {
   }
 
   TEST_CASE("gpu: the example trains one short epoch on cuda and writes its checkpoint") {
-    if (cuda_plugin()->device_count() == 0) {
-      MESSAGE("skipped: no CUDA device is visible");
-      return;
-    }
+    if (skip_without_device(cuda_plugin()->device_count() > 0)) return;
     TempDir dir;
     const fs::path toml = write_job(dir, "accelerator = \"cuda\"\ndevices = 1\n");
     const auto run = fulgur::test::run_process({FULGUR_TEST_FASHION_MNIST, "--config", toml.string()},

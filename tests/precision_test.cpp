@@ -92,6 +92,16 @@ bool close(const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& b) {
   return true;
 }
 
+// A Linear of the same shape and weights (drawing its own initial weights first, as a second
+// Linear would): the unscaled float32 reference of a test.
+torch::nn::Linear copy_of(const torch::nn::Linear& model) {
+  torch::nn::Linear copy(model->options);
+  torch::NoGradGuard no_grad;
+  copy->weight.copy_(model->weight);
+  copy->bias.copy_(model->bias);
+  return copy;
+}
+
 // One fp32 backward of the scaled loss (no autocast, so gradients are exact multiples).
 void scaled_backward(Precision& p, torch::nn::Linear& model, const at::Tensor& x) {
   at::Tensor loss = model->forward(x).pow(2).mean();
@@ -159,12 +169,7 @@ TEST_CASE("16-mixed: scaled loss, unscale once, skip on inf, back off, grow afte
   auto p = precision("16-mixed", {{"init_scale", 1024.0}, {"growth_interval", int64_t{3}}});
   torch::manual_seed(1);
   torch::nn::Linear model(4, 2);
-  torch::nn::Linear reference(4, 2);
-  {
-    torch::NoGradGuard no_grad;
-    reference->weight.copy_(model->weight);
-    reference->bias.copy_(model->bias);
-  }
+  torch::nn::Linear reference = copy_of(model);
   p->convert_module(*model);  // CPU: warns and autocasts to bf16 in the scope
   torch::optim::SGD sgd(model->parameters(), torch::optim::SGDOptions(0.1));
   const at::Tensor x = torch::randn({8, 4});
@@ -222,12 +227,7 @@ TEST_CASE("16-mixed: the device decision: found_inf after unscale, the scale upd
   auto p = precision("16-mixed", {{"init_scale", 1024.0}});
   torch::manual_seed(2);
   torch::nn::Linear model(4, 2);
-  torch::nn::Linear reference(4, 2);
-  {
-    torch::NoGradGuard no_grad;
-    reference->weight.copy_(model->weight);
-    reference->bias.copy_(model->bias);
-  }
+  torch::nn::Linear reference = copy_of(model);
   p->convert_module(*model);
   torch::optim::Adam adam(model->parameters(), torch::optim::AdamOptions(0.1));
   const at::Tensor x = torch::randn({8, 4});
@@ -356,12 +356,7 @@ TEST_CASE("16-mixed: clipping acts on unscaled gradients, like clip_grad_norm_/c
       auto p = precision("16-mixed", {{"init_scale", 4096.0}});
       torch::manual_seed(2);
       torch::nn::Linear model(5, 3);
-      torch::nn::Linear reference(5, 3);
-      {
-        torch::NoGradGuard no_grad;
-        reference->weight.copy_(model->weight);
-        reference->bias.copy_(model->bias);
-      }
+      torch::nn::Linear reference = copy_of(model);
       p->convert_module(*model);
       torch::optim::SGD sgd(model->parameters(), torch::optim::SGDOptions(0.1));
       const at::Tensor x = torch::randn({6, 5}) * 10;

@@ -34,15 +34,30 @@ using fulgur::test::contains;
 using fulgur::test::ProcessRun;
 using fulgur::test::TempDir;
 
+// A Linear of the same shape and weights (drawing its own initial weights first).
+torch::nn::Linear copy_of(const torch::nn::Linear& model) {
+  torch::nn::Linear copy(model->options);
+  copy->weight.detach().copy_(model->weight.detach());
+  copy->bias.detach().copy_(model->bias.detach());
+  return copy;
+}
+
+// Random gradients, the same in both layers.
+void same_random_gradients(torch::nn::Linear& a, torch::nn::Linear& b) {
+  for (auto [pa, pb] : {std::pair{a->weight, b->weight}, std::pair{a->bias, b->bias}}) {
+    const at::Tensor g = at::randn(pa.sizes());
+    pa.mutable_grad() = g.clone();
+    pb.mutable_grad() = g.clone();
+  }
+}
+
 template <class Optimizer, class Options>
 void check_fused_equals_libtorch(bool amsgrad, double weight_decay) {
   CAPTURE(amsgrad);
   CAPTURE(weight_decay);
   torch::manual_seed(3);
   torch::nn::Linear reference(torch::nn::LinearOptions(6, 4));
-  torch::nn::Linear fused(torch::nn::LinearOptions(6, 4));
-  fused->weight.detach().copy_(reference->weight.detach());
-  fused->bias.detach().copy_(reference->bias.detach());
+  torch::nn::Linear fused = copy_of(reference);
   auto groups = [&](torch::nn::Linear& m) {
     std::vector<torch::optim::OptimizerParamGroup> g;
     g.emplace_back(std::vector<at::Tensor>{m->weight},
@@ -79,11 +94,7 @@ void check_fused_equals_libtorch(bool amsgrad, double weight_decay) {
       auto& now = static_cast<State&>(*actual.state().at(fused->weight.unsafeGetTensorImpl()));
       CHECK(now.exp_avg().is_same(recorded_exp_avg));  // the state points at the recorded tensor again
     }
-    for (auto [r, f] : {std::pair{reference->weight, fused->weight}, std::pair{reference->bias, fused->bias}}) {
-      const at::Tensor g = at::randn(r.sizes());
-      r.mutable_grad() = g.clone();
-      f.mutable_grad() = g.clone();
-    }
+    same_random_gradients(reference, fused);
     expected.step();
     capturable.refresh_lr();
     capturable.step();
@@ -184,9 +195,7 @@ TEST_CASE("16-mixed's device decision: the fused step skips where found_inf is 1
     CAPTURE(amsgrad);
     torch::manual_seed(4);
     torch::nn::Linear reference(torch::nn::LinearOptions(5, 3));
-    torch::nn::Linear fused(torch::nn::LinearOptions(5, 3));
-    fused->weight.detach().copy_(reference->weight.detach());
-    fused->bias.detach().copy_(reference->bias.detach());
+    torch::nn::Linear fused = copy_of(reference);
     torch::optim::AdamW expected(reference->parameters(), torch::optim::AdamWOptions(3e-2).amsgrad(amsgrad));
     torch::optim::AdamW actual(fused->parameters(), torch::optim::AdamWOptions(3e-2).amsgrad(amsgrad));
     fulgur::CapturableAdam capturable(actual);
@@ -194,11 +203,7 @@ TEST_CASE("16-mixed's device decision: the fused step skips where found_inf is 1
     const std::vector<bool> skipped = {false, true, false, false, true, true, false};
     for (size_t step = 0; step < skipped.size(); ++step) {
       const at::Tensor before = fused->weight.detach().clone();
-      for (auto [r, f] : {std::pair{reference->weight, fused->weight}, std::pair{reference->bias, fused->bias}}) {
-        const at::Tensor g = at::randn(r.sizes());
-        r.mutable_grad() = g.clone();
-        f.mutable_grad() = g.clone();
-      }
+      same_random_gradients(reference, fused);
       if (!skipped[step]) expected.step();  // the host's decision: step() only where finite
       capturable.before_step(/*recorded=*/false);
       capturable.step(at::full({}, skipped[step] ? 1.0 : 0.0, at::kFloat));

@@ -149,14 +149,6 @@ void adopt(torch::optim::Optimizer& optimizer, Parameter& e, bool amsgrad) {
 
 }  // namespace
 
-AbandonedStepGuard::~AbandonedStepGuard() {
-  if (!active_) return;
-  try {
-    precision_.update_after_device_step(optimizer_, at::Tensor());
-  } catch (...) {  // already unwinding from the step's own error, which is the one to report
-  }
-}
-
 std::string CapturableAdam::refusal(torch::optim::Optimizer& optimizer) {
   // The exact classes: a subclass may override step(), which the fused kernels would bypass.
   const std::type_info& type = typeid(optimizer);
@@ -310,6 +302,16 @@ void CapturableAdam::step(const at::Tensor& found_inf) {
       if (skip) at::_foreach_sub_(steps, std::vector<at::Tensor>(steps.size(), found_inf));
     }
   }
+}
+
+void CapturableAdam::step_decided_by(Precision& precision, const at::Tensor& found_inf) {
+  try {
+    step(found_inf);
+  } catch (...) {
+    precision.update_after_device_step(optimizer_, at::Tensor());  // abandoned: forget the unscale
+    throw;
+  }
+  if (found_inf.defined()) precision.update_after_device_step(optimizer_, found_inf);
 }
 
 void CapturableAdam::advance_host_steps(bool replayed) {

@@ -27,24 +27,6 @@ namespace fulgur {
 
 class Precision;
 
-// A step decided on the device that throws before it ends (an allocation, a kernel's check):
-// the precision still forgets the step's unscale (Precision::update_after_device_step without a
-// flag), so the next step unscales its own gradients. dismiss() once the step has run.
-class AbandonedStepGuard {
- public:
-  AbandonedStepGuard(Precision& precision, torch::optim::Optimizer& optimizer)
-      : precision_(precision), optimizer_(optimizer) {}
-  ~AbandonedStepGuard();
-  AbandonedStepGuard(const AbandonedStepGuard&) = delete;
-  AbandonedStepGuard& operator=(const AbandonedStepGuard&) = delete;
-  void dismiss() { active_ = false; }
-
- private:
-  Precision& precision_;
-  torch::optim::Optimizer& optimizer_;
-  bool active_ = true;
-};
-
 class CapturableAdam {
  public:
   // Why `optimizer` cannot be stepped here ("" when it can): only Adam and AdamW have fused
@@ -70,6 +52,10 @@ class CapturableAdam {
   // `found_inf` (optional, a 0-dim float32 tensor on the parameters' device): where it holds 1 the
   // kernels leave parameters and state as they are and the step counts do not advance.
   void step(const at::Tensor& found_inf = {});
+  // step(found_inf) with `precision`'s decision (Precision::device_found_inf, undefined where it
+  // has none), then its scale update on the device; a step that throws still ends the
+  // precision's step (the unscale is forgotten, so the next step unscales its own gradients).
+  void step_decided_by(Precision& precision, const at::Tensor& found_inf);
   // Where steps read found_inf, the host step counts are left behind: copies the device counts to
   // the host state objects (one synchronisation). Does nothing when they are current.
   void sync_host_steps();

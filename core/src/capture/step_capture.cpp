@@ -170,11 +170,7 @@ StepOutput StepCapture::eager_step(Batch& batch, int64_t batch_idx, bool grads_t
     strategy.clip_gradients(optimizer, precision, t_.settings_.gradient_clip_val, t_.settings_.gradient_clip_algorithm);
   // 16-mixed: the step is skipped on the device where the gradients were not finite, and the
   // loss scale updated there (inside the recording, so every replay does both).
-  const at::Tensor found_inf = precision.device_found_inf(optimizer);
-  AbandonedStepGuard guard(precision, optimizer);
-  adam().step(found_inf);
-  guard.dismiss();
-  if (found_inf.defined()) precision.update_after_device_step(optimizer, found_inf);
+  adam().step_decided_by(precision, precision.device_found_inf(optimizer));
   return output;
 }
 

@@ -121,14 +121,9 @@ bool TrainingEpochLoop::step_optimizer(torch::optim::Optimizer& optimizer) {
   // does more may have given up on capturing).
   if (t.plugins_.strategy->delegates_optimizer_step())
     if (const at::Tensor found_inf = precision.device_found_inf(optimizer); found_inf.defined()) {
-      // If the step throws, the precision still forgets this step's unscale (the next step's
-      // gradients must be unscaled, not taken for done).
-      AbandonedStepGuard guard(precision, optimizer);
       t.fused_adam_->before_step(/*recorded=*/false);
-      t.fused_adam_->step(found_inf);
+      t.fused_adam_->step_decided_by(precision, found_inf);
       t.fused_adam_->advance_host_steps(/*replayed=*/false);
-      guard.dismiss();
-      precision.update_after_device_step(optimizer, found_inf);
       return true;  // taken or skipped: only the device knows, and nothing here asks it
     }
   t.sync_optimizer_host_state();  // the optimizer's own step() reads the host counts
