@@ -41,7 +41,8 @@ unset FULGUR_PLUGIN_PATH
 cmake --install "$build_dir" --prefix "$prefix" >"$work/install.log" ||
   fail "cmake --install failed (is the whole project built?); see $work/install.log"
 for f in bin/fulgur include/fulgur/plugin.h include/fulgur/registry/registry.h include/fulgur/config.h \
-  lib/libfulgur_sdk.so lib/libfulgur_registry.so lib/libfulgur_core.so lib/fulgur/plugins/libfulgur-accelerator-cpu.so \
+  lib/libfulgur_sdk.so lib/libfulgur_registry.so lib/libfulgur_core.so lib/libfulgur_data.so \
+  lib/libfulgur_metrics.so lib/libfulgur_cli.so include/fulgur/data.h include/fulgur/metrics.h include/fulgur/cli.h lib/fulgur/plugins/libfulgur-accelerator-cpu.so \
   lib/cmake/Fulgur/FulgurConfig.cmake lib/cmake/Fulgur/FulgurTargets.cmake lib/cmake/Fulgur/FulgurPlugin.cmake; do
   [ -e "$prefix/$f" ] || fail "not installed: $f"
 done
@@ -103,6 +104,17 @@ sed 's/^limit = 10$/limit = -1/' "$toml" >"$work/refused.toml"
 expect_error "the plugin's own refusal comes back as text" \
   "callback 'divergence_guard' from $plugin failed to initialise: divergence_guard: limit must be positive" \
   "$fulgur" plugins load divergence_guard --config "$work/refused.toml"
+
+# A model plugin links the engine only; the datamodule beside it links the data library.
+needed() { readelf -d "$1" | sed -n 's/.*(NEEDED).*\[\(.*\)\]/\1/p'; }
+model_needs=$(needed "$example_build/libfulgur-line_model.so")
+grep -qx 'libfulgur_core.so.*' <<<"$model_needs" || fail "line_model does not link libfulgur_core:"$'\n'"$model_needs"
+if grep -qE '^libfulgur_(data|metrics|cli)\.so' <<<"$model_needs"; then
+  fail "the model plugin links more than the engine:"$'\n'"$model_needs"
+fi
+grep -qx 'libfulgur_data.so.*' <<<"$(needed "$example_build/libfulgur-line_data.so")" ||
+  fail "line_data does not link libfulgur_data"
+echo "ok: the model plugin links the engine only (libfulgur_core), its datamodule the data library"
 
 # The out-of-tree model and datamodule plugins train through the installed `fulgur fit`.
 line_toml=$work/line_model.toml

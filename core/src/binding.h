@@ -6,7 +6,7 @@
 #include <functional>
 #include <string>
 
-#include "metrics.h"
+#include "metric_store.h"
 
 namespace fulgur {
 

@@ -1,5 +1,5 @@
 #include <fulgur/error.h>
-#include <fulgur/metrics.h>
+#include <fulgur/metric.h>
 #include <fulgur/module.h>
 #include <fulgur/precision.h>
 

@@ -10,7 +10,7 @@
 //                               its own state and state dict
 #pragma once
 
-#include <fulgur/data.h>
+#include <fulgur/data_module.h>
 #include <fulgur/module.h>
 #include <fulgur/trainer.h>
 #include <fulgur/trainer_context.h>
@@ -25,11 +25,11 @@
 #include "connectors/checkpoint_connector.h"
 #include "connectors/logger_connector.h"
 #include "connectors/plugin_connector.h"
+#include "connectors/signal_connector.h"
 #include "hook_dispatcher.h"
 #include "loops/evaluation_loop.h"
 #include "loops/fit_loop.h"
 #include "loops/prediction_loop.h"
-#include "signal_connector.h"
 #include "trainer_settings.h"
 
 namespace fulgur {

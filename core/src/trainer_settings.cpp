@@ -1,6 +1,6 @@
 #include "trainer_settings.h"
 
-#include "signal_connector.h"
+#include "connectors/signal_connector.h"
 
 #include <fulgur/error.h>
 

@@ -1,6 +1,6 @@
-// An out-of-tree model and datamodule, built against the installed Fulgur like divergence_guard:
-// `fulgur fit --config line_model.toml` fits y = 3x - 1 with one linear layer, no main() needed.
-#include <fulgur/data.h>
+// An out-of-tree model plugin, built against the installed Fulgur like divergence_guard: with the
+// datamodule next to it (line_data.cpp), `fulgur fit --config line_model.toml` fits y = 3x - 1 with
+// one linear layer, no main() needed. A model links the engine only (Fulgur::core).
 #include <fulgur/module.h>
 #include <fulgur/plugin.h>
 
@@ -33,24 +33,4 @@ class LineModel : public fulgur::Module {
   double lr_;
 };
 
-class LineData : public fulgur::DataModule {
- public:
-  static constexpr auto hparams_schema =
-      fulgur::option_schema(FULGUR_OPTION(integer, samples, "Points on the line", 256),
-                            FULGUR_OPTION(integer, batch_size, "Points per batch", 32));
-
-  explicit LineData(const fulgur::Options& hp) : samples_(hp.get_int("samples")), batch_(hp.get_int("batch_size")) {}
-  std::unique_ptr<fulgur::BatchLoader> train_loader() override { return loader(/*shuffle=*/true); }
-  std::unique_ptr<fulgur::BatchLoader> val_loader() override { return loader(/*shuffle=*/false); }
-
- private:
-  std::unique_ptr<fulgur::BatchLoader> loader(bool shuffle) const {
-    at::Tensor x = torch::linspace(-1, 1, samples_).unsqueeze(1);
-    return fulgur::make_tensor_loader(x, 3 * x - 1,
-                                      fulgur::TensorLoaderOptions().batch_size(batch_).shuffle(shuffle).seed(1));
-  }
-  int64_t samples_, batch_;
-};
-
 FULGUR_PLUGIN(LineModel, "line_model", "1.0.0", "Fits y = 3x - 1 with one linear layer")
-FULGUR_PLUGIN(LineData, "line_data", "1.0.0", "Points on the line y = 3x - 1")

@@ -187,12 +187,13 @@ class Module : public torch::nn::Module {
   void log(const std::string& name, const at::Tensor& value, const LogOptions& options = {});
   void log(const std::string& name, double value, const LogOptions& options = {});
   void log_dict(const std::map<std::string, at::Tensor>& values, const LogOptions& options = {});
-  // A metric object (fulgur/metrics.h), as Lightning logs a torchmetrics object: at the end of
-  // the epoch the Trainer calls metric.compute() (synchronised across ranks through this Module
-  // unless the metric was given its own sync) and then metric.reset(). Update the metric in the
-  // step yourself; log it from the step (every call after the first only marks it as due). The
-  // value is epoch-level only (on_step(true) is refused: log a tensor for per-step values) and
-  // must be a scalar. The metric must outlive the epoch (make it a member).
+  // A metric object (the Metric base is fulgur/metric.h; concrete metrics are in fulgur/metrics.h),
+  // as Lightning logs a torchmetrics object: at the end of the epoch the Trainer calls
+  // metric.compute() (synchronised across ranks through this Module unless the metric was given its
+  // own sync) and then metric.reset(). Update the metric in the step yourself; log it from the step
+  // (every call after the first only marks it as due). The value is epoch-level only (on_step(true)
+  // is refused: log a tensor for per-step values) and must be a scalar. The metric must outlive the
+  // epoch (make it a member).
   void log(const std::string& name, metrics::Metric& metric, const LogOptions& options = {});
 
   // Manual optimization: training_step calls manual_backward and steps the optimizers itself

@@ -12,7 +12,7 @@
 #include <vector>
 
 #include "../hook_dispatcher.h"
-#include "../metrics.h"
+#include "../metric_store.h"
 
 namespace fulgur {
 

@@ -1,7 +1,7 @@
 // Internal: one pass of validation or test over a loader (Lightning's _EvaluationLoop).
 #pragma once
 
-#include <fulgur/data.h>
+#include <fulgur/data_module.h>
 #include <fulgur/trainer.h>
 #include <fulgur/types.h>
 

@@ -2,7 +2,7 @@
 // epochs until a limit or a stop, and the position (epoch, global step) the run is at.
 #pragma once
 
-#include <fulgur/data.h>
+#include <fulgur/data_module.h>
 #include <fulgur/trainer.h>
 
 #include <ATen/core/ivalue.h>

@@ -10,7 +10,7 @@
 #include <optional>
 
 #include "../binding.h"
-#include "../metrics.h"
+#include "../metric_store.h"
 
 namespace fulgur {
 

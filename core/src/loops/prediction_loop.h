@@ -1,7 +1,7 @@
 // Internal: one pass of predict_step over a loader (Lightning's _PredictionLoop).
 #pragma once
 
-#include <fulgur/data.h>
+#include <fulgur/data_module.h>
 #include <fulgur/trainer.h>
 
 #include <ATen/core/ivalue.h>

@@ -2,7 +2,7 @@
 // batches, optimizer steps, gradient accumulation, validation inside and at the end of the epoch.
 #pragma once
 
-#include <fulgur/data.h>
+#include <fulgur/data_module.h>
 #include <fulgur/trainer.h>
 #include <fulgur/types.h>
 

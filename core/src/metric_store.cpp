@@ -1,6 +1,6 @@
-#include "metrics.h"
+#include "metric_store.h"
 
-#include <fulgur/metrics.h>
+#include <fulgur/metric.h>
 
 #include <fulgur/error.h>
 #include <fulgur/strategy.h>

@@ -1,4 +1,6 @@
-// Data: the DataModule (Lightning's LightningDataModule) and the loaders it hands out.
+// The engine's data interfaces: the DataModule (Lightning's LightningDataModule) and the
+// BatchLoader it hands out for each stage. Concrete loaders and datasets live in the data library
+// (fulgur/data.h, target Fulgur::data); a model plugin needs only this header.
 #pragma once
 
 #include <fulgur/options.h>
@@ -25,47 +27,6 @@ class BatchLoader {
   // Data-parallel sharding: this loader serves replica `rank` of `num_replicas`.
   virtual void set_replica(int64_t rank, int64_t num_replicas) = 0;
 };
-
-struct TensorLoaderOptions {
-  TensorLoaderOptions& batch_size(int64_t v) {
-    batch_size_ = v;
-    return *this;
-  }
-  TensorLoaderOptions& shuffle(bool v) {
-    shuffle_ = v;
-    return *this;
-  }
-  TensorLoaderOptions& seed(uint64_t v) {
-    seed_ = v;
-    return *this;
-  }
-  TensorLoaderOptions& drop_last(bool v) {
-    drop_last_ = v;
-    return *this;
-  }
-  // Background threads assembling the next batches while the current one trains (0: inline).
-  TensorLoaderOptions& num_workers(int64_t v) {
-    num_workers_ = v;
-    return *this;
-  }
-  TensorLoaderOptions& prefetch(int64_t v) {
-    prefetch_ = v;
-    return *this;
-  }
-
-  int64_t batch_size_ = 32;
-  bool shuffle_ = false;
-  uint64_t seed_ = 0;
-  bool drop_last_ = false;
-  int64_t num_workers_ = 0;
-  int64_t prefetch_ = 2;
-};
-
-// Batches from in-memory tensors (first dimension = samples). Shuffling draws a permutation from
-// (seed, epoch), and with several replicas each sees a disjoint, equally sized slice, like torch's
-// DistributedSampler: padded by wrapping around, or with drop_last the uneven tail is dropped
-// (and, as DataLoader's drop_last, the last incomplete batch of each replica).
-std::unique_ptr<BatchLoader> make_tensor_loader(at::Tensor inputs, at::Tensor targets, TensorLoaderOptions options);
 
 class DataModule {
  public:

@@ -3,7 +3,7 @@
 // so a DataModule returns it from train_loader() and the Trainer's loops drive it.
 #pragma once
 
-#include <fulgur/data.h>
+#include <fulgur/data_module.h>
 #include <fulgur/data/collate.h>
 #include <fulgur/data/dataset.h>
 #include <fulgur/data/sampler.h>

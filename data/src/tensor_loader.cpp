@@ -1,5 +1,5 @@
-#include <fulgur/data.h>
 #include <fulgur/data/data_loader.h>
+#include <fulgur/data/tensor_loader.h>
 #include <fulgur/error.h>
 
 #include <ATen/ATen.h>
@@ -12,28 +12,6 @@
 
 namespace fulgur {
 
-BatchLoader::~BatchLoader() = default;
-DataModule::~DataModule() = default;
-
-void DataModule::set_batch_size(int64_t n) {
-  throw Error(ErrorKind::config,
-              fmt::format("the DataModule cannot change its batch size (asked for {}): override "
-                          "DataModule::batch_size() and set_batch_size(n) so that train_loader() uses n",
-                          n));
-}
-
-std::vector<std::unique_ptr<BatchLoader>> DataModule::val_loaders() {
-  std::vector<std::unique_ptr<BatchLoader>> loaders;
-  if (auto loader = val_loader()) loaders.push_back(std::move(loader));
-  return loaders;
-}
-
-std::vector<std::unique_ptr<BatchLoader>> DataModule::test_loaders() {
-  std::vector<std::unique_ptr<BatchLoader>> loaders;
-  if (auto loader = test_loader()) loaders.push_back(std::move(loader));
-  return loaders;
-}
-
 namespace {
 
 // Batches from in-memory tensors. The order of an epoch is a pure function of (seed, epoch), so a
@@ -41,15 +19,18 @@ namespace {
 class TensorLoader final : public BatchLoader {
  public:
   TensorLoader(at::Tensor inputs, at::Tensor targets, TensorLoaderOptions options)
-      : inputs_(std::move(inputs)), targets_(std::move(targets)), options_(options) {
-    if (!inputs_.defined() || inputs_.dim() == 0)
+      : inputs_(std::move(inputs)), targets_(std::move(targets)), options_(std::move(options)) {
+    check(inputs_, targets_, options_);
+  }
+
+  static void check(const at::Tensor& inputs, const at::Tensor& targets, const TensorLoaderOptions& options) {
+    if (!inputs.defined() || inputs.dim() == 0)
       throw Error(ErrorKind::invalid_argument, "make_tensor_loader: inputs must have a sample dimension");
-    if (targets_.defined() && targets_.size(0) != inputs_.size(0))
+    if (targets.defined() && targets.size(0) != inputs.size(0))
       throw Error(ErrorKind::invalid_argument,
-                  fmt::format("make_tensor_loader: {} inputs but {} targets", inputs_.size(0), targets_.size(0)));
-    if (options_.batch_size_ <= 0)
-      throw Error(ErrorKind::invalid_argument,
-                  fmt::format("batch_size must be positive, got {}", options_.batch_size_));
+                  fmt::format("make_tensor_loader: {} inputs but {} targets", inputs.size(0), targets.size(0)));
+    if (options.batch_size_ <= 0)
+      throw Error(ErrorKind::invalid_argument, fmt::format("batch_size must be positive, got {}", options.batch_size_));
   }
   ~TensorLoader() override { stop_workers(); }
 
@@ -100,6 +81,11 @@ class TensorLoader final : public BatchLoader {
   }
 
  private:
+  // Batches assembled or waiting at most: as DataLoaderOptions::prefetch (0: two per worker).
+  int64_t prefetch() const {
+    return options_.prefetch_ > 0 ? options_.prefetch_ : 2 * std::max<int64_t>(1, options_.num_workers_);
+  }
+
   // As torch's DistributedSampler: drop_last drops the tail that does not divide evenly, otherwise
   // the first samples are repeated to pad every replica to the same count.
   int64_t samples_per_replica() const {
@@ -139,9 +125,8 @@ class TensorLoader final : public BatchLoader {
           int64_t index;
           {
             std::unique_lock lock(mutex_);
-            space_cv_.wait(lock, [&] {
-              return stopping_ || static_cast<int64_t>(queue_.size() + in_flight_) < options_.prefetch_;
-            });
+            space_cv_.wait(lock,
+                           [&] { return stopping_ || static_cast<int64_t>(queue_.size() + in_flight_) < prefetch(); });
             if (stopping_ || next_batch_ >= end) break;
             index = next_batch_++;
             ++in_flight_;
@@ -192,10 +177,32 @@ class TensorLoader final : public BatchLoader {
   bool produced_all_ = false, stopping_ = false;
 };
 
+// The tensors as a map-style dataset, for the options that work per sample: row i of the inputs
+// (and targets) is sample i.
+class TensorRows final : public data::Dataset {
+ public:
+  TensorRows(at::Tensor inputs, at::Tensor targets) : inputs_(std::move(inputs)), targets_(std::move(targets)) {}
+  int64_t size() const override { return inputs_.size(0); }
+  data::Sample get(int64_t index) const override {
+    data::Sample s;
+    s.input = inputs_[index];
+    if (targets_.defined()) s.target = targets_[index];
+    return s;
+  }
+
+ private:
+  at::Tensor inputs_, targets_;
+};
+
 }  // namespace
 
 std::unique_ptr<BatchLoader> make_tensor_loader(at::Tensor inputs, at::Tensor targets, TensorLoaderOptions options) {
-  return std::make_unique<TensorLoader>(std::move(inputs), std::move(targets), options);
+  const bool per_sample = options.sampler_ || options.transform_ || options.collate_ || options.pin_memory_;
+  if (!per_sample) return std::make_unique<TensorLoader>(std::move(inputs), std::move(targets), std::move(options));
+  // Same checks as the fast path, so both report a bad argument alike.
+  TensorLoader::check(inputs, targets, options);
+  return data::make_data_loader(std::make_shared<TensorRows>(std::move(inputs), std::move(targets)),
+                                std::move(options));
 }
 
 }  // namespace fulgur

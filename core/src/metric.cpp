@@ -1,11 +1,11 @@
 // The Metric base: states, reset, and their synchronisation across ranks at compute().
 #include <fulgur/error.h>
-#include <fulgur/metrics.h>
+#include <fulgur/metric.h>
 #include <fulgur/strategy.h>
 
 #include <torch/torch.h>
 
-#include "../binding.h"
+#include "binding.h"
 
 namespace fulgur::metrics {
 

@@ -4,7 +4,7 @@
 #include <fulgur/checkpoint_io.h>
 #include <fulgur/cli.h>
 #include <fulgur/config.h>
-#include <fulgur/data.h>
+#include <fulgur/data_module.h>
 #include <fulgur/distributed_checkpoint.h>
 #include <fulgur/error.h>
 #include <fulgur/module.h>
