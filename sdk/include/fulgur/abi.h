@@ -28,20 +28,21 @@ extern "C" {
 /** Minor version of the C door: fields appended to the structs below. The host refuses a plugin
  * whose minor is newer than its own and reads an older one up to its `struct_size`. */
 #define FULGUR_PLUGIN_ABI_MINOR 1
-/** Version of the six C++ interfaces as a whole (fulgur_abi_tag::cxx_interface_major): a new
- * virtual function bumps it, and a plugin built against another value is refused.
- *
- * History: 2 added Strategy::launches_processes/before_training_step and GradientSync; 3 is
- * contract v2 (callback roles and checkpoint providers, a capability-only TrainerContext, the
- * Strategy owning model/optimizer state and checkpoint parts); 4 added the TrainerContext's
- * training batch size and batch-size trials; 5 gave Strategy::configure_model a ModelBuild and
- * BlockHooks block_built (blocks sharded as the Module builds them); 6 added captured steps
- * (Accelerator::make_step_graph and StepGraph, step_capture_refusal on Strategy and Precision),
- * staged batch transfers (Accelerator::stage_transfer/finish_transfer),
- * Accelerator::device_name, Precision::compute_dtype and the TrainerContext's device_name and
- * compute_dtype (peak FLOP/s tables); 7 added steps decided on the device
- * (Precision::device_found_inf/update_after_device_step, Strategy::delegates_optimizer_step). */
-#define FULGUR_CXX_INTERFACE_MAJOR 7
+/** Major version of the C++ SDK (the six interfaces, Module/DataModule, TrainerContext, the
+ * option schema and the extension interfaces). A plugin built against SDK N.x loads in every host
+ * N.y with y >= x; a new major is a deliberate break, refused with a "rebuild" message. The
+ * version history is in CHANGELOG.md. */
+#define FULGUR_SDK_VERSION_MAJOR 1
+/** Minor version of the C++ SDK: what was added without changing a vtable or a layout (new
+ * extension interfaces, new free functions, new option types). A host refuses a plugin built
+ * against a newer minor than its own, naming both versions. */
+#define FULGUR_SDK_VERSION_MINOR 0
+/** The SDK version as stored in fulgur_abi_tag::sdk_version: (major << 16) | minor. */
+#define FULGUR_SDK_VERSION ((FULGUR_SDK_VERSION_MAJOR << 16) | FULGUR_SDK_VERSION_MINOR)
+/** Major of fulgur_abi_tag::sdk_version (0 for a plugin built before SDK 1.0). */
+#define FULGUR_SDK_VERSION_MAJOR_OF(v) ((uint32_t)(v) >> 16)
+/** Minor of fulgur_abi_tag::sdk_version (before SDK 1.0: the old C++ interface major, 2 to 7). */
+#define FULGUR_SDK_VERSION_MINOR_OF(v) ((uint32_t)(v)&0xffffu)
 
 /** Name of the one symbol a plugin library exports (a fulgur_plugin_query_fn). It carries the ABI
  * major, so a library of another major simply has no entry point the host looks for. */
@@ -94,7 +95,7 @@ typedef enum fulgur_stdlib {
  * naming the field, both values and the fix. */
 typedef struct fulgur_abi_tag {
   uint32_t struct_size;         /**< sizeof(fulgur_abi_tag) as the writer knew it */
-  uint32_t cxx_interface_major; /**< FULGUR_CXX_INTERFACE_MAJOR */
+  uint32_t sdk_version;         /**< FULGUR_SDK_VERSION; before SDK 1.0 the C++ interface major (2..7) */
   uint32_t torch_major;         /**< TORCH_VERSION_MAJOR */
   uint32_t torch_minor;         /**< TORCH_VERSION_MINOR */
   uint32_t glibcxx_cxx11_abi;   /**< _GLIBCXX_USE_CXX11_ABI, 0xffffffff when not libstdc++ */

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <fulgur/export.h>
+#include <fulgur/extension.h>
 #include <fulgur/types.h>
 
 #include <c10/core/Device.h>
@@ -19,7 +20,7 @@ namespace fulgur {
 
 /// One training step recorded as a whole and launched again with the same buffers (CUDA graphs):
 /// the kernels are captured once, then each replay costs one launch instead of one per kernel.
-/// Made by Accelerator::make_step_graph; the Trainer owns it for one fit and drives it
+/// Made by StepGraphFactory::make_step_graph (an Accelerator extension); the Trainer owns it for one fit and drives it
 /// (`[trainer] cuda_graphs`): warm_up for the first steps, capture once, then replay for every
 /// later batch. Every call comes from the thread running the fit.
 class FULGUR_SDK_API StepGraph {
@@ -86,22 +87,48 @@ class FULGUR_SDK_API Accelerator {
   /// hardware such as peak FLOP/s. Reached through TrainerContext::device_name. Default:
   /// device.str().
   virtual std::string device_name(const c10::Device& device) const;
-  /// A StepGraph on `device`, owned by the caller, or nullptr where this accelerator cannot capture
-  /// steps (the default). Asked once per fit, at its start, when `[trainer] cuda_graphs` is not
-  /// "off" and nothing else refused capturing.
-  virtual std::unique_ptr<StepGraph> make_step_graph(const c10::Device& device);
-  /// Overlapped batch copies (cuda: a side stream). The Trainer fetches the next training batch
-  /// before running the current step; once that step is queued (and any validation after it has
-  /// run) it calls this with the next batch. Where this returns true it has run `transfer` (the
-  /// batch's transfer hooks and copies to `device`) so that the copies overlap the steps already
-  /// queued, and the Trainer calls finish_transfer before the batch's step uses it. Called for
-  /// every training batch of an epoch but the first. Default: false, without calling `transfer`
-  /// (the batch is transferred in line, at its step). Exceptions from `transfer` must propagate.
-  virtual bool stage_transfer(const c10::Device& device, const std::function<void()>& transfer);
+  /// The extension interface named `id` that this accelerator implements (StepGraphFactory,
+  /// StagedTransfers, ...), or nullptr. Implement it with fulgur::WithExtensions; see
+  /// fulgur/extension.h. Must not throw.
+  virtual void* extension(std::string_view id) noexcept;
+};
+
+/// Extension (SDK 1.0) of an Accelerator that can record a training step as a StepGraph (CUDA
+/// graphs). Without it, `[trainer] cuda_graphs = "on"` is refused with the accelerator's name.
+class StepGraphFactory {
+ public:
+  /// The extension's id for Accelerator::extension().
+  static constexpr std::string_view kExtensionId = "fulgur.accelerator.step_graph/1";
+  /// A StepGraph on `device`, owned by the caller, or nullptr where this device cannot capture
+  /// steps. Asked once per fit, at its start, when `[trainer] cuda_graphs` is not "off" and nothing
+  /// else refused capturing.
+  virtual std::unique_ptr<StepGraph> make_step_graph(const c10::Device& device) = 0;
+
+ protected:
+  ~StepGraphFactory() = default;
+};
+
+/// Extension (SDK 1.0) of an Accelerator that copies the next training batch while the current
+/// step runs (cuda: a side stream). Without it, each batch is transferred in line, at its step.
+class StagedTransfers {
+ public:
+  /// The extension's id for Accelerator::extension().
+  static constexpr std::string_view kExtensionId = "fulgur.accelerator.staged_transfers/1";
+  /// The Trainer fetches the next training batch before running the current step; once that step
+  /// is queued (and any validation after it has run) it calls this with the next batch. Where this
+  /// returns true it has run `transfer` (the batch's transfer hooks and copies to `device`) so that
+  /// the copies overlap the steps already queued, and the Trainer calls finish_transfer before the
+  /// batch's step uses it. Called for every training batch of an epoch but the first. Returning
+  /// false without calling `transfer` leaves the batch to be transferred in line. Exceptions from
+  /// `transfer` must propagate.
+  virtual bool stage_transfer(const c10::Device& device, const std::function<void()>& transfer) = 0;
   /// Makes the batch that stage_transfer copied safe to use on the current stream (it waits for the
   /// copies; the memory is marked as used there). Called once for each batch stage_transfer
-  /// accepted, right before its step. Default: nothing.
-  virtual void finish_transfer(const c10::Device& device, Batch& batch);
+  /// accepted, right before its step.
+  virtual void finish_transfer(const c10::Device& device, Batch& batch) = 0;
+
+ protected:
+  ~StagedTransfers() = default;
 };
 
 }  // namespace fulgur

@@ -7,11 +7,13 @@
 #pragma once
 
 #include <fulgur/export.h>
+#include <fulgur/extension.h>
 #include <fulgur/types.h>
 
 #include <cstdint>
 #include <exception>
 #include <string>
+#include <string_view>
 #include <type_traits>
 
 struct fulgur_create_args;
@@ -271,6 +273,9 @@ class FULGUR_SDK_API Callback {
   /// under state_key(), after on_load_checkpoint. Throws fulgur::Error(checkpoint) for a state it
   /// cannot read.
   virtual void load_state_dict(const c10::IValue& /*state*/) {}
+  /// The extension interface named `id` that this callback implements, or nullptr (the default).
+  /// Capabilities added after SDK 1.0 arrive this way; see fulgur/extension.h. Must not throw.
+  virtual void* extension(std::string_view id) noexcept;
 };
 
 namespace detail {

@@ -3,9 +3,11 @@
 #pragma once
 
 #include <fulgur/export.h>
+#include <fulgur/extension.h>
 #include <fulgur/types.h>
 
 #include <string>
+#include <string_view>
 
 namespace fulgur {
 
@@ -50,6 +52,9 @@ class FULGUR_SDK_API Logger {
   /// names the run for every rank: TrainerContext::log_dir, the profiler's directory, checkpoint
   /// callbacks' default directory.
   virtual std::string log_dir() const = 0;
+  /// The extension interface named `id` that this logger implements, or nullptr (the default).
+  /// Capabilities added after SDK 1.0 arrive this way; see fulgur/extension.h. Must not throw.
+  virtual void* extension(std::string_view id) noexcept;
 };
 
 }  // namespace fulgur

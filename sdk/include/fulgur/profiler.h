@@ -4,6 +4,7 @@
 #pragma once
 
 #include <fulgur/export.h>
+#include <fulgur/extension.h>
 #include <fulgur/types.h>
 
 #include <string>
@@ -35,6 +36,9 @@ class FULGUR_SDK_API Profiler {
   virtual std::string summary() const = 0;
   /// Called at the end of every stage, also a failed one: write the report for `stage`.
   virtual void teardown(Stage stage) = 0;
+  /// The extension interface named `id` that this profiler implements, or nullptr (the default).
+  /// Capabilities added after SDK 1.0 arrive this way; see fulgur/extension.h. Must not throw.
+  virtual void* extension(std::string_view id) noexcept;
 };
 
 /// RAII action: `{ ProfileScope scope(profiler, "optimizer_step"); ... }`; null profiler = no-op.

@@ -8,6 +8,7 @@
 #pragma once
 
 #include <fulgur/export.h>
+#include <fulgur/extension.h>
 #include <fulgur/types.h>
 
 #include <c10/core/Device.h>
@@ -133,20 +134,8 @@ class FULGUR_SDK_API Strategy {
   /// step was taken. A sharded strategy agrees the skip across ranks. Called once per optimizer
   /// step (the last batch of an accumulation window, or each optimizer.step() under manual
   /// optimization), after the precision unscaled the gradients and the before_optimizer_step
-  /// hooks ran; not called for a step the Trainer takes itself (delegates_optimizer_step).
+  /// hooks ran; not called for a step the Trainer takes itself (DeviceStepStrategy::delegates_optimizer_step).
   virtual bool optimizer_step(torch::optim::Optimizer& optimizer, Precision& precision) = 0;
-  /// Why a training step under this strategy cannot be recorded as a StepGraph (communication
-  /// decided on the host, hooks that run per step), or "" when backward() and clip_gradients()
-  /// only queue device work and the optimizer may be stepped on its own parameters by the
-  /// Trainer's capturable step. Asked at the start of fit when `[trainer] cuda_graphs` is not
-  /// "off". Default: a refusal, so a plugin opts in knowingly.
-  virtual std::string step_capture_refusal() const;
-  /// Whether optimizer_step does nothing but precision.optimizer_step(optimizer) (no agreement
-  /// across ranks, no shards to refresh after the step): the Trainer may then take a step that the
-  /// precision decides on the device (Precision::device_found_inf) without calling optimizer_step.
-  /// Asked at the start of fit and at each optimizer step. Default: false.
-  virtual bool delegates_optimizer_step() const;
-
   /// `tensor` reduced elementwise over all ranks with `op`. A collective. The input is not
   /// modified; with one process the result may be `tensor` itself. Used for synchronised metrics
   /// (sync_dist) at epoch ends and by TrainerContext::reduce.
@@ -212,6 +201,32 @@ class FULGUR_SDK_API Strategy {
   /// only if setup_environment succeeded. Must not throw (the Trainer logs what it throws as a
   /// warning). Default: nothing.
   virtual void teardown() {}
+  /// The extension interface named `id` that this strategy implements (DeviceStepStrategy, ...),
+  /// or nullptr. Implement it with fulgur::WithExtensions; see fulgur/extension.h. Must not throw.
+  virtual void* extension(std::string_view id) noexcept;
+};
+
+/// Extension (SDK 1.0) of a Strategy whose training step may take the Trainer's faster paths:
+/// recorded as a StepGraph (CUDA graphs) and stepped with fused kernels that read a flag the
+/// precision computed on the device. Without it, neither path is taken.
+class DeviceStepStrategy {
+ public:
+  /// The extension's id for Strategy::extension().
+  static constexpr std::string_view kExtensionId = "fulgur.strategy.device_step/1";
+  /// Why a training step under this strategy cannot be recorded as a StepGraph (communication
+  /// decided on the host, hooks that run per step), or "" when backward() and clip_gradients()
+  /// only queue device work and the optimizer may be stepped on its own parameters by the
+  /// Trainer's capturable step. Asked at the start of fit when `[trainer] cuda_graphs` is not
+  /// "off". A strategy without this extension is refused, so a plugin opts in knowingly.
+  virtual std::string step_capture_refusal() const = 0;
+  /// Whether optimizer_step does nothing but precision.optimizer_step(optimizer) (no agreement
+  /// across ranks, no shards to refresh after the step): the Trainer may then take a step that the
+  /// precision decides on the device (DeviceStepPrecision::device_found_inf) without calling optimizer_step.
+  /// Asked at the start of fit and at each optimizer step. Without this extension: false.
+  virtual bool delegates_optimizer_step() const = 0;
+
+ protected:
+  ~DeviceStepStrategy() = default;
 };
 
 }  // namespace fulgur

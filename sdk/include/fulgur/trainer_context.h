@@ -6,6 +6,7 @@
 #pragma once
 
 #include <fulgur/export.h>
+#include <fulgur/extension.h>
 #include <fulgur/types.h>
 
 #include <c10/core/Device.h>
@@ -170,6 +171,9 @@ class FULGUR_SDK_API TrainerContext {
   /// configure_optimizers returned them: empty until the first fit has created them. The pointers
   /// stay valid until the next fit creates new ones.
   virtual std::vector<torch::optim::Optimizer*> optimizers() = 0;
+  /// The extension interface named `id` that this host implements, or nullptr (the default).
+  /// Capabilities added after SDK 1.0 arrive this way; see fulgur/extension.h. Must not throw.
+  virtual void* extension(std::string_view id) noexcept;
 };
 
 }  // namespace fulgur
