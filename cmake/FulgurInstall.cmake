@@ -19,12 +19,13 @@ configure_package_config_file(
   ${CMAKE_CURRENT_BINARY_DIR}/FulgurConfig.cmake
   INSTALL_DESTINATION ${FULGUR_CMAKE_INSTALL_DIR}
   PATH_VARS FULGUR_PLUGIN_INSTALL_DIR CMAKE_INSTALL_BINDIR)
-# 0.x releases may change the C++ API between minors; the plugin ABI is checked separately, at
-# load time, from each plugin's note.
+# SDK 1.x: find_package(Fulgur 1.N) accepts any installed 1.M with M >= N (a plugin built against
+# 1.N loads in every later 1.x host; CHANGELOG.md). The plugin ABI is also checked at load time,
+# from each plugin's note.
 write_basic_package_version_file(
   ${CMAKE_CURRENT_BINARY_DIR}/FulgurConfigVersion.cmake
   VERSION ${PROJECT_VERSION}
-  COMPATIBILITY SameMinorVersion)
+  COMPATIBILITY SameMajorVersion)
 
 install(FILES
   ${CMAKE_CURRENT_BINARY_DIR}/FulgurConfig.cmake

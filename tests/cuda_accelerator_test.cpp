@@ -344,7 +344,9 @@ TEST_SUITE("gpu") {
     accelerator->setup_device(device);
     CHECK(fulgur::test::contains(accelerator->device_name(device), "NVIDIA"));
     at::Tensor counter = at::zeros({4}, at::TensorOptions().device(device));
-    auto graph = accelerator->make_step_graph(device);
+    auto* graphs = fulgur::find_extension<fulgur::StepGraphFactory>(*accelerator);
+    REQUIRE(graphs != nullptr);
+    auto graph = graphs->make_step_graph(device);
     REQUIRE(graph != nullptr);
     graph->warm_up([&] { counter.add_(1); });
     graph->capture([&] { counter.add_(2); });  // recorded, not run
@@ -353,7 +355,7 @@ TEST_SUITE("gpu") {
     graph->replay();
     graph->replay();
     CHECK(counter.sum().item<double>() == 20.0);
-    auto syncing = accelerator->make_step_graph(device);
+    auto syncing = graphs->make_step_graph(device);
     const fulgur::Error refused = error_from([&] { syncing->capture([&] { (void)counter.sum().item<double>(); }); });
     INFO(refused.what());
     CHECK(std::string(refused.what()).find('\n') == std::string::npos);
@@ -367,18 +369,20 @@ TEST_SUITE("gpu") {
     // blocks are reused only through the allocator's stream events, which a capture left
     // "underway" would stop processing.
     const at::Tensor host = at::ones({64, 1024, 1024}, at::kFloat).pin_memory();  // 256 MiB
+    auto* staging = fulgur::find_extension<fulgur::StagedTransfers>(*accelerator);
+    REQUIRE(staging != nullptr);
     accelerator->synchronize(device);
     const double reserved_before = accelerator->device_stats(device).at("reserved_bytes.all.current");
     for (int i = 0; i < 20; ++i) {
       fulgur::Batch staged;
-      REQUIRE(accelerator->stage_transfer(device, [&] { staged.input = host.to(device, /*non_blocking=*/true); }));
-      accelerator->finish_transfer(device, staged);
+      REQUIRE(staging->stage_transfer(device, [&] { staged.input = host.to(device, /*non_blocking=*/true); }));
+      staging->finish_transfer(device, staged);
       staged.input.add_(1);
     }
     accelerator->synchronize(device);
     CHECK(accelerator->device_stats(device).at("reserved_bytes.all.current") <= reserved_before + 3 * 268435456.0);
     at::Tensor noise = at::zeros({1024}, at::TensorOptions().device(device));
-    auto random = accelerator->make_step_graph(device);
+    auto random = graphs->make_step_graph(device);
     random->warm_up([&] { noise.copy_(at::rand({1024}, noise.options())); });
     random->capture([&] { noise.copy_(at::rand({1024}, noise.options())); });
     random->replay();
@@ -395,11 +399,13 @@ TEST_SUITE("gpu") {
     fulgur::Batch batch;
     batch.input = at::full({256, 1024}, 3.0, at::kFloat).pin_memory();
     batch.target = at::full({256}, 7, at::kLong).pin_memory();
-    REQUIRE(accelerator->stage_transfer(device, [&] {
+    auto* staging = fulgur::find_extension<fulgur::StagedTransfers>(*accelerator);
+    REQUIRE(staging != nullptr);
+    REQUIRE(staging->stage_transfer(device, [&] {
       batch.input = batch.input.to(device, /*non_blocking=*/true);
       batch.target = batch.target.to(device, /*non_blocking=*/true);
     }));
-    accelerator->finish_transfer(device, batch);
+    staging->finish_transfer(device, batch);
     CHECK(batch.input.device() == device);
     CHECK(batch.input.sum().item<double>() == 3.0 * 256 * 1024);
     CHECK(batch.target.sum().item<int64_t>() == 7 * 256);

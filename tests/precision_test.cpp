@@ -225,6 +225,8 @@ TEST_CASE("16-mixed: scaled loss, unscale once, skip on inf, back off, grow afte
 
 TEST_CASE("16-mixed: the device decision: found_inf after unscale, the scale updated on it, an abandoned step") {
   auto p = precision("16-mixed", {{"init_scale", 1024.0}});
+  auto* device_step = fulgur::find_extension<fulgur::DeviceStepPrecision>(*p);
+  REQUIRE(device_step != nullptr);
   torch::manual_seed(2);
   torch::nn::Linear model(4, 2);
   torch::nn::Linear reference = copy_of(model);
@@ -240,14 +242,14 @@ TEST_CASE("16-mixed: the device decision: found_inf after unscale, the scale upd
 
   // Finite gradients: unscaled by the call, flag 0, the scale kept (growth_interval 2000).
   scaled_grads();
-  const at::Tensor found = p->device_found_inf(adam);
+  const at::Tensor found = device_step->device_found_inf(adam);
   REQUIRE(found.defined());
   CHECK(found.dim() == 0);
   CHECK((found.scalar_type() == at::kFloat));
   CHECK(found.item<float>() == 0.0f);
   CHECK(torch::allclose(model->weight.grad(), reference->weight.grad()));
-  CHECK(p->device_found_inf(adam).is_same(found));  // the same step: no second unscale
-  p->update_after_device_step(adam, found);
+  CHECK(device_step->device_found_inf(adam).is_same(found));  // the same step: no second unscale
+  device_step->update_after_device_step(adam, found);
   CHECK(scale_of(*p) == 1024.0);
   CHECK(tracker_of(*p) == 1);
 
@@ -257,21 +259,21 @@ TEST_CASE("16-mixed: the device decision: found_inf after unscale, the scale upd
     torch::NoGradGuard no_grad;
     model->bias.grad()[0] = std::numeric_limits<float>::infinity();
   }
-  const at::Tensor bad = p->device_found_inf(adam);
+  const at::Tensor bad = device_step->device_found_inf(adam);
   CHECK(bad.item<float>() == 1.0f);
-  p->update_after_device_step(adam, bad);
+  device_step->update_after_device_step(adam, bad);
   CHECK(scale_of(*p) == 512.0);
   CHECK(tracker_of(*p) == 0);
 
   // A step abandoned after its unscale (a failed capture) changes nothing, and the next step's
   // gradients are unscaled again instead of being taken for done.
   scaled_grads();
-  p->device_found_inf(adam);
-  p->update_after_device_step(adam, at::Tensor());
+  device_step->device_found_inf(adam);
+  device_step->update_after_device_step(adam, at::Tensor());
   CHECK(scale_of(*p) == 512.0);
   CHECK(tracker_of(*p) == 0);
   scaled_grads();
-  CHECK(p->device_found_inf(adam).item<float>() == 0.0f);
+  CHECK(device_step->device_found_inf(adam).item<float>() == 0.0f);
   CHECK(torch::allclose(model->weight.grad(), reference->weight.grad()));
   // And one left behind by a fit that failed mid-step is forgotten when the next fit converts
   // the model.
@@ -283,6 +285,8 @@ TEST_CASE("16-mixed: the device decision: found_inf after unscale, the scale upd
 
 TEST_CASE("16-mixed: sparse gradients are unscaled and checked through their values") {
   auto p = precision("16-mixed", {{"init_scale", 256.0}});
+  auto* device_step = fulgur::find_extension<fulgur::DeviceStepPrecision>(*p);
+  REQUIRE(device_step != nullptr);
   torch::manual_seed(3);
   torch::nn::Embedding table(torch::nn::EmbeddingOptions(10, 3).sparse(true));
   p->convert_module(*table);
@@ -297,15 +301,15 @@ TEST_CASE("16-mixed: sparse gradients are unscaled and checked through their val
   at::Tensor expected = torch::zeros({10, 3});
   for (int64_t i : {1, 2, 2, 7}) expected[i] += 2 * table->weight.detach()[i];
   backward();
-  CHECK(p->device_found_inf(adam).item<float>() == 0.0f);
+  CHECK(device_step->device_found_inf(adam).item<float>() == 0.0f);
   CHECK(torch::allclose(table->weight.grad().to_dense(), expected));
-  p->update_after_device_step(adam, p->device_found_inf(adam));
+  device_step->update_after_device_step(adam, device_step->device_found_inf(adam));
   backward();
   {
     torch::NoGradGuard no_grad;
     table->weight.grad()._values()[0][0] = std::numeric_limits<float>::quiet_NaN();
   }
-  CHECK(p->device_found_inf(adam).item<float>() == 1.0f);
+  CHECK(device_step->device_found_inf(adam).item<float>() == 1.0f);
 }
 
 TEST_CASE("16-mixed: state_dict / load_state_dict round-trip restores the scale") {

@@ -108,8 +108,8 @@ fs::path patched_good(const fs::path& to, Patch&& patch) {
 
 TEST_CASE("the SDK library exports the ABI guard symbol the host tag names") {
   const fulgur_abi_tag& tag = host_abi_tag();
-  std::string expected = "fulgur_abi_v" + std::to_string(FULGUR_PLUGIN_ABI_MAJOR) + "_iface" +
-                         std::to_string(tag.cxx_interface_major) + "_torch" + std::to_string(tag.torch_major) + "_" +
+  std::string expected = "fulgur_abi_v" + std::to_string(FULGUR_PLUGIN_ABI_MAJOR) + "_sdk" +
+                         std::to_string(FULGUR_SDK_VERSION_MAJOR_OF(tag.sdk_version)) + "_torch" + std::to_string(tag.torch_major) + "_" +
                          std::to_string(tag.torch_minor) + "_cxx11abi" + std::to_string(tag.glibcxx_cxx11_abi);
   CHECK(std::string(host_abi_guard_symbol()) == expected);
   CHECK(dlsym(RTLD_DEFAULT, host_abi_guard_symbol()) != nullptr);
@@ -177,6 +177,36 @@ TEST_CASE("a stripped plugin is still discovered and created") {
   CHECK(state_of(create_good(registry)) == kGoodState);
 }
 
+TEST_CASE("SDK 1.x: a plugin built before SDK 1.0 or against a newer SDK minor is refused naming both versions") {
+  TempDir dir;
+  const fs::path old_file = test::copy_library(fixture("libfulgur-fixture-pre-sdk1.so"), dir / "libfulgur-pre.so");
+  const fs::path new_file = test::copy_library(fixture("libfulgur-fixture-newer-sdk.so"), dir / "libfulgur-newer.so");
+  test::copy_library(fixture(kGood), dir / kGood);
+  PluginRegistry registry(only(dir.path()));
+  const std::string host = std::to_string(FULGUR_SDK_VERSION_MAJOR) + "." + std::to_string(FULGUR_SDK_VERSION_MINOR);
+
+  const PluginCandidate* old_plugin = find_candidate(registry, PluginKind::callback, "fixture_pre_sdk1");
+  REQUIRE(old_plugin != nullptr);
+  CHECK(old_plugin->status == CandidateStatus::rejected);
+  FULGUR_CHECK_CONTAINS(old_plugin->reason, "before 1.0 (C++ interface 7)");
+  FULGUR_CHECK_CONTAINS(old_plugin->reason, "this host (SDK " + host + ")");
+  FULGUR_CHECK_CONTAINS(old_plugin->reason, "rebuild the plugin against Fulgur 1.x");
+  FULGUR_CHECK_CONTAINS(old_plugin->reason, "find_package(Fulgur " + host + ")");
+  Error e = error_from([&] { registry.create(PluginKind::callback, "fixture_pre_sdk1", Options{}); });
+  CHECK(e.kind() == ErrorKind::plugin_rejected);
+  FULGUR_CHECK_CONTAINS(e.what(), old_file.string());
+  CHECK_FALSE(is_loaded(old_file));
+
+  const PluginCandidate* newer = find_candidate(registry, PluginKind::callback, "fixture_newer_sdk");
+  REQUIRE(newer != nullptr);
+  CHECK(newer->status == CandidateStatus::rejected);
+  FULGUR_CHECK_CONTAINS(newer->reason, "built against Fulgur SDK 1.99, newer than this host's SDK " + host);
+  FULGUR_CHECK_CONTAINS(newer->reason, "upgrade Fulgur to 1.99 or later");
+  CHECK_FALSE(is_loaded(new_file));
+  // The host's own SDK version loads.
+  CHECK(state_of(create_good(registry)) == kGoodState);
+}
+
 TEST_CASE("a plugin built against another libtorch is refused at the metadata phase") {
   TempDir dir;
   const fs::path file = test::copy_library(fixture("libfulgur-fixture-other-abi.so"), dir / "libfulgur-other.so");
@@ -203,8 +233,8 @@ TEST_CASE("the link-time ABI guard stops a mismatched plugin even when the check
   TempDir dir;
   const fs::path file = test::copy_library(fixture("libfulgur-fixture-other-abi.so"), dir / "libfulgur-other.so");
   const std::string guard =
-      "fulgur_abi_v" + std::to_string(FULGUR_PLUGIN_ABI_MAJOR) + "_iface" +
-      std::to_string(host_abi_tag().cxx_interface_major) + "_torch" + std::to_string(host_abi_tag().torch_major) + "_" +
+      "fulgur_abi_v" + std::to_string(FULGUR_PLUGIN_ABI_MAJOR) + "_sdk" +
+      std::to_string(FULGUR_SDK_VERSION_MAJOR_OF(host_abi_tag().sdk_version)) + "_torch" + std::to_string(host_abi_tag().torch_major) + "_" +
       std::to_string(FULGUR_TEST_OTHER_TORCH_MINOR) + "_cxx11abi" + std::to_string(host_abi_tag().glibcxx_cxx11_abi);
 
   SUBCASE("Boost.DLL directly") {

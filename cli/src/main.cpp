@@ -106,20 +106,29 @@ std::unique_ptr<PluginRegistry> make_registry(const std::optional<Config>& confi
   return std::make_unique<PluginRegistry>(plugin_search_path(sp), ro);
 }
 
+
+// "1.0"; a plugin built before SDK 1.0 recorded its C++ interface major: "pre-1.0 (7)".
+std::string sdk_version_text(uint32_t v) {
+  if (FULGUR_SDK_VERSION_MAJOR_OF(v) == 0) return fmt::format("pre-1.0 ({})", FULGUR_SDK_VERSION_MINOR_OF(v));
+  return fmt::format("{}.{}", FULGUR_SDK_VERSION_MAJOR_OF(v), FULGUR_SDK_VERSION_MINOR_OF(v));
+}
+
 int list_plugins(const Args& args) {
   std::optional<Config> config;
   if (args.config) config = load_config(*args.config);
   auto registry = make_registry(config);
   const auto& tag = host_abi_tag();
-  std::cout << fmt::format("Host: plugin ABI {}.{}, C++ interface {}, libtorch {}.{}, CUDA {}\n",
-                           FULGUR_PLUGIN_ABI_MAJOR, FULGUR_PLUGIN_ABI_MINOR, tag.cxx_interface_major, tag.torch_major,
-                           tag.torch_minor, tag.cuda_version);
+  std::cout << fmt::format("Host: plugin ABI {}.{}, SDK {}, libtorch {}.{}, CUDA {}\n", FULGUR_PLUGIN_ABI_MAJOR,
+                           FULGUR_PLUGIN_ABI_MINOR, sdk_version_text(tag.sdk_version), tag.torch_major, tag.torch_minor,
+                           tag.cuda_version);
   std::cout << "Search path:\n";
   for (const auto& d : registry->search_path()) std::cout << fmt::format("  {:<20} {}\n", d.origin, d.path.string());
-  std::cout << fmt::format("\n{:<12} {:<20} {:<9} {:<10} {}\n", "KIND", "NAME", "VERSION", "STATUS", "FILE");
+  std::cout << fmt::format("\n{:<12} {:<20} {:<9} {:<9} {:<10} {}\n", "KIND", "NAME", "VERSION", "SDK", "STATUS",
+                           "FILE");
   for (const auto& c : registry->candidates()) {
-    std::cout << fmt::format("{:<12} {:<20} {:<9} {:<10} {}\n", to_string(c.metadata.kind), c.metadata.name,
-                             c.metadata.version, to_string(c.status), c.file.string());
+    std::cout << fmt::format("{:<12} {:<20} {:<9} {:<9} {:<10} {}\n", to_string(c.metadata.kind), c.metadata.name,
+                             c.metadata.version, sdk_version_text(c.metadata.abi_tag.sdk_version), to_string(c.status),
+                             c.file.string());
     if (!c.reason.empty()) std::cout << fmt::format("{:<12} -> {}\n", "", c.reason);
   }
   bool header = false;
@@ -159,10 +168,12 @@ int describe_plugin(const Args& args) {
   }
   for (const PluginCandidate* c : matches) {
     const auto& m = c->metadata;
-    std::cout << fmt::format("{} '{}' {}\n  {}\n  file:   {}\n  status: {}{}\n  ABI:    {}.{}, libtorch {}.{}\n",
-                             to_string(m.kind), m.name, m.version, m.description, c->file.string(),
-                             to_string(c->status), c->reason.empty() ? "" : " (" + c->reason + ")", m.abi_major,
-                             m.abi_minor, m.abi_tag.torch_major, m.abi_tag.torch_minor);
+    std::cout << fmt::format(
+        "{} '{}' {}\n  {}\n  file:   {}\n  status: {}{}\n  SDK:    {} (this host: {})\n  ABI:    {}.{}, libtorch {}.{}\n",
+        to_string(m.kind), m.name, m.version, m.description, c->file.string(), to_string(c->status),
+        c->reason.empty() ? "" : " (" + c->reason + ")", sdk_version_text(m.abi_tag.sdk_version),
+        sdk_version_text(host_abi_tag().sdk_version), m.abi_major, m.abi_minor, m.abi_tag.torch_major,
+        m.abi_tag.torch_minor);
     if (m.options.empty()) {
       std::cout << "  options: none\n";
       continue;

@@ -7,6 +7,7 @@ namespace fulgur {
 
 BatchLoader::~BatchLoader() = default;
 DataModule::~DataModule() = default;
+void* DataModule::extension(std::string_view) noexcept { return nullptr; }
 
 void DataModule::set_batch_size(int64_t n) {
   throw Error(ErrorKind::config,

@@ -14,6 +14,7 @@ namespace fulgur {
 
 Module::Module() = default;
 Module::~Module() = default;
+void* Module::extension(std::string_view) noexcept { return nullptr; }
 
 StepOutput Module::validation_step(const Batch&, int64_t) { return {}; }
 StepOutput Module::test_step(const Batch&, int64_t) { return {}; }

@@ -68,9 +68,6 @@ std::string writable_by_others(const fs::path& path) {
 // Every field of the ABI tag that differs from the host's, "name: plugin X, host Y".
 std::vector<std::string> abi_tag_differences(const fulgur_abi_tag& plugin, const fulgur_abi_tag& host) {
   std::vector<std::string> out;
-  if (plugin.cxx_interface_major != host.cxx_interface_major)
-    out.push_back(
-        fmt::format("C++ interface version: plugin {}, host {}", plugin.cxx_interface_major, host.cxx_interface_major));
   if (plugin.torch_major != host.torch_major || plugin.torch_minor != host.torch_minor)
     out.push_back(fmt::format("libtorch: plugin {}.{}, host {}.{}", plugin.torch_major, plugin.torch_minor,
                               host.torch_major, host.torch_minor));
@@ -84,6 +81,29 @@ std::vector<std::string> abi_tag_differences(const fulgur_abi_tag& plugin, const
   if (plugin.cuda_version / 1000 != host.cuda_version / 1000)
     out.push_back(fmt::format("CUDA major: plugin {}, host {}", plugin.cuda_version / 1000, host.cuda_version / 1000));
   return out;
+}
+
+// The SDK rule: a plugin built against SDK N.x loads in a host N.y with y >= x. Empty when it does.
+std::string sdk_version_problem(uint32_t plugin, uint32_t host) {
+  const uint32_t plugin_major = FULGUR_SDK_VERSION_MAJOR_OF(plugin), plugin_minor = FULGUR_SDK_VERSION_MINOR_OF(plugin);
+  const uint32_t host_major = FULGUR_SDK_VERSION_MAJOR_OF(host), host_minor = FULGUR_SDK_VERSION_MINOR_OF(host);
+  if (plugin_major == 0)
+    return fmt::format(
+        "was built against a Fulgur SDK from before 1.0 (C++ interface {}), which this host (SDK {}.{}) does "
+        "not load; rebuild the plugin against Fulgur {}.x: find_package(Fulgur {}.{}) and fulgur_add_plugin() "
+        "in its CMakeLists.txt (see the README's 'Writing a plugin')",
+        plugin_minor, host_major, host_minor, host_major, host_major, host_minor);
+  if (plugin_major != host_major)
+    return fmt::format(
+        "was built against Fulgur SDK {}.{}, this host implements SDK {}.{}; a new SDK major is not compatible: "
+        "rebuild the plugin against Fulgur {}.x (find_package(Fulgur {}.{}))",
+        plugin_major, plugin_minor, host_major, host_minor, host_major, host_major, host_minor);
+  if (plugin_minor > host_minor)
+    return fmt::format(
+        "was built against Fulgur SDK {}.{}, newer than this host's SDK {}.{}; upgrade Fulgur to {}.{} or later, "
+        "or rebuild the plugin against SDK {}.{}",
+        plugin_major, plugin_minor, host_major, host_minor, plugin_major, plugin_minor, host_major, host_minor);
+  return {};
 }
 
 // The metadata-phase checks; empty when the plugin may be used.
@@ -103,6 +123,7 @@ std::string metadata_problem(const PluginMetadata& meta) {
     return fmt::format("declares unknown kind {}", static_cast<uint32_t>(meta.kind));
   if (!valid_plugin_name(meta.name))
     return fmt::format("declares invalid name '{}' (use 1-63 of a-z 0-9 _ - .)", meta.name);
+  if (std::string sdk = sdk_version_problem(meta.abi_tag.sdk_version, host.sdk_version); !sdk.empty()) return sdk;
   if (auto diffs = abi_tag_differences(meta.abi_tag, host); !diffs.empty())
     return fmt::format("ABI tag differs from the host ({}); rebuild the plugin against the libtorch this Fulgur uses",
                        fmt::join(diffs, "; "));
@@ -141,7 +162,8 @@ std::string descriptor_mismatch(const fulgur_plugin_desc& desc, const PluginMeta
                        note.abi_minor);
   if (cstr_or(desc.version, "") != note.version)
     return fmt::format("version '{}' in code, '{}' in note", cstr_or(desc.version, ""), note.version);
-  if (!abi_tag_differences(desc.abi_tag, note.abi_tag).empty()) return "ABI tag in code differs from the note";
+  if (!abi_tag_differences(desc.abi_tag, note.abi_tag).empty() || desc.abi_tag.sdk_version != note.abi_tag.sdk_version)
+    return "ABI tag in code differs from the note";
   if (desc.option_count != note.options.size())
     return fmt::format("{} options in code, {} in note", desc.option_count, note.options.size());
   for (uint32_t i = 0; i < desc.option_count; ++i) {

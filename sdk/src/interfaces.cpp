@@ -27,20 +27,16 @@ TrainerContext::~TrainerContext() = default;
 StepGraph::~StepGraph() = default;
 
 std::string Accelerator::device_name(const c10::Device& device) const { return device.str(); }
-std::unique_ptr<StepGraph> Accelerator::make_step_graph(const c10::Device&) { return nullptr; }
-bool Accelerator::stage_transfer(const c10::Device&, const std::function<void()>&) { return false; }
-void Accelerator::finish_transfer(const c10::Device&, Batch&) {}
-
 c10::ScalarType Precision::compute_dtype() const { return c10::ScalarType::Float; }
-std::string Precision::step_capture_refusal() const {
-  return "the precision plugin does not declare that its steps can be captured (Precision::step_capture_refusal)";
-}
-at::Tensor Precision::device_found_inf(torch::optim::Optimizer&) { return {}; }
-void Precision::update_after_device_step(torch::optim::Optimizer&, const at::Tensor&) {}
-bool Strategy::delegates_optimizer_step() const { return false; }
-std::string Strategy::step_capture_refusal() const {
-  return "the strategy plugin does not declare that its steps can be captured (Strategy::step_capture_refusal)";
-}
+
+// No extension unless the plugin class lists it (fulgur::WithExtensions).
+void* Accelerator::extension(std::string_view) noexcept { return nullptr; }
+void* Strategy::extension(std::string_view) noexcept { return nullptr; }
+void* Precision::extension(std::string_view) noexcept { return nullptr; }
+void* Logger::extension(std::string_view) noexcept { return nullptr; }
+void* Profiler::extension(std::string_view) noexcept { return nullptr; }
+void* Callback::extension(std::string_view) noexcept { return nullptr; }
+void* TrainerContext::extension(std::string_view) noexcept { return nullptr; }
 
 const char* hook_name(Hook hook) {
   static constexpr const char* kNames[kHookCount] = {

@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <memory>
 #include <optional>
+#include <string_view>
 #include <vector>
 
 namespace fulgur {
@@ -50,6 +51,10 @@ class DataModule {
   // Sets it; the next train_loader() uses it. A DataModule that offers batch_size() overrides this
   // too. The default throws fulgur::Error(config): the finder then says what to implement.
   virtual void set_batch_size(int64_t n);
+
+  // The extension interface named `id` that this DataModule implements, or nullptr (the default).
+  // Capabilities added after SDK 1.0 arrive this way (fulgur/extension.h). Must not throw.
+  virtual void* extension(std::string_view id) noexcept;
 
   // Hyperparameters from the TOML [data] table.
   Options hparams;

@@ -27,6 +27,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 namespace torch::optim {
@@ -209,6 +210,10 @@ class Module : public torch::nn::Module {
   // plugin (16-mixed unscales them first). clip_value <= 0 does nothing.
   void clip_gradients(const OptimizerHandle& optimizer, double clip_value,
                       GradClipAlgorithm algorithm = GradClipAlgorithm::norm);
+
+  // The extension interface named `id` that this Module implements, or nullptr (the default).
+  // Capabilities added after SDK 1.0 arrive this way (fulgur/extension.h). Must not throw.
+  virtual void* extension(std::string_view id) noexcept;
 
   // Hyperparameters from the TOML [model] table (set before construction-time use by the Trainer
   // when built through fulgur::run, or by the user).

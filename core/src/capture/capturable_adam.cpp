@@ -304,14 +304,14 @@ void CapturableAdam::step(const at::Tensor& found_inf) {
   }
 }
 
-void CapturableAdam::step_decided_by(Precision& precision, const at::Tensor& found_inf) {
+void CapturableAdam::step_decided_by(DeviceStepPrecision* precision, const at::Tensor& found_inf) {
   try {
     step(found_inf);
   } catch (...) {
-    precision.update_after_device_step(optimizer_, at::Tensor());  // abandoned: forget the unscale
+    if (precision) precision->update_after_device_step(optimizer_, at::Tensor());  // abandoned: forget the unscale
     throw;
   }
-  if (found_inf.defined()) precision.update_after_device_step(optimizer_, found_inf);
+  if (found_inf.defined() && precision) precision->update_after_device_step(optimizer_, found_inf);
 }
 
 void CapturableAdam::advance_host_steps(bool replayed) {

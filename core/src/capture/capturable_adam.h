@@ -8,7 +8,7 @@
 // would have seen.
 //
 // It is also the step of a precision that decides on the device whether a step is taken (16-mixed:
-// Precision::device_found_inf), captured or not: the kernels skip on the flag, and the host step
+// DeviceStepPrecision::device_found_inf), captured or not: the kernels skip on the flag, and the host step
 // counts, which only the device knows then, are brought up to date by sync_host_steps() where
 // something reads them (a checkpoint, the end of fit, a step by the optimizer's own step()).
 #pragma once
@@ -25,7 +25,7 @@ class Optimizer;
 
 namespace fulgur {
 
-class Precision;
+class DeviceStepPrecision;
 
 class CapturableAdam {
  public:
@@ -52,10 +52,11 @@ class CapturableAdam {
   // `found_inf` (optional, a 0-dim float32 tensor on the parameters' device): where it holds 1 the
   // kernels leave parameters and state as they are and the step counts do not advance.
   void step(const at::Tensor& found_inf = {});
-  // step(found_inf) with `precision`'s decision (Precision::device_found_inf, undefined where it
-  // has none), then its scale update on the device; a step that throws still ends the
+  // step(found_inf) with the precision's decision (DeviceStepPrecision::device_found_inf, undefined
+  // where it has none), then its scale update on the device; a step that throws still ends the
   // precision's step (the unscale is forgotten, so the next step unscales its own gradients).
-  void step_decided_by(Precision& precision, const at::Tensor& found_inf);
+  // `precision` is null for a precision without the extension (found_inf is then undefined).
+  void step_decided_by(DeviceStepPrecision* precision, const at::Tensor& found_inf);
   // Where steps read found_inf, the host step counts are left behind: copies the device counts to
   // the host state objects (one synchronisation). Does nothing when they are current.
   void sync_host_steps();

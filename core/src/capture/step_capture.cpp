@@ -12,6 +12,7 @@
 
 #include "../trainer_impl.h"
 #include "capturable_adam.h"
+#include "device_step.h"
 
 namespace fulgur {
 
@@ -72,9 +73,9 @@ void StepCapture::prepare() {
                       t_.optimizer_ptrs_.size());
   else if (std::string r = CapturableAdam::refusal(*t_.optimizer_ptrs_.front()); !r.empty())
     why = r;
-  else if (std::string r = t_.plugins_.strategy->step_capture_refusal(); !r.empty())
+  else if (std::string r = strategy_capture_refusal(t_.plugins_); !r.empty())
     why = r;
-  else if (std::string r = t_.plugins_.precision->step_capture_refusal(); !r.empty())
+  else if (std::string r = precision_capture_refusal(t_.plugins_); !r.empty())
     why = r;
   if (why.empty())
     for (const auto& slot : t_.hooks_.slots())
@@ -83,7 +84,7 @@ void StepCapture::prepare() {
           why = fmt::format("{} '{}' implements {}, which runs inside the step and would not run at a replay",
                             slot.identity.kind, slot.identity.name, hook_name(hook));
   if (why.empty()) {
-    graph_ = t_.plugins_.accelerator->make_step_graph(t_.device());
+    if (t_.plugins_.step_graphs) graph_ = t_.plugins_.step_graphs->make_step_graph(t_.device());
     if (!graph_)
       why = fmt::format("the accelerator of device {} cannot capture steps; use accelerator = \"cuda\"",
                         t_.device().str());
@@ -170,7 +171,7 @@ StepOutput StepCapture::eager_step(Batch& batch, int64_t batch_idx, bool grads_t
     strategy.clip_gradients(optimizer, precision, t_.settings_.gradient_clip_val, t_.settings_.gradient_clip_algorithm);
   // 16-mixed: the step is skipped on the device where the gradients were not finite, and the
   // loss scale updated there (inside the recording, so every replay does both).
-  adam().step_decided_by(precision, precision.device_found_inf(optimizer));
+  adam().step_decided_by(t_.plugins_.precision_device_step, device_found_inf(t_.plugins_, optimizer));
   return output;
 }
 
@@ -237,7 +238,8 @@ std::optional<StepOutput> StepCapture::run(Batch& batch, int64_t batch_idx) {
       // The recorded step never ran: the precision forgets its unscale (the next step unscales
       // its own gradients), and nothing else of it happened. (A step that failed before its
       // optimizer step leaves the unscale behind too.)
-      t_.plugins_.precision->update_after_device_step(*t_.optimizer_ptrs_.front(), at::Tensor());
+      if (auto* device_step = t_.plugins_.precision_device_step)
+        device_step->update_after_device_step(*t_.optimizer_ptrs_.front(), at::Tensor());
       t_.binding_.recorded_logs = nullptr;
       recorded_logs_.clear();
       static_batch_ = {};

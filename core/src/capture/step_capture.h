@@ -1,5 +1,5 @@
 // Internal: `[trainer] cuda_graphs` — the automatic-optimization training step recorded once as a
-// graph (Accelerator::make_step_graph) and replayed for every later batch, which replaces one
+// graph (StepGraphFactory::make_step_graph) and replayed for every later batch, which replaces one
 // launch per kernel with one per step. The order of a run:
 //
 //   prepare()        at fit start: what can be known before training is checked (the accelerator

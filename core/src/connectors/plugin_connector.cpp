@@ -62,6 +62,10 @@ PluginSet connect_plugins(Config& config, bool fast_dev_run) {
       plugin_cast<Strategy>(registry.create(PluginKind::strategy, config.strategy.name, config.strategy.options));
   set.precision =
       plugin_cast<Precision>(registry.create(PluginKind::precision, config.precision.name, config.precision.options));
+  set.step_graphs = find_extension<StepGraphFactory>(*set.accelerator);
+  set.staged_transfers = find_extension<StagedTransfers>(*set.accelerator);
+  set.strategy_device_step = find_extension<DeviceStepStrategy>(*set.strategy);
+  set.precision_device_step = find_extension<DeviceStepPrecision>(*set.precision);
   if (config.profiler && !barebones)
     set.profiler =
         plugin_cast<Profiler>(registry.create(PluginKind::profiler, config.profiler->name, config.profiler->options));

@@ -30,6 +30,12 @@ struct PluginSet {
     PluginIdentity identity;
   };
   std::vector<CallbackEntry> callbacks;
+  // The optional extensions the Trainer's fast paths use (fulgur/extension.h), looked up once
+  // when the plugins are created; null where the plugin does not offer them.
+  StepGraphFactory* step_graphs = nullptr;            // accelerator: captured steps
+  StagedTransfers* staged_transfers = nullptr;        // accelerator: copies on a side stream
+  DeviceStepStrategy* strategy_device_step = nullptr;  // strategy: capture, delegated steps
+  DeviceStepPrecision* precision_device_step = nullptr;  // precision: found_inf on the device
 };
 
 // Validates every plugin table against its schema, then creates the selected plugins and the

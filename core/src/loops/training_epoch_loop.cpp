@@ -7,6 +7,7 @@
 
 #include <torch/optim/optimizer.h>
 
+#include "../capture/device_step.h"
 #include "../ivalue_dict.h"
 #include "../trainer_impl.h"
 #include "fit_loop.h"
@@ -54,11 +55,12 @@ void TrainingEpochLoop::run(BatchLoader& train) {
   // validation after it has run), batch n+1 goes through its transfer hooks and copies on the copy
   // stream, overlapping step n on the device; its own step waits for the copy. The hooks run in
   // Lightning's order either way: batch n+1 is transferred after batch n ended, before it starts.
-  Accelerator& accelerator = *t.plugins_.accelerator;
+  StagedTransfers* staging = t.plugins_.staged_transfers;
   const c10::Device device = t.device();
   bool next_staged = false;
   auto stage_next = [&] {
-    next_staged = next && accelerator.stage_transfer(device, [&] { *next = t.transfer(std::move(*next)); });
+    next_staged =
+        next && staging && staging->stage_transfer(device, [&] { *next = t.transfer(std::move(*next)); });
   };
   // Signals: with several processes on Gloo the ranks vote one batch behind (SignalVote).
   std::optional<SignalVote> vote;
@@ -119,10 +121,10 @@ bool TrainingEpochLoop::step_optimizer(torch::optim::Optimizer& optimizer) {
   // 16-mixed: the inf/NaN verdict stays on the device, and so does the decision to skip (a
   // strategy that only delegates its step may be bypassed; under cuda_graphs = "try" one that
   // does more may have given up on capturing).
-  if (t.plugins_.strategy->delegates_optimizer_step())
-    if (const at::Tensor found_inf = precision.device_found_inf(optimizer); found_inf.defined()) {
+  if (delegates_optimizer_step(t.plugins_))
+    if (const at::Tensor found_inf = device_found_inf(t.plugins_, optimizer); found_inf.defined()) {
       t.fused_adam_->before_step(/*recorded=*/false);
-      t.fused_adam_->step_decided_by(precision, found_inf);
+      t.fused_adam_->step_decided_by(t.plugins_.precision_device_step, found_inf);
       t.fused_adam_->advance_host_steps(/*replayed=*/false);
       return true;  // taken or skipped: only the device knows, and nothing here asks it
     }
@@ -136,7 +138,7 @@ void TrainingEpochLoop::prepare_optimizer_steps() {
   Trainer::Impl& t = trainer_;
   t.fused_adam_.reset();
   if (t.module_->automatic_optimization && t.optimizer_ptrs_.size() == 1 &&
-      t.plugins_.strategy->delegates_optimizer_step() && CapturableAdam::refusal(*t.optimizer_ptrs_.front()).empty())
+      delegates_optimizer_step(t.plugins_) && CapturableAdam::refusal(*t.optimizer_ptrs_.front()).empty())
     t.fused_adam_ = std::make_unique<CapturableAdam>(*t.optimizer_ptrs_.front());
   capture_.prepare();
 }
@@ -165,7 +167,7 @@ void TrainingEpochLoop::run_batch(Batch& batch, int64_t batch_idx, bool staged) 
   row_step_ = position_.global_step;
   step_row_due_ = (position_.global_step + (steps ? 1 : 0)) % t.settings_.log_every_n_steps == 0 || is_last_batch_;
   if (staged)
-    t.plugins_.accelerator->finish_transfer(t.device(), batch);  // transferred while the last step ran
+    t.plugins_.staged_transfers->finish_transfer(t.device(), batch);  // transferred while the last step ran
   else
     batch = t.transfer(std::move(batch));
   t.binding_.batch_size = batch.size();

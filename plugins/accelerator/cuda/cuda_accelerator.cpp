@@ -141,7 +141,8 @@ class CudaStepGraph final : public fulgur::StepGraph {
   std::unique_ptr<at::cuda::CUDAGraph> graph_;
 };
 
-class CudaAccelerator final : public fulgur::Accelerator {
+class CudaAccelerator final
+    : public fulgur::WithExtensions<fulgur::Accelerator, fulgur::StepGraphFactory, fulgur::StagedTransfers> {
  public:
   explicit CudaAccelerator(const fulgur::Options& options)
       : benchmark_(options.get_bool("benchmark")),

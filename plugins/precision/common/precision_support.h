@@ -34,31 +34,6 @@ inline std::vector<at::Tensor> gradients_of(torch::optim::Optimizer& optimizer) 
   return grads;
 }
 
-// torch::nn::utils::clip_grad_norm_ (L2, error_if_nonfinite = false) without its final .item():
-// total = ||(||g_i||)||, g_i *= min(1, max / (total + 1e-6)).
-inline void clip_by_total_norm(std::vector<at::Tensor>& grads, double max_norm) {
-  const c10::Device device = grads.front().device();
-  std::vector<at::Tensor> norms;
-  norms.reserve(grads.size());
-  for (const at::Tensor& grad : grads) norms.push_back(grad.norm(2).to(device));
-  const at::Tensor total = norms.size() == 1 ? norms.front() : at::stack(norms).norm(2);
-  const at::Tensor coefficient = (max_norm / (total + 1e-6)).clamp_max(1.0);
-  for (at::Tensor& grad : grads) grad.mul_(grad.device() == device ? coefficient : coefficient.to(grad.device()));
-}
-
-// Lightning's clip_gradients: "norm" = clip_grad_norm_, "value" = clip_grad_value_; <= 0 = off.
-inline void clip_gradients(torch::optim::Optimizer& optimizer, double clip_value, GradClipAlgorithm algorithm) {
-  if (clip_value <= 0.0) return;
-  std::vector<at::Tensor> grads = gradients_of(optimizer);
-  if (grads.empty()) return;
-  at::NoGradGuard no_grad;
-  if (algorithm == GradClipAlgorithm::value) {
-    for (at::Tensor& grad : grads) grad.clamp_(-clip_value, clip_value);
-    return;
-  }
-  clip_by_total_norm(grads, clip_value);
-}
-
 // The device of the module's first parameter (then buffer); CPU for a module without any. The
 // Trainer calls convert_module after the strategy has moved the module to its device.
 inline c10::Device device_of(torch::nn::Module& module) {

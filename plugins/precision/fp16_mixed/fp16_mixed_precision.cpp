@@ -29,7 +29,7 @@ namespace {
 
 namespace ps = fulgur::precision_support;
 
-class Fp16MixedPrecision final : public fulgur::Precision {
+class Fp16MixedPrecision final : public fulgur::WithExtensions<fulgur::Precision, fulgur::DeviceStepPrecision> {
  public:
   explicit Fp16MixedPrecision(const fulgur::Options& options)
       : init_scale_(options.get_float("init_scale")),
@@ -112,7 +112,7 @@ class Fp16MixedPrecision final : public fulgur::Precision {
                       fulgur::GradClipAlgorithm algorithm) override {
     if (clip_value <= 0.0) return;
     unscale_gradients(optimizer);  // clipping acts on true gradients; a no-op if already unscaled
-    ps::clip_gradients(optimizer, clip_value, algorithm);
+    fulgur::clip_gradients_of(optimizer, clip_value, algorithm);
   }
 
   // GradScaler.step + update: skip the step when the gradients are not finite, then adjust the scale.

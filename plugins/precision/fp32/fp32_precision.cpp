@@ -1,54 +1,22 @@
-// Built-in precision `32-true`: float32 parameters and compute, libtorch's default. Everything on
-// the forward path is a no-op so that the default costs nothing per step.
+// Built-in precision `32-true`: float32 parameters and compute, libtorch's default. Every function
+// is the Precision default (identity on the forward path, so the default costs nothing per step).
 #include "../common/precision_support.h"
 
 namespace {
 
 namespace ps = fulgur::precision_support;
 
-class Fp32Precision final : public fulgur::Precision {
+class Fp32Precision final : public fulgur::WithExtensions<fulgur::Precision, fulgur::DeviceStepPrecision> {
  public:
-  void convert_module(torch::nn::Module&) override {}
-  void convert_input(fulgur::Batch&) override {}
-  void forward_enter() override {}
-  void forward_exit() override {}
-  at::Tensor scale_loss(const at::Tensor& loss) override { return loss; }
-  void unscale_gradients(torch::optim::Optimizer&) override {}
+  // A checkpoint from a run with loss scaling (16-mixed) resumed in fp32: the scaler has no
+  // meaning here, which is not an error, but the user should know it is dropped.
+  void load_state_dict(const c10::IValue& state) override { ps::load_stateless("32-true", state); }
 
-  // Lightning's clip_gradients; a clip value of 0 (or less) means "no clipping".
-  void clip_gradients(torch::optim::Optimizer& optimizer, double clip_value,
-                      fulgur::GradClipAlgorithm algorithm) override {
-    ps::clip_gradients(optimizer, clip_value, algorithm);
-  }
-
-  bool optimizer_step(torch::optim::Optimizer& optimizer) override {
-    optimizer.step();
-    return true;
-  }
   // Nothing on the step's path decides on the host: a captured step needs no change here.
   std::string step_capture_refusal() const override { return {}; }
-
-  void state_dict(c10::IValue& out) const override {
-    out = c10::impl::GenericDict(c10::StringType::get(), c10::AnyType::get());
-  }
-
-  void load_state_dict(const c10::IValue& state) override {
-    if (state.isNone()) return;
-    if (!state.isGenericDict())
-      throw fulgur::Error(fulgur::ErrorKind::checkpoint,
-                          fmt::format("precision '32-true': the checkpoint's precision state is a {}, expected a dict",
-                                      state.tagKind()));
-    const c10::impl::GenericDict dict = state.toGenericDict();
-    if (dict.empty()) return;
-    // A checkpoint from a run with loss scaling (16-mixed) resumed in fp32: the scaler has no
-    // meaning here, which is not an error, but the user should know it is dropped.
-    std::vector<std::string> keys;
-    for (const auto& entry : dict) keys.push_back(entry.key().isString() ? entry.key().toStringRef() : "?");
-    spdlog::warn(
-        "precision '32-true' ignores the precision state in the checkpoint (keys: {}); it was saved by "
-        "another precision plugin",
-        fmt::join(keys, ", "));
-  }
+  // Never skips a step and decides nothing on the host: steps may be captured (DeviceStepPrecision).
+  at::Tensor device_found_inf(torch::optim::Optimizer&) override { return {}; }
+  void update_after_device_step(torch::optim::Optimizer&, const at::Tensor&) override {}
 };
 
 }  // namespace

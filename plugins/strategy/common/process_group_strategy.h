@@ -18,7 +18,7 @@
 
 namespace fulgur::strategy_support {
 
-class ProcessGroupStrategy : public Strategy {
+class ProcessGroupStrategy : public WithExtensions<Strategy, DeviceStepStrategy> {
  public:
   // `name` is the plugin's, for messages; `backend` and `timeout` are its options of those names.
   ProcessGroupStrategy(std::string name, const Options& options)
@@ -110,6 +110,8 @@ class ProcessGroupStrategy : public Strategy {
         "steps (cuda_graphs) run with strategy = \"single_device\" for now",
         name_);
   }
+  // A sharded step agrees the skip across ranks and refreshes shards after it: not delegated.
+  bool delegates_optimizer_step() const override { return false; }
 
   int64_t data_parallel_rank() const override { return cluster_.global_rank; }
   int64_t data_parallel_size() const override { return cluster_.world_size; }

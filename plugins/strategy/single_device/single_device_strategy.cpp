@@ -9,7 +9,7 @@
 
 namespace {
 
-class SingleDeviceStrategy final : public fulgur::Strategy {
+class SingleDeviceStrategy final : public fulgur::WithExtensions<fulgur::Strategy, fulgur::DeviceStepStrategy> {
  public:
   void setup_environment(const fulgur::StrategyEnvironment& environment) override {
     if (environment.devices.size() > 1)

@@ -1,20 +1,8 @@
-// The one header a plugin author includes. Implement one of the six interfaces, then describe the
-// plugin with FULGUR_PLUGIN; its options are read from the TOML table that selects it:
-//
-//   #include <fulgur/plugin.h>
-//   class Hello : public fulgur::Callback {
-//    public:
-//     explicit Hello(const fulgur::Options& o) : greeting_(o.get_string("greeting")) {}
-//     fulgur::HookSet hooks() const override { return fulgur::Hook::fit_start | fulgur::Hook::fit_end; }
-//     void on_fit_start(fulgur::TrainerContext&) override { std::puts(greeting_.c_str()); }
-//    private:
-//     std::string greeting_;
-//   };
-//   FULGUR_PLUGIN(Hello, "hello", "1.0.0", "Prints a greeting when fit starts",
-//                 FULGUR_OPTION(string, greeting, "What to print", "hello"))
-//
-// FULGUR_PLUGIN emits the C descriptor returned by the library's entry point and the same facts
-// as an ELF note, so the host can list and check the plugin without loading it.
+/// @file
+/// The one header a plugin author includes: the six interfaces, Options, logging, errors, and
+/// FULGUR_PLUGIN, which describes a plugin class to the host (the C descriptor the library's entry
+/// point returns, the same facts as an ELF note, and a factory that never throws across the C
+/// door).
 #pragma once
 
 #include <fulgur/abi.h>
@@ -49,6 +37,7 @@ class DataModule;
 
 namespace detail {
 
+/// The fulgur_kind of plugin class T, from the interface it derives from.
 template <class T>
 constexpr uint32_t kind_of() {
   if constexpr (std::is_base_of_v<Accelerator, T>)
@@ -73,6 +62,7 @@ constexpr uint32_t kind_of() {
                   "fulgur::DataModule");
 }
 
+/// The interface T implements (what its factory returns for the six kinds).
 template <class T>
 using interface_of = std::conditional_t<
     std::is_base_of_v<Accelerator, T>, Accelerator,
@@ -82,18 +72,20 @@ using interface_of = std::conditional_t<
                                                              std::conditional_t<std::is_base_of_v<Profiler, T>,
                                                                                 Profiler, Callback>>>>>;
 
-// Model and datamodule plugins hand out the core's user API types.
+/// What T's factory returns as void*: its interface; model and datamodule plugins hand out the
+/// core's user API types.
 template <class T>
 using created_type_of =
     std::conditional_t<std::is_base_of_v<Module, T>, Module,
                        std::conditional_t<std::is_base_of_v<DataModule, T>, DataModule, interface_of<T>>>;
 
+/// FULGUR_PLUGIN's options as an array.
 template <class... O>
 constexpr std::array<OptionSpec, sizeof...(O)> make_options(O... options) {
   return {options...};
 }
 
-// FULGUR_PLUGIN without options on a class that declares hparams_schema: that schema.
+/// FULGUR_PLUGIN without options on a class that declares hparams_schema: that schema.
 template <class T, size_t N>
 constexpr auto options_or_schema(std::array<OptionSpec, N> given) {
   if constexpr (N == 0 && requires { T::hparams_schema; })
@@ -102,15 +94,17 @@ constexpr auto options_or_schema(std::array<OptionSpec, N> given) {
     return given;
 }
 
-// Marks "required" in the note, where a null pointer cannot be stored.
+/// Marks "required" in the note, where a null pointer cannot be stored.
 inline constexpr char kRequiredMarker[] = "\x01";
 
+/// Bytes of `s` with its terminating NUL.
 constexpr size_t cstr_bytes(const char* s) {
   size_t n = 0;
   while (s[n] != '\0') ++n;
   return n + 1;
 }
 
+/// Bytes of the note's strings for plugin Spec.
 template <class Spec>
 constexpr size_t note_strings_size() {
   size_t n = cstr_bytes(Spec::name) + cstr_bytes(Spec::version) + cstr_bytes(Spec::description);
@@ -119,7 +113,7 @@ constexpr size_t note_strings_size() {
   return n;
 }
 
-// The ELF note as it lies in the file: Elf64_Nhdr, owner, then the pointer-free payload.
+/// The ELF note as it lies in the file: Elf64_Nhdr, owner, then the pointer-free payload.
 template <size_t K, size_t S>
 struct alignas(4) NoteImage {
   uint32_t namesz;
@@ -131,12 +125,14 @@ struct alignas(4) NoteImage {
   char strings[(S + 3) / 4 * 4];
 };
 
+/// Copies `s` with its NUL to `out`; returns the byte after it.
 constexpr char* copy_cstr(char* out, const char* s) {
   while (*s != '\0') *out++ = *s++;
   *out++ = '\0';
   return out;
 }
 
+/// The ELF note of plugin Spec, built at compile time.
 template <class Spec>
 constexpr auto make_note() {
   constexpr size_t K = Spec::options.size();
@@ -168,13 +164,16 @@ constexpr auto make_note() {
   return note;
 }
 
+/// Writes `message` into the host's error buffer, truncated to fit.
 inline void report_create_error(const fulgur_create_args* args, const char* message) noexcept {
   if (args == nullptr || args->error_buffer == nullptr || args->error_buffer_size == 0) return;
   std::strncpy(args->error_buffer, message, args->error_buffer_size - 1);
   args->error_buffer[args->error_buffer_size - 1] = '\0';
 }
 
-// The factory never lets an exception cross the C door.
+/// fulgur_plugin_desc::create for T: constructs T from the host's Options (or by default when T
+/// takes none), warns about undeclared callback hooks, and never lets an exception cross the C
+/// door: what the constructor throws becomes the error text and a null result.
 template <class T>
 void* create(const fulgur_create_args* args) noexcept {
   try {
@@ -202,11 +201,13 @@ void* create(const fulgur_create_args* args) noexcept {
   return nullptr;
 }
 
+/// fulgur_plugin_desc::destroy for T: deletes through the created type (virtual destructor).
 template <class T>
 void destroy(void* object) noexcept {
   delete static_cast<created_type_of<T>*>(object);
 }
 
+/// The C descriptor of plugin Spec, as static constexpr data of the plugin library.
 template <class Spec>
 struct Descriptor {
   using T = typename Spec::type;
@@ -233,13 +234,15 @@ struct Descriptor {
                                            &destroy<T>};
 };
 
-// Per-library list of descriptors. Hidden: a default-visibility static here would become a
-// process-wide GNU_UNIQUE object shared by every plugin library.
+/// Per-library list of descriptors, filled by Registrar at static initialisation. Hidden: a
+/// default-visibility static here would become a process-wide GNU_UNIQUE object shared by every
+/// plugin library.
 FULGUR_HIDDEN inline std::vector<const fulgur_plugin_desc*>& descriptors() {
   static std::vector<const fulgur_plugin_desc*> list;
   return list;
 }
 
+/// The list the entry point returns (this library's descriptors).
 FULGUR_HIDDEN inline const fulgur_plugin_list* plugin_list() {
   static fulgur_plugin_list list{};
   list.struct_size = static_cast<uint32_t>(sizeof(fulgur_plugin_list));
@@ -248,6 +251,7 @@ FULGUR_HIDDEN inline const fulgur_plugin_list* plugin_list() {
   return &list;
 }
 
+/// Adds one descriptor to this library's list when the library is loaded (static initialisation).
 struct Registrar {
   explicit Registrar(const fulgur_plugin_desc* desc) { descriptors().push_back(desc); }
 };
@@ -256,19 +260,24 @@ struct Registrar {
 }  // namespace fulgur
 
 extern "C" {
+/// The link-time ABI guard symbol named after this translation unit's ABI (FULGUR_ABI_GUARD),
+/// defined by the SDK library of a matching build only.
 FULGUR_SDK_API extern const int FULGUR_ABI_GUARD;
 
-// The library's entry point (emitted once per library even when many TUs include this header).
+/// The library's entry point, FULGUR_PLUGIN_QUERY_SYMBOL (emitted once per library even when many
+/// TUs include this header): every plugin FULGUR_PLUGIN described in the library. Called by the
+/// host after loading the library; never throws.
 __attribute__((visibility("default"), used)) inline const fulgur_plugin_list* fulgur_plugin_query_v1() {
   return ::fulgur::detail::plugin_list();
 }
 }
 
 namespace {
-// Referencing the guard makes a plugin built for another ABI fail to load with a named symbol.
+/// Referencing the guard makes a plugin built for another ABI fail to load with a named symbol.
 [[gnu::used]] const int* const fulgur_abi_guard_reference = &FULGUR_ABI_GUARD;
 }  // namespace
 
+/// FULGUR_PLUGIN with an explicit unique `Id` for the generated names; use FULGUR_PLUGIN.
 #define FULGUR_PLUGIN_IMPL(Class, Name, Version, Description, Id, ...)                                                 \
   namespace {                                                                                                          \
   struct FULGUR_PP_CAT(fulgur_spec_, Id) {                                                                             \
@@ -285,6 +294,28 @@ namespace {
       &::fulgur::detail::Descriptor<FULGUR_PP_CAT(fulgur_spec_, Id)>::desc};                                           \
   }
 
-// FULGUR_PLUGIN(Class, "name", "version", "description", FULGUR_OPTION(...)...)
+/// Describes plugin class `Class` to the host: FULGUR_PLUGIN(Class, "name", "version",
+/// "description", FULGUR_OPTION(...)...). Write it once per plugin class, at namespace scope in one
+/// source file of the plugin library (a library may hold several plugins). `Class` derives from one
+/// of the six interfaces (or fulgur::Module / fulgur::DataModule) and is constructible from
+/// `const fulgur::Options&` (its validated TOML table) or by default; its constructor may throw
+/// (fulgur::Error, with a message that says what to fix), its destructor must not (it runs inside
+/// the noexcept `destroy`). `name` is what the TOML selects ([a-z0-9_.-], unique per kind). The
+/// options declare the TOML keys it accepts, read from the TOML table that selects the plugin; none
+/// given means the class's `hparams_schema`, if it has one.
+///
+/// @code
+///   #include <fulgur/plugin.h>
+///   class Hello : public fulgur::Callback {
+///    public:
+///     explicit Hello(const fulgur::Options& o) : greeting_(o.get_string("greeting")) {}
+///     fulgur::HookSet hooks() const override { return fulgur::Hook::fit_start | fulgur::Hook::fit_end; }
+///     void on_fit_start(fulgur::TrainerContext&) override { std::puts(greeting_.c_str()); }
+///    private:
+///     std::string greeting_;
+///   };
+///   FULGUR_PLUGIN(Hello, "hello", "1.0.0", "Prints a greeting when fit starts",
+///                 FULGUR_OPTION(string, greeting, "What to print", "hello"))
+/// @endcode
 #define FULGUR_PLUGIN(Class, Name, Version, Description, ...) \
   FULGUR_PLUGIN_IMPL(Class, Name, Version, Description, __COUNTER__, __VA_ARGS__)

@@ -1,14 +1,7 @@
-// The testing kit for plugin authors: a TrainerContext the test drives by hand, so a callback can
-// be tested without a Trainer, a model or data. Fulgur's own built-in callbacks are tested with
-// exactly this header. Header-only; include it only in tests (it pulls in torch::nn).
-//
-//   fulgur::testing::FakeTrainer trainer("/tmp/run");
-//   trainer.start_fit(callback);
-//   trainer.run_epoch(callback, {{"val/loss", 0.5}});
-//   CHECK(trainer.saves.size() == 1);
-//
-// Every answer the context gives is a public field: set it before calling a hook, read what the
-// callback did (saves, stop requests, logged rows, collective decisions) after.
+/// @file
+/// The testing kit for plugin authors: a TrainerContext the test drives by hand, so a callback can
+/// be tested without a Trainer, a model or data. Fulgur's own built-in callbacks are tested with
+/// exactly this header. Header-only; include it only in tests (it pulls in torch::nn).
 #pragma once
 
 #include <fulgur/callback.h>
@@ -35,73 +28,92 @@
 #include <utility>
 #include <vector>
 
+/// The testing kit for plugin authors (fulgur/testing.h).
 namespace fulgur::testing {
 
-// The rows a callback sent through log_metrics, with the name it gave as owner.
+/// One row a callback sent through log_metrics, with the name it gave as owner.
 struct LoggedRow {
-  MetricMap metrics;
-  std::string owner;
-  int64_t step;  // the FakeTrainer's global_step when it was sent
+  MetricMap metrics;  ///< the values sent
+  std::string owner;  ///< the `owner` argument
+  int64_t step;       ///< the FakeTrainer's global_step when it was sent
 };
 
+/// A TrainerContext a test drives by hand: one process, rank zero, collectives that answer for
+/// this rank alone. Every answer the context gives is a public field: set it before calling a
+/// hook, read what the callback did (saves, stop requests, logged rows, collective decisions)
+/// after. Single-threaded, like the Trainer it stands for.
+///
+/// @code
+///   fulgur::testing::FakeTrainer trainer("/tmp/run");
+///   trainer.start_fit(callback);
+///   trainer.run_epoch(callback, {{"val/loss", 0.5}});
+///   CHECK(trainer.saves.size() == 1);
+/// @endcode
 class FakeTrainer : public TrainerContext {
  public:
-  // `root` is default_root_dir() and log_dir(); saves are written below it when a callback asks.
+  /// `root` is default_root_dir() and log_dir(); saves are written below it when a callback asks.
+  /// model() is a small Linear-ReLU-Linear network (4 -> 3 -> 2) on the CPU.
   explicit FakeTrainer(std::string root = {})
       : module(torch::nn::Sequential(torch::nn::Linear(4, 3), torch::nn::ReLU(), torch::nn::Linear(3, 2)).ptr()),
         root_dir(std::move(root)) {}
 
   // ---- what the context answers (set these) ---------------------------------------------------
-  Stage stage_value = Stage::fit;
-  bool sanity = false;
-  int64_t epoch = 0;
-  int64_t step = 0;
-  int64_t max_epochs_value = 3;
-  int64_t max_steps_value = -1;
+  Stage stage_value = Stage::fit;  ///< stage()
+  bool sanity = false;             ///< sanity_checking()
+  int64_t epoch = 0;               ///< current_epoch(); run_epoch advances it
+  int64_t step = 0;                ///< global_step(); run_epoch advances it
+  int64_t max_epochs_value = 3;    ///< max_epochs()
+  int64_t max_steps_value = -1;    ///< max_steps()
+  /// num_batches(stage) by stage; -1 for a stage not listed.
   std::map<Stage, int64_t> batches{{Stage::fit, 5}, {Stage::validate, 2}};
-  bool last_batch = false;
-  int64_t accumulate = 1;   // accumulate_grad_batches, as a callback set it
-  int64_t batch_size = -1;  // train_batch_size(), as a callback set it (-1: none offered)
-  // run_batch_size_trial: the largest size that "fits"; a larger one throws
-  // c10::OutOfMemoryError as CUDA's caching allocator would. Unset: every size fits.
+  bool last_batch = false;  ///< is_last_batch()
+  int64_t accumulate = 1;   ///< accumulate_grad_batches, as a callback set it
+  int64_t batch_size = -1;  ///< train_batch_size(), as a callback set it (-1: none offered)
+  /// run_batch_size_trial: the largest size that "fits"; a larger one throws
+  /// c10::OutOfMemoryError as CUDA's caching allocator would. Unset: every size fits.
   std::optional<int64_t> trial_size_limit;
-  // run_batch_size_trial's batches per epoch: samples / size, rounded up (-1: unknown).
+  /// run_batch_size_trial's batches per epoch: samples / size, rounded up (-1: unknown).
   int64_t train_samples = -1;
-  int64_t loader_index = 0;  // dataloader_idx()
-  MetricMap metrics;         // callback_metrics()
-  MetricMap bar_metrics;     // progress_bar_metrics()
-  bool logging_due = true;
+  int64_t loader_index = 0;  ///< dataloader_idx()
+  MetricMap metrics;         ///< callback_metrics(); run_epoch replaces it
+  MetricMap bar_metrics;     ///< progress_bar_metrics()
+  bool logging_due = true;   ///< step_logging_due() (also true once a stop was requested)
+  /// has_logger(); when false, log_metrics throws fulgur::Error(config) as the Trainer does.
   bool logger_configured = true;
-  ClusterInfo cluster_info;
-  c10::Device device_value{c10::DeviceType::CPU};
-  MetricMap device_stats_value;
-  std::string device_name_value = "cpu";
-  c10::ScalarType compute_dtype_value = c10::ScalarType::Float;
-  std::string root_dir;
-  std::shared_ptr<torch::nn::Module> module;
-  std::vector<torch::optim::Optimizer*> optimizer_list;
-  // The "other ranks'" answer to agree(); unset: this rank's own decision.
+  ClusterInfo cluster_info;                                      ///< cluster()
+  c10::Device device_value{c10::DeviceType::CPU};                ///< device()
+  MetricMap device_stats_value;                                  ///< device_stats()
+  std::string device_name_value = "cpu";                         ///< device_name()
+  c10::ScalarType compute_dtype_value = c10::ScalarType::Float;  ///< compute_dtype()
+  std::string root_dir;                                          ///< default_root_dir() and log_dir()
+  std::shared_ptr<torch::nn::Module> module;                     ///< model()
+  std::vector<torch::optim::Optimizer*> optimizer_list;          ///< optimizers() (not owned)
+  /// The "other ranks'" answer to agree(); unset: this rank's own decision.
   std::optional<bool> forced_decision;
-  // save_checkpoint throws fulgur::Error(io) when set (a full disk).
+  /// save_checkpoint throws fulgur::Error(io) when set (a full disk).
   bool fail_saves = false;
 
   // ---- what the callback did (read these) ------------------------------------------------------
-  std::vector<std::string> stop_reasons;
-  std::vector<std::pair<std::string, bool>> saves;  // (path, weights_only)
-  std::vector<LoggedRow> logged;
-  std::vector<std::pair<bool, bool>> decisions;  // agree(decision, all) calls
-  int broadcasts = 0;
-  std::vector<int64_t> trials;  // run_batch_size_trial sizes, in order
-  int device_syncs = 0;
-  mutable int progress_bar_reads = 0;
+  std::vector<std::string> stop_reasons;            ///< request_stop reasons, in order
+  std::vector<std::pair<std::string, bool>> saves;  ///< save_checkpoint calls: (path, weights_only)
+  std::vector<LoggedRow> logged;                    ///< log_metrics rows, in order
+  std::vector<std::pair<bool, bool>> decisions;     ///< agree(decision, all) calls
+  int broadcasts = 0;                               ///< broadcast calls
+  std::vector<int64_t> trials;                      ///< run_batch_size_trial sizes, in order
+  int device_syncs = 0;                             ///< synchronize_device calls
+  mutable int progress_bar_reads = 0;               ///< progress_bar_metrics calls
 
   // ---- the fit loop's moments, in Lightning's order --------------------------------------------
+
+  /// Fit begins: stage fit, then the callback's setup(fit) and on_fit_start (called directly,
+  /// whatever its hooks() says).
   void start_fit(Callback& callback) {
     stage_value = Stage::fit;
     callback.setup(*this, Stage::fit);
     callback.on_fit_start(*this);
   }
-  // Validation at the end of an epoch, then the epoch end, after `steps` optimizer steps.
+  /// One epoch's end: `steps` more optimizer steps, `logged_metrics` as callback_metrics, then
+  /// on_validation_start, on_validation_end and on_train_epoch_end; the epoch advances after.
   void run_epoch(Callback& callback, MetricMap logged_metrics, int64_t steps = 10) {
     step += steps;
     metrics = std::move(logged_metrics);
@@ -175,7 +187,9 @@ class FakeTrainer : public TrainerContext {
   }
   const std::string& default_root_dir() const override { return root_dir; }
   std::string log_dir() const override { return root_dir; }
-  // Writes a small text file (not a real checkpoint): callbacks decide names and times, not content.
+  /// Writes a small text file (not a real checkpoint) and records the call in `saves`: callbacks
+  /// decide names and times, not content. Creates missing directories; throws fulgur::Error(io)
+  /// when fail_saves is set.
   void save_checkpoint(const std::string& path, bool weights_only) override {
     if (fail_saves) throw Error(ErrorKind::io, "disk full (simulated by FakeTrainer::fail_saves)");
     make_parents(path);
@@ -192,11 +206,11 @@ class FakeTrainer : public TrainerContext {
   }
 };
 
-// Records every hook it sees, by Lightning's name ("on_train_batch_end"), in order; implements all
-// of them. Add it next to the callback under test to see where in the run something happened.
+/// Records every hook it sees, by Lightning's name ("on_train_batch_end"), in order; implements all
+/// of them. Add it next to the callback under test to see where in the run something happened.
 class RecordingCallback : public Callback {
  public:
-  std::vector<std::string> calls;
+  std::vector<std::string> calls;  ///< hook names, in the order they were called
 
   HookSet hooks() const override { return ~HookSet{0} >> (64 - kHookCount); }
   void setup(TrainerContext&, Stage) override { calls.emplace_back("setup"); }
@@ -257,7 +271,7 @@ class RecordingCallback : public Callback {
   void on_save_checkpoint(TrainerContext&, c10::IValue&) override { calls.emplace_back("on_save_checkpoint"); }
   void on_load_checkpoint(TrainerContext&, const c10::IValue&) override { calls.emplace_back("on_load_checkpoint"); }
 
-  // How often `hook` was called.
+  /// How often `hook` (Lightning's name) was called.
   size_t count(std::string_view hook) const {
     size_t n = 0;
     for (const auto& c : calls) n += c == hook;
