@@ -30,7 +30,7 @@
 namespace fulgur {
 
 // The user's side of a run (model and datamodule plugins) derives from the core's user API,
-// fulgur/module.h and fulgur/data.h; a plugin of those kinds links Fulgur::core. Declared here
+// fulgur/module.h and fulgur/data_module.h; a plugin of those kinds links Fulgur::core. Declared here
 // only so that FULGUR_PLUGIN can tell the kinds apart.
 class Module;
 class DataModule;
