@@ -158,9 +158,11 @@ fi
   echo "build: FAILED (no libfulgur-accelerator-cuda.so: is the torch wheel a CUDA build?)" >>"$out/steps.txt"
   status=1
 }
-# -V: a test that skips itself passes, and only its output says so.
+# A test that cannot run prints "FULGUR_TEST_SKIPPED: <why>" (kept in the log by -V) and CTest
+# reports it as Skipped, yet exits 0: a gpu: test that skipped itself fails the check here.
 step gpu_tests "$ctest_bin" --test-dir "$build_abs" -R '^gpu: |cuda|nccl' -V --timeout 240 -j2
-if grep -q 'skipped: no CUDA device' "$out/gpu_tests.log" 2>/dev/null; then
+if grep -q 'FULGUR_TEST_SKIPPED: no CUDA device' "$out/gpu_tests.log" 2>/dev/null ||
+  grep -qE '^[[:space:]]*[0-9]+ - gpu: .*\(Skipped\)$' "$out/gpu_tests.log" 2>/dev/null; then
   echo "gpu_tests: FAILED (a GPU test skipped itself: no device visible to the test process)" >>"$out/steps.txt"
   status=1
 fi

@@ -34,6 +34,7 @@ namespace {
 
 using test::error_from;
 using test::read_bytes;
+using test::run_command;
 using test::TempDir;
 namespace fs = std::filesystem;
 
@@ -78,15 +79,6 @@ std::vector<std::string> other_entries(const fs::path& dir, const std::set<std::
   for (const auto& entry : fs::directory_iterator(dir))
     if (!keep.count(entry.path().filename().string())) names.push_back(entry.path().filename().string());
   return names;
-}
-
-std::pair<int, std::string> run_command(const std::string& command) {
-  FILE* pipe = ::popen((command + " 2>&1").c_str(), "r");
-  REQUIRE(pipe != nullptr);
-  std::string output;
-  char buffer[512];
-  while (std::fgets(buffer, sizeof(buffer), pipe)) output += buffer;
-  return {::pclose(pipe), output};
 }
 
 c10::impl::GenericDict string_dict() { return c10::impl::GenericDict(c10::StringType::get(), c10::AnyType::get()); }

@@ -1,8 +1,8 @@
 // The `cuda` accelerator (issue #12): the `devices` parser over every accepted and refused form with
 // fake device counts (a pure function), the plugin as a machine without a visible GPU meets it, and
 // the shipped example refusing accelerator = "cuda" there in one line, before writing anything.
-// The GPU tests (TEST_SUITE "gpu", names starting "gpu: ") skip at runtime with a MESSAGE when no
-// device is visible; scripts/gpu_check.sh runs them on a GPU machine (ctest -R '^gpu: ').
+// The GPU tests (TEST_SUITE "gpu", names starting "gpu: ") skip at runtime when no device is visible
+// (CTest reports them as Skipped); scripts/gpu_check.sh runs them on a GPU machine (ctest -R '^gpu: ').
 #include "test_support.h"
 
 #include <fulgur/accelerator.h>
@@ -152,7 +152,7 @@ TEST_CASE("cuda accelerator: options that it cannot act on are refused, the rest
 TEST_CASE("cuda accelerator: without a visible device it is unavailable and refuses in one line") {
   const auto accelerator = cuda_plugin();
   if (accelerator->device_count() > 0) {
-    MESSAGE("skipped: this machine has a visible CUDA device");
+    fulgur::test::skip_test("this machine has a visible CUDA device");
     return;
   }
   CHECK_FALSE(accelerator->is_available());
@@ -172,7 +172,7 @@ TEST_CASE("cuda accelerator: without a visible device it is unavailable and refu
 
 TEST_CASE("cuda accelerator: the example refuses accelerator = \"cuda\" without a GPU and writes nothing") {
   if (cuda_plugin()->device_count() > 0) {
-    MESSAGE("skipped: this machine has a visible CUDA device");
+    fulgur::test::skip_test("this machine has a visible CUDA device");
     return;
   }
   TempDir dir;
@@ -266,9 +266,9 @@ TEST_CASE("throughput_monitor: MFU against the peak FLOP/s table, by device name
 }
 
 namespace {
-// The gpu: tests' preamble: true, with a note in the report, when no CUDA device is visible.
+// The gpu: tests' preamble: true, and the test reported as skipped, when no CUDA device is visible.
 bool skip_without_device(bool visible) {
-  if (!visible) MESSAGE("skipped: no CUDA device is visible");
+  if (!visible) fulgur::test::skip_test("no CUDA device is visible");
   return !visible;
 }
 }  // namespace

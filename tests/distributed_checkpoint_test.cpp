@@ -156,12 +156,7 @@ void check_same(const c10::IValue& a, const c10::IValue& b, const std::string& w
 std::pair<int, std::string> run_python(const std::vector<std::string>& args) {
   std::string command = fmt::format("{} {}", FULGUR_TEST_PYTHON, kInteropScript);
   for (const std::string& a : args) command += " '" + a + "'";
-  FILE* pipe = ::popen((command + " 2>&1").c_str(), "r");
-  REQUIRE(pipe != nullptr);
-  std::string output;
-  char buffer[512];
-  while (std::fgets(buffer, sizeof(buffer), pipe)) output += buffer;
-  return {::pclose(pipe), output};
+  return run_command(command);
 }
 
 void require_python_ok(const std::vector<std::string>& args) {

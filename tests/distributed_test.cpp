@@ -1070,6 +1070,6 @@ TEST_CASE(
     FULGUR_CHECK_CONTAINS(std::string(e.what()), "GPU");
   }
 #else
-  MESSAGE("skipped: this build has no CUDA torch, hence no libfulgur_nccl.so");
+  fulgur::test::skip_test("this build has no CUDA torch, hence no libfulgur_nccl.so");
 #endif
 }

@@ -188,14 +188,9 @@ torch.save(out, sys.argv[2])
 print("python-ok")
 )";
   std::ofstream(dir / "metrics.py") << script;
-  const std::string command = fmt::format("{} {} {} {} 2>&1", FULGUR_TEST_PYTHON, (dir / "metrics.py").string(),
-                                          (dir / "inputs.pt").string(), (dir / "expected.pt").string());
-  FILE* pipe = ::popen(command.c_str(), "r");
-  REQUIRE(pipe != nullptr);
-  std::string output;
-  char buffer[512];
-  while (std::fgets(buffer, sizeof(buffer), pipe)) output += buffer;
-  const int status = ::pclose(pipe);
+  const auto [status, output] =
+      fulgur::test::run_command(fmt::format("{} {} {} {}", FULGUR_TEST_PYTHON, (dir / "metrics.py").string(),
+                                            (dir / "inputs.pt").string(), (dir / "expected.pt").string()));
   INFO(output);
   REQUIRE(status == 0);
   REQUIRE(fulgur::test::contains(output, "python-ok"));

@@ -34,13 +34,13 @@ using fulgur::test::contains;
 using fulgur::test::ProcessRun;
 using fulgur::test::TempDir;
 
-// The venv's mlflow next to its python; the suite skips (with a message) where it is missing,
+// The venv's mlflow next to its python; the suite skips (CTest: Skipped) where it is missing,
 // which scripts/setup.sh prevents.
 fs::path mlflow_executable() { return fs::path(FULGUR_TEST_PYTHON).parent_path() / "mlflow"; }
 
 bool mlflow_missing() {
   if (fs::exists(mlflow_executable())) return false;
-  MESSAGE("skipped: " << mlflow_executable().string() << " is missing; scripts/setup.sh installs it");
+  fulgur::test::skip_test(mlflow_executable().string() + " is missing; scripts/setup.sh installs it");
   return true;
 }
 

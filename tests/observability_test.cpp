@@ -29,6 +29,7 @@ namespace {
 
 using fulgur::test::error_from;
 using fulgur::test::read_csv;
+using fulgur::test::run_command;
 using fulgur::test::TempDir;
 namespace fs = std::filesystem;
 
@@ -85,15 +86,6 @@ enable_checkpointing = false
 )",
                                        dir.path().string(), body);
   return fulgur::parse_config(text, dir / "test.toml");
-}
-
-std::pair<int, std::string> run_command(const std::string& command) {
-  FILE* pipe = ::popen((command + " 2>&1").c_str(), "r");
-  REQUIRE(pipe != nullptr);
-  std::string output;
-  char buffer[512];
-  while (std::fgets(buffer, sizeof(buffer), pipe)) output += buffer;
-  return {::pclose(pipe), output};
 }
 
 // Runs `script` with the venv's Python; the script prints "python-ok" once its asserts passed.

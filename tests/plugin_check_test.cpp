@@ -8,6 +8,7 @@
 
 #include <map>
 #include <sstream>
+#include <tuple>
 
 namespace fulgur {
 namespace {
@@ -28,14 +29,10 @@ struct Run {
 // Runs the shipped `fulgur` with `args`, the plugin path set to `plugin_dir` and the verdict cache
 // in `cache`; stdout and stderr together.
 Run fulgur(const std::string& args, const fs::path& plugin_dir, const fs::path& cache) {
-  const std::string command = fmt::format("FULGUR_PLUGIN_PATH='{}' FULGUR_PLUGIN_CACHE='{}' '{}' {} 2>&1",
+  const std::string command = fmt::format("FULGUR_PLUGIN_PATH='{}' FULGUR_PLUGIN_CACHE='{}' '{}' {}",
                                           plugin_dir.string(), cache.string(), FULGUR_TEST_FULGUR_BIN, args);
-  FILE* pipe = ::popen(command.c_str(), "r");
-  REQUIRE(pipe != nullptr);
   Run run;
-  char buffer[1024];
-  while (std::fgets(buffer, sizeof(buffer), pipe)) run.output += buffer;
-  run.status = ::pclose(pipe);
+  std::tie(run.status, run.output) = test::run_command(command);
   INFO("command: " << command << "\noutput:\n" << run.output);
   return run;
 }

@@ -121,6 +121,27 @@ Error error_from(F&& f) {
 
 inline bool contains(std::string_view text, std::string_view part) { return text.find(part) != std::string_view::npos; }
 
+// Runs `command` through the shell with stderr joined to stdout; returns pclose's raw wait status
+// and the output.
+inline std::pair<int, std::string> run_command(const std::string& command) {
+  FILE* pipe = ::popen((command + " 2>&1").c_str(), "r");
+  REQUIRE(pipe != nullptr);
+  std::string output;
+  char buffer[512];
+  while (std::fgets(buffer, sizeof(buffer), pipe)) output += buffer;
+  return {::pclose(pipe), output};
+}
+
+// What a test prints when it cannot run here: tests/CMakeLists.txt gives every test the CTest
+// property SKIP_REGULAR_EXPRESSION "FULGUR_TEST_SKIPPED:", so CTest reports it as Skipped, not
+// passed (scripts/gpu_check.sh also looks for this line). Printed directly: doctest shows a
+// MESSAGE only for a failing test. The caller returns right after (CTest would report a failure
+// after the marker as a skip too).
+inline void skip_test(std::string_view reason) {
+  std::printf("FULGUR_TEST_SKIPPED: %.*s\n", static_cast<int>(reason.size()), reason.data());
+  std::fflush(stdout);
+}
+
 // A program run to its end: exit code (minus the signal number when a signal ended it), its own
 // minor page faults, and stdout and stderr together.
 struct ProcessRun {

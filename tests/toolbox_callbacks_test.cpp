@@ -28,6 +28,7 @@ namespace kit = fulgur::testing;
 using fulgur::OptionValue;
 using fulgur::PluginKind;
 using fulgur::test::contains;
+using fulgur::test::run_command;
 using fulgur::test::TempDir;
 namespace fs = std::filesystem;
 using Overrides = std::vector<std::pair<std::string, OptionValue>>;
@@ -69,15 +70,6 @@ bool close(const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& b) {
 void set_all(torch::nn::Module& m, double value) {
   torch::NoGradGuard no_grad;
   for (auto& p : m.parameters()) p.fill_(value);
-}
-
-std::pair<int, std::string> run_command(const std::string& command) {
-  FILE* pipe = ::popen((command + " 2>&1").c_str(), "r");
-  REQUIRE(pipe != nullptr);
-  std::string output;
-  char buffer[512];
-  while (std::fgets(buffer, sizeof(buffer), pipe)) output += buffer;
-  return {::pclose(pipe), output};
 }
 
 std::string read_text(const fs::path& file) {

@@ -441,13 +441,8 @@ assert int(opt["state"][0]["step"]) == 2
 print("python-ok")
 )",
                                        w00);
-  const std::string command = fmt::format("{} {} {} 2>&1", FULGUR_TEST_PYTHON, script.string(), ckpt.string());
-  FILE* pipe = ::popen(command.c_str(), "r");
-  REQUIRE(pipe != nullptr);
-  std::string output;
-  char buffer[512];
-  while (std::fgets(buffer, sizeof(buffer), pipe)) output += buffer;
-  const int status = ::pclose(pipe);
+  const auto [status, output] =
+      fulgur::test::run_command(fmt::format("{} {} {}", FULGUR_TEST_PYTHON, script.string(), ckpt.string()));
   INFO(output);
   CHECK(status == 0);
   CHECK(output.find("python-ok") != std::string::npos);
@@ -457,13 +452,8 @@ print("python-ok")
 bool python_checks_checkpoint(const TempDir& dir, const std::string& code, const fs::path& ckpt) {
   fs::path script = dir / "loops_check.py";
   std::ofstream(script) << code;
-  const std::string command = fmt::format("{} {} {} 2>&1", FULGUR_TEST_PYTHON, script.string(), ckpt.string());
-  FILE* pipe = ::popen(command.c_str(), "r");
-  REQUIRE(pipe != nullptr);
-  std::string output;
-  char buffer[512];
-  while (std::fgets(buffer, sizeof(buffer), pipe)) output += buffer;
-  const int status = ::pclose(pipe);
+  const auto [status, output] =
+      fulgur::test::run_command(fmt::format("{} {} {}", FULGUR_TEST_PYTHON, script.string(), ckpt.string()));
   INFO(output);
   return status == 0 && output.find("python-ok") != std::string::npos;
 }

@@ -38,12 +38,7 @@ struct Net : fulgur::Module {
 std::pair<int, std::string> run_python(const TempDir& dir, const std::string& script, const std::string& args) {
   const fs::path file = dir / "script.py";
   std::ofstream(file) << script;
-  FILE* pipe = ::popen(fmt::format("{} {} {} 2>&1", FULGUR_TEST_PYTHON, file.string(), args).c_str(), "r");
-  REQUIRE(pipe != nullptr);
-  std::string output;
-  char buffer[512];
-  while (std::fgets(buffer, sizeof(buffer), pipe)) output += buffer;
-  return {::pclose(pipe), output};
+  return fulgur::test::run_command(fmt::format("{} {} {}", FULGUR_TEST_PYTHON, file.string(), args));
 }
 
 void require_python_ok(const std::pair<int, std::string>& run) {
