@@ -6,7 +6,7 @@
 
 #include <ATen/core/Dict.h>
 #include <ATen/core/ivalue.h>
-#include <ATen/ops/stack.h>
+#include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
 #include <fmt/format.h>
 #include <fmt/ranges.h>
