@@ -42,14 +42,16 @@ c10::IValue plain_containers(const c10::IValue& value) {
 
 namespace {
 
-// The opcodes the memo guard walks: those the torch pickler writes, and protocol 4's framing.
+// The opcodes the memo guard walks: every one the walker decodes, a superset of those LibTorch's
+// unpickler reads. Stopping at one that torch reads would hand it the BINPUTs after it unchecked
+// (the guard once stopped at LIST, and "(l" before a LONG_BINPUT got a 16 GiB memo table through).
 constexpr pickle::OpSet kMemoGuardOps{
     // clang-format off
-    Op::proto, Op::frame, Op::stop, Op::mark,
-    Op::binint1, Op::binint2, Op::binint, Op::binfloat, Op::long1, Op::none, Op::newtrue, Op::newfalse,
-    Op::short_binunicode, Op::binunicode, Op::short_binbytes, Op::binbytes, Op::short_binstring, Op::binstring,
-    Op::empty_dict, Op::empty_list, Op::empty_tuple, Op::tuple, Op::tuple1, Op::tuple2, Op::tuple3,
-    Op::append, Op::appends, Op::setitem, Op::setitems,
+    Op::proto, Op::frame, Op::stop, Op::mark, Op::pop, Op::pop_mark,
+    Op::binint1, Op::binint2, Op::binint, Op::binfloat, Op::long1, Op::long4, Op::none, Op::newtrue, Op::newfalse,
+    Op::short_binunicode, Op::binunicode, Op::binunicode8, Op::short_binbytes, Op::binbytes, Op::short_binstring,
+    Op::binstring, Op::empty_dict, Op::empty_list, Op::empty_tuple, Op::tuple, Op::tuple1, Op::tuple2, Op::tuple3,
+    Op::list, Op::dict, Op::append, Op::appends, Op::setitem, Op::setitems,
     Op::binget, Op::long_binget, Op::binput, Op::long_binput, Op::memoize,
     Op::global, Op::stack_global, Op::reduce, Op::build, Op::newobj, Op::binpersid,
     // clang-format on

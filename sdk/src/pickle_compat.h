@@ -20,8 +20,9 @@ c10::IValue plain_containers(const c10::IValue& value);
 
 // LibTorch's unpickler grows its memo table to the largest index a BINPUT/LONG_BINPUT names, so
 // a small corrupt pickle can make it allocate gigabytes (see pickle::memo_index_possible). This
-// walks the opcodes the torch pickler writes and returns the problem with the first impossible
-// index, or empty; at an opcode it does not know it stops and leaves the judgement to torch.
+// walks every opcode up to STOP and returns the problem with the first impossible index, or
+// empty; at a byte that is no opcode of protocols 2 to 4 it stops: torch cannot read on there
+// either.
 std::string pickle_memo_problem(std::string_view pickle);
 
 // LibTorch's unpickler turns every collections.OrderedDict(...) into None (it expects them only as
