@@ -11,10 +11,7 @@
 #include <fulgur/distributed_checkpoint.h>
 #include <fulgur/error.h>
 
-#include <ATen/core/Dict.h>
-#include <ATen/core/List.h>
 #include <ATen/core/ivalue.h>
-#include <ATen/core/jit_type.h>
 #include <c10/util/Exception.h>
 #include <caffe2/serialize/inline_container.h>
 #include <torch/csrc/jit/serialization/import_read.h>
@@ -225,31 +222,6 @@ class AtomicFile {
   int write_errno_ = 0;
 };
 
-// Replaces TorchScript-specialised lists (List[int], List[Tensor], ...) with plain lists, at any
-// depth, so that the pickle needs no torch.jit globals. Containers are rebuilt; tensors are shared.
-c10::IValue plain_containers(const c10::IValue& value) {
-  if (value.isList()) {
-    c10::impl::GenericList out(c10::AnyType::get());
-    const c10::ArrayRef<c10::IValue> items = value.toListRef();
-    out.reserve(items.size());
-    for (const c10::IValue& item : items) out.push_back(plain_containers(item));
-    return out;
-  }
-  if (value.isGenericDict()) {
-    const c10::impl::GenericDict dict = value.toGenericDict();
-    c10::impl::GenericDict out(dict.keyType(), c10::AnyType::get());
-    out.reserve(dict.size());
-    for (const auto& entry : dict) out.insert(entry.key(), plain_containers(entry.value()));
-    return out;
-  }
-  if (value.isTuple()) {
-    std::vector<c10::IValue> items;
-    for (const c10::IValue& item : value.toTupleRef().elements()) items.push_back(plain_containers(item));
-    return c10::ivalue::Tuple::create(std::move(items));
-  }
-  return value;
-}
-
 std::string torch_reason(const c10::Error& e) { return e.what_without_backtrace(); }
 
 [[noreturn]] void unreadable(const std::string& path, std::string_view problem) {
@@ -317,102 +289,6 @@ void check_archive_framing(const std::string& path) {
                                  size));
 }
 
-// torch's unpickler grows its memo table to the largest index a BINPUT/LONG_BINPUT names: a
-// 2 KB corrupt checkpoint naming index 2.5e9 made it allocate 40 GB (found by fuzzing). A real
-// pickle stores at most one memo entry per opcode, so an index beyond the pickle's length is
-// corrupt. This walks the opcodes the torch pickler writes; at an opcode it does not know it stops
-// and leaves the judgement to torch. Returns the problem, or empty.
-std::string pickle_memo_problem(const uint8_t* p, size_t n) {
-  size_t at = 0;
-  auto need = [&](size_t k) { return k <= n - at; };
-  auto le = [&](size_t k) {
-    uint64_t v = 0;
-    for (size_t i = 0; i < k; ++i) v |= uint64_t{p[at + i]} << (8 * i);
-    return v;
-  };
-  while (at < n) {
-    const uint8_t op = p[at++];
-    switch (op) {
-      case 'q':    // BINPUT
-      case 'r': {  // LONG_BINPUT
-        const size_t k = op == 'q' ? 1 : 4;
-        if (!need(k)) return {};
-        const uint64_t index = le(k);
-        if (index > n) return fmt::format("its pickle names memo entry {} in {} bytes", index, n);
-        at += k;
-        break;
-      }
-      case 0x80:
-      case 'K':
-      case 'h':  // PROTO, BININT1, BINGET
-        at += 1;
-        break;
-      case 'M':  // BININT2
-        at += 2;
-        break;
-      case 'J':
-      case 'j':  // BININT, LONG_BINGET
-        at += 4;
-        break;
-      case 'G':
-      case 0x95:  // BINFLOAT, FRAME
-        at += 8;
-        break;
-      case 0x8a:
-      case 0x8c:
-      case 'C':
-      case 'U': {  // LONG1, SHORT_BINUNICODE, SHORT_BINBYTES, SHORT_BINSTRING
-        if (!need(1)) return {};
-        at += 1 + p[at];
-        break;
-      }
-      case 'X':
-      case 'B':
-      case 'T': {  // BINUNICODE, BINBYTES, BINSTRING
-        if (!need(4)) return {};
-        const uint64_t len = le(4);
-        if (len > n) return {};
-        at += 4 + len;
-        break;
-      }
-      case 'c': {  // GLOBAL: two newline-terminated strings
-        for (int line = 0; line < 2; ++line) {
-          while (at < n && p[at] != '\n') ++at;
-          ++at;
-        }
-        break;
-      }
-      case '}':
-      case ']':
-      case ')':
-      case '(':
-      case 'a':
-      case 'e':
-      case 's':
-      case 'u':
-      case 't':
-      case 0x85:
-      case 0x86:
-      case 0x87:
-      case 0x88:
-      case 0x89:
-      case 'N':
-      case 'R':
-      case 'b':
-      case 'Q':
-      case 0x81:
-      case 0x93:
-      case 0x94:
-        break;
-      case '.':  // STOP
-        return {};
-      default:
-        return {};
-    }
-  }
-  return {};
-}
-
 }  // namespace
 
 void write_checkpoint_file(const c10::IValue& checkpoint, const std::string& path) {
@@ -421,7 +297,7 @@ void write_checkpoint_file(const c10::IValue& checkpoint, const std::string& pat
   std::vector<char> pickle_bytes;
   std::vector<at::Tensor> storages;
   try {
-    const c10::IValue plain = plain_containers(checkpoint);
+    const c10::IValue plain = detail::plain_containers(checkpoint);
     // tensor_table = nullptr: tensors become torch.save-style persistent storage ids;
     // tag_aggregates = false: no torch.jit type tags (see the top of this file).
     torch::jit::Pickler pickler(
@@ -465,13 +341,13 @@ c10::IValue read_checkpoint_file(const std::string& path, c10::Device map_locati
   try {
     caffe2::serialize::PyTorchStreamReader reader(path);
     if (reader.hasRecord("data.pkl")) {
-      auto [pickle, size] = reader.getRecord("data.pkl");
-      const auto* bytes = static_cast<const uint8_t*>(pickle.get());
-      if (std::string problem = pickle_memo_problem(bytes, size); !problem.empty())
+      auto [record, size] = reader.getRecord("data.pkl");
+      const std::string_view pickle(static_cast<const char*>(record.get()), size);
+      if (std::string problem = detail::pickle_memo_problem(pickle); !problem.empty())
         unreadable(path, fmt::format("the archive is corrupt: {}", problem));
       // Python's OrderedDicts (every state_dict()) need the rewrite; then this is what
       // readArchiveAndTensors does, over the rewritten pickle.
-      if (std::optional<std::string> fixed = detail::plain_dicts_for_ordered_dicts(bytes, size)) {
+      if (std::optional<std::string> fixed = detail::plain_dicts_for_ordered_dicts(pickle)) {
         size_t read = 0;
         auto next = [&](char* buffer, size_t length) -> size_t {
           length = std::min(length, fixed->size() - read);

@@ -10,11 +10,9 @@
 #include "distributed_checkpoint_format.h"
 
 #include "distributed_checkpoint_pickle.h"
+#include "pickle_compat.h"
 
-#include <ATen/core/Dict.h>
-#include <ATen/core/List.h>
 #include <ATen/core/ivalue.h>
-#include <ATen/core/jit_type.h>
 #include <c10/util/Exception.h>
 #include <caffe2/serialize/inline_container.h>
 #include <torch/csrc/jit/serialization/pickle.h>
@@ -176,28 +174,6 @@ at::ScalarType decode_dtype(const PyValue& properties, const std::string& key) {
   if (!dtype || dtype->kind != PyValue::Kind::global || dtype->text.rfind("torch.", 0) != 0)
     bad(fmt::format("{} name no dtype", where));
   return dtype_from_name(std::string_view(dtype->text).substr(6));
-}
-
-// Specialised lists (List[int], List[Tensor]) pickle as torch.jit globals even untagged; plain
-// lists and dicts are what torch.save writes. Containers are rebuilt, tensors shared.
-c10::IValue plain_containers(const c10::IValue& value) {
-  if (value.isList()) {
-    c10::impl::GenericList out(c10::AnyType::get());
-    for (const c10::IValue& item : value.toListRef()) out.push_back(plain_containers(item));
-    return out;
-  }
-  if (value.isGenericDict()) {
-    const c10::impl::GenericDict dict = value.toGenericDict();
-    c10::impl::GenericDict out(dict.keyType(), c10::AnyType::get());
-    for (const auto& entry : dict) out.insert(entry.key(), plain_containers(entry.value()));
-    return out;
-  }
-  if (value.isTuple()) {
-    std::vector<c10::IValue> items;
-    for (const c10::IValue& item : value.toTupleRef().elements()) items.push_back(plain_containers(item));
-    return c10::ivalue::Tuple::create(std::move(items));
-  }
-  return value;
 }
 
 }  // namespace
@@ -392,7 +368,7 @@ std::string torch_save_bytes(const c10::IValue& value) {
       /*tensor_table=*/nullptr, /*type_renamer=*/nullptr, /*memoized_class_types=*/nullptr,
       /*get_tensor_id=*/nullptr, /*tag_aggregates=*/false);
   pickler.protocol();
-  pickler.pushIValue(plain_containers(value));
+  pickler.pushIValue(fulgur::detail::plain_containers(value));
   pickler.stop();
   std::string out;
   caffe2::serialize::PyTorchStreamWriter writer([&out](const void* data, size_t size) -> size_t {

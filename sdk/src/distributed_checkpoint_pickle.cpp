@@ -1,6 +1,8 @@
 // The `.metadata` pickle codecs. See distributed_checkpoint_pickle.h for why they exist.
 #include "distributed_checkpoint_pickle.h"
 
+#include "pickle_walker.h"
+
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -11,6 +13,9 @@
 namespace fulgur::dcp::detail {
 
 namespace {
+
+namespace pickle = fulgur::detail::pickle;
+using pickle::Op;
 
 constexpr std::string_view kMetadataModule = "torch.distributed.checkpoint.metadata";
 
@@ -47,111 +52,107 @@ PyPtr make(PyValue::Kind kind) {
   throw std::runtime_error(fmt::format("malformed pickle at byte {}: {}", at, what));
 }
 
+// The opcodes a `.metadata` pickle uses (Python's pickle.dump, protocol 4).
+constexpr pickle::OpSet kMetadataOps{
+    // clang-format off
+    Op::proto, Op::frame, Op::stop, Op::mark, Op::pop, Op::pop_mark,
+    Op::none, Op::newtrue, Op::newfalse, Op::binint1, Op::binint2, Op::binint, Op::long1, Op::binfloat,
+    Op::short_binunicode, Op::binunicode, Op::binunicode8, Op::short_binbytes, Op::binbytes,
+    Op::memoize, Op::binput, Op::long_binput, Op::binget, Op::long_binget, Op::global, Op::stack_global,
+    Op::empty_tuple, Op::empty_dict, Op::empty_list, Op::tuple1, Op::tuple2, Op::tuple3, Op::tuple, Op::list,
+    Op::dict, Op::setitem, Op::setitems, Op::append, Op::appends, Op::newobj, Op::reduce, Op::build,
+    // clang-format on
+};
+
 class Unpickler {
  public:
-  explicit Unpickler(std::string_view bytes) : p_(bytes) {}
+  explicit Unpickler(std::string_view bytes) : p_(bytes), walker_(bytes, kMetadataOps) {}
 
   PyPtr run() {
+    pickle::Instruction in;
     while (true) {
-      if (at_ >= p_.size()) malformed(at_, "it ends without STOP (the file is truncated)");
-      const size_t start = at_;
-      const auto op = static_cast<uint8_t>(p_[at_++]);
-      switch (op) {
-        case 0x80:  // PROTO
-          take(1);
+      next(in);
+      const size_t start = in.start;
+      switch (in.op) {
+        case Op::proto:
+        case Op::frame:  // a length hint only
           break;
-        case 0x95:  // FRAME: a length hint only
-          take(8);
-          break;
-        case '.':  // STOP
+        case Op::stop:
           if (stack_.size() != 1 || !marks_.empty()) malformed(start, "STOP with an unbalanced stack");
           return stack_.back();
-        case '(':
+        case Op::mark:
           marks_.push_back(stack_.size());
           break;
-        case '0':  // POP
+        case Op::pop:
           pop(start);
           break;
-        case '1':  // POP_MARK
+        case Op::pop_mark:
           pop_to_mark(start);
           break;
-        case 'N':
+        case Op::none:
           push(make(PyValue::Kind::none));
           break;
-        case 0x88:
-        case 0x89: {  // NEWTRUE, NEWFALSE
+        case Op::newtrue:
+        case Op::newfalse: {
           auto v = make(PyValue::Kind::boolean);
-          v->boolean = op == 0x88;
+          v->boolean = in.op == Op::newtrue;
           push(v);
           break;
         }
-        case 'K':
-          push_int(static_cast<int64_t>(le(take(1), 1)));
+        case Op::binint1:
+        case Op::binint2:
+          push_int(static_cast<int64_t>(in.number));
           break;
-        case 'M':
-          push_int(static_cast<int64_t>(le(take(2), 2)));
+        case Op::binint:
+          push_int(static_cast<int32_t>(static_cast<uint32_t>(in.number)));
           break;
-        case 'J':
-          push_int(static_cast<int32_t>(static_cast<uint32_t>(le(take(4), 4))));
-          break;
-        case 0x8a: {  // LONG1: little-endian two's complement
-          const size_t n = static_cast<uint8_t>(take(1)[0]);
-          if (n > 8) malformed(start, "an integer wider than 64 bits");
-          const std::string_view b = take(n);
-          uint64_t v = le(b, n);
-          if (n > 0 && n < 8 && (static_cast<uint8_t>(b[n - 1]) & 0x80)) v |= ~uint64_t{0} << (8 * n);
+        case Op::long1: {  // little-endian two's complement (next() refused more than 8 bytes)
+          const size_t n = in.data.size();
+          uint64_t v = pickle::little_endian(in.data);
+          if (n > 0 && n < 8 && (static_cast<uint8_t>(in.data[n - 1]) & 0x80)) v |= ~uint64_t{0} << (8 * n);
           push_int(static_cast<int64_t>(v));
           break;
         }
-        case 'G': {  // BINFLOAT: big-endian IEEE double
-          const std::string_view b = take(8);
+        case Op::binfloat: {  // big-endian IEEE double
           uint64_t bits = 0;
-          for (char c : b) bits = (bits << 8) | static_cast<uint8_t>(c);
+          for (char c : in.data) bits = (bits << 8) | static_cast<uint8_t>(c);
           auto v = make(PyValue::Kind::floating);
           std::memcpy(&v->floating, &bits, sizeof bits);
           push(v);
           break;
         }
-        case 0x8c:  // SHORT_BINUNICODE
-          push_text(PyValue::Kind::string, take(static_cast<uint8_t>(take(1)[0])));
+        case Op::short_binunicode:
+        case Op::binunicode:
+        case Op::binunicode8:
+          push_text(PyValue::Kind::string, in.data);
           break;
-        case 'X':  // BINUNICODE
-          push_text(PyValue::Kind::string, take(le(take(4), 4)));
+        case Op::short_binbytes:
+        case Op::binbytes:
+          push_text(PyValue::Kind::bytes, in.data);
           break;
-        case 0x8d:  // BINUNICODE8
-          push_text(PyValue::Kind::string, take(le(take(8), 8)));
-          break;
-        case 'C':  // SHORT_BINBYTES
-          push_text(PyValue::Kind::bytes, take(static_cast<uint8_t>(take(1)[0])));
-          break;
-        case 'B':  // BINBYTES
-          push_text(PyValue::Kind::bytes, take(le(take(4), 4)));
-          break;
-        case 0x94:  // MEMOIZE
+        case Op::memoize:
           memo_.push_back(top(start));
           break;
-        case 'q':
-        case 'r': {  // BINPUT, LONG_BINPUT
-          const uint64_t index = le(take(op == 'q' ? 1 : 4), op == 'q' ? 1 : 4);
-          if (index > p_.size()) malformed(start, fmt::format("memo index {} in {} bytes", index, p_.size()));
+        case Op::binput:
+        case Op::long_binput: {
+          const uint64_t index = in.number;
+          if (!pickle::memo_index_possible(index, p_.size()))
+            malformed(start, fmt::format("memo index {} in {} bytes", index, p_.size()));
           if (memo_.size() <= index) memo_.resize(index + 1);
           memo_[index] = top(start);
           break;
         }
-        case 'h':
-        case 'j': {  // BINGET, LONG_BINGET
-          const uint64_t index = le(take(op == 'h' ? 1 : 4), op == 'h' ? 1 : 4);
+        case Op::binget:
+        case Op::long_binget: {
+          const uint64_t index = in.number;
           if (index >= memo_.size() || !memo_[index]) malformed(start, fmt::format("unknown memo entry {}", index));
           push(memo_[index]);
           break;
         }
-        case 'c': {  // GLOBAL: "module\nname\n"
-          const std::string module = line(start);
-          const std::string name = line(start);
-          push(global(start, module, name));
+        case Op::global:  // "module\nname\n"
+          push(global(start, std::string(in.module), std::string(in.name)));
           break;
-        }
-        case 0x93: {  // STACK_GLOBAL
+        case Op::stack_global: {
           const PyPtr name = pop(start);
           const PyPtr module = pop(start);
           if (module->kind != PyValue::Kind::string || name->kind != PyValue::Kind::string)
@@ -159,19 +160,19 @@ class Unpickler {
           push(global(start, module->text, name->text));
           break;
         }
-        case ')':
+        case Op::empty_tuple:
           push(make(PyValue::Kind::tuple));
           break;
-        case '}':
+        case Op::empty_dict:
           push(make(PyValue::Kind::dict));
           break;
-        case ']':
+        case Op::empty_list:
           push(make(PyValue::Kind::list));
           break;
-        case 0x85:
-        case 0x86:
-        case 0x87: {  // TUPLE1-3
-          const size_t n = op - 0x84u;
+        case Op::tuple1:
+        case Op::tuple2:
+        case Op::tuple3: {
+          const size_t n = static_cast<uint8_t>(in.op) - 0x84u;
           if (stack_.size() < n + floor()) malformed(start, "TUPLEn on a short stack");
           auto t = make(PyValue::Kind::tuple);
           t->items.assign(stack_.end() - static_cast<std::ptrdiff_t>(n), stack_.end());
@@ -179,83 +180,85 @@ class Unpickler {
           push(t);
           break;
         }
-        case 't':
-        case 'l': {  // TUPLE, LIST
-          auto t = make(op == 't' ? PyValue::Kind::tuple : PyValue::Kind::list);
+        case Op::tuple:
+        case Op::list: {
+          auto t = make(in.op == Op::tuple ? PyValue::Kind::tuple : PyValue::Kind::list);
           t->items = pop_to_mark(start);
           push(t);
           break;
         }
-        case 'd': {  // DICT
+        case Op::dict: {
           auto d = make(PyValue::Kind::dict);
           add_items(start, *d, pop_to_mark(start));
           push(d);
           break;
         }
-        case 's': {  // SETITEM
+        case Op::setitem: {
           const PyPtr value = pop(start);
           const PyPtr key = pop(start);
           PyValue& d = expect(top(start), PyValue::Kind::dict, start, "SETITEM");
           d.entries.emplace_back(key, value);
           break;
         }
-        case 'u': {  // SETITEMS
+        case Op::setitems: {
           std::vector<PyPtr> items = pop_to_mark(start);
           add_items(start, expect(top(start), PyValue::Kind::dict, start, "SETITEMS"), items);
           break;
         }
-        case 'a': {  // APPEND
+        case Op::append: {
           const PyPtr value = pop(start);
           expect(top(start), PyValue::Kind::list, start, "APPEND").items.push_back(value);
           break;
         }
-        case 'e': {  // APPENDS
+        case Op::appends: {
           std::vector<PyPtr> items = pop_to_mark(start);
           PyValue& list = expect(top(start), PyValue::Kind::list, start, "APPENDS");
           list.items.insert(list.items.end(), items.begin(), items.end());
           break;
         }
-        case 0x81: {  // NEWOBJ: cls.__new__(cls, *args)
+        case Op::newobj: {  // cls.__new__(cls, *args)
           const PyPtr args = pop(start);
           const PyPtr cls = pop(start);
           push(newobj(start, *cls, *args));
           break;
         }
-        case 'R': {  // REDUCE: callable(*args)
+        case Op::reduce: {  // callable(*args)
           const PyPtr args = pop(start);
           const PyPtr callable = pop(start);
           push(reduce(start, *callable, expect(args, PyValue::Kind::tuple, start, "REDUCE arguments")));
           break;
         }
-        case 'b': {  // BUILD: obj.__setstate__(state) or obj.__dict__.update(state)
+        case Op::build: {  // obj.__setstate__(state) or obj.__dict__.update(state)
           const PyPtr state = pop(start);
           build(start, top(start), state);
           break;
         }
-        default:
-          malformed(start, fmt::format("opcode 0x{:02x} is not one a DCP .metadata uses", op));
+        default:  // outside kMetadataOps: next() refused it already
+          unknown_opcode(in);
       }
     }
   }
 
  private:
-  std::string_view take(uint64_t n) {
-    if (n > p_.size() - at_) malformed(at_, "it ends in the middle of a value (the file is truncated)");
-    const std::string_view s = p_.substr(at_, n);
-    at_ += n;
-    return s;
+  // The next instruction, or the problem that ends the walk.
+  void next(pickle::Instruction& in) {
+    const pickle::Status status = walker_.next(in);
+    // LONG1's width is judged first, whether or not the bytes it declares are all there.
+    if (in.op == Op::long1 && in.number > 8) malformed(in.start, "an integer wider than 64 bits");
+    switch (status) {
+      case pickle::Status::ok:
+        return;
+      case pickle::Status::end:
+        malformed(p_.size(), "it ends without STOP (the file is truncated)");
+      case pickle::Status::unknown_opcode:
+        unknown_opcode(in);
+      case pickle::Status::truncated:
+        if (in.op == Op::global) malformed(in.start, "GLOBAL without a newline");
+        malformed(walker_.problem_at(), "it ends in the middle of a value (the file is truncated)");
+    }
   }
-  static uint64_t le(std::string_view b, size_t n) {
-    uint64_t v = 0;
-    for (size_t i = 0; i < n; ++i) v |= uint64_t{static_cast<uint8_t>(b[i])} << (8 * i);
-    return v;
-  }
-  std::string line(size_t start) {
-    const size_t end = p_.find('\n', at_);
-    if (end == std::string_view::npos) malformed(start, "GLOBAL without a newline");
-    std::string s(p_.substr(at_, end - at_));
-    at_ = end + 1;
-    return s;
+  [[noreturn]] static void unknown_opcode(const pickle::Instruction& in) {
+    malformed(in.start, fmt::format("opcode 0x{:02x} is not one a DCP .metadata uses", static_cast<uint8_t>(in.op)));
   }
   size_t floor() const { return marks_.empty() ? 0 : marks_.back(); }
   void push(PyPtr v) { stack_.push_back(std::move(v)); }
@@ -377,7 +380,7 @@ class Unpickler {
   }
 
   std::string_view p_;
-  size_t at_ = 0;
+  pickle::Walker walker_;
   std::vector<PyPtr> stack_;
   std::vector<size_t> marks_;
   std::vector<PyPtr> memo_;

@@ -1,12 +1,75 @@
+// The LibTorch <-> Python pickle adaptations. See pickle_compat.h for why each exists.
 #include "pickle_compat.h"
 
+#include "pickle_walker.h"
+
+#include <ATen/core/Dict.h>
+#include <ATen/core/List.h>
+#include <ATen/core/jit_type.h>
+
+#include <fmt/format.h>
+
 #include <set>
-#include <string_view>
+#include <utility>
 #include <vector>
 
 namespace fulgur::detail {
 
+using pickle::Op;
+
+c10::IValue plain_containers(const c10::IValue& value) {
+  if (value.isList()) {
+    c10::impl::GenericList out(c10::AnyType::get());
+    const c10::ArrayRef<c10::IValue> items = value.toListRef();
+    out.reserve(items.size());
+    for (const c10::IValue& item : items) out.push_back(plain_containers(item));
+    return out;
+  }
+  if (value.isGenericDict()) {
+    const c10::impl::GenericDict dict = value.toGenericDict();
+    c10::impl::GenericDict out(dict.keyType(), c10::AnyType::get());
+    out.reserve(dict.size());
+    for (const auto& entry : dict) out.insert(entry.key(), plain_containers(entry.value()));
+    return out;
+  }
+  if (value.isTuple()) {
+    std::vector<c10::IValue> items;
+    for (const c10::IValue& item : value.toTupleRef().elements()) items.push_back(plain_containers(item));
+    return c10::ivalue::Tuple::create(std::move(items));
+  }
+  return value;
+}
+
 namespace {
+
+// The opcodes the memo guard walks: every one the walker decodes, a superset of those LibTorch's
+// unpickler reads. Stopping at one that torch reads would hand it the BINPUTs after it unchecked
+// (the guard once stopped at LIST, and "(l" before a LONG_BINPUT got a 16 GiB memo table through).
+constexpr pickle::OpSet kMemoGuardOps{
+    // clang-format off
+    Op::proto, Op::frame, Op::stop, Op::mark, Op::pop, Op::pop_mark,
+    Op::binint1, Op::binint2, Op::binint, Op::binfloat, Op::long1, Op::long4, Op::none, Op::newtrue, Op::newfalse,
+    Op::short_binunicode, Op::binunicode, Op::binunicode8, Op::short_binbytes, Op::binbytes, Op::short_binstring,
+    Op::binstring, Op::empty_dict, Op::empty_list, Op::empty_tuple, Op::tuple, Op::tuple1, Op::tuple2, Op::tuple3,
+    Op::list, Op::dict, Op::append, Op::appends, Op::setitem, Op::setitems,
+    Op::binget, Op::long_binget, Op::binput, Op::long_binput, Op::memoize,
+    Op::global, Op::stack_global, Op::reduce, Op::build, Op::newobj, Op::binpersid,
+    // clang-format on
+};
+
+// The opcodes the OrderedDict rewrite follows: what torch.save writes (protocol 2); not protocol
+// 4's framing, POP, ...
+constexpr pickle::OpSet kRewriteOps{
+    // clang-format off
+    Op::proto, Op::stop, Op::mark,
+    Op::binint1, Op::binint2, Op::binint, Op::binfloat, Op::long1, Op::long4, Op::none, Op::newtrue, Op::newfalse,
+    Op::short_binunicode, Op::binunicode, Op::short_binbytes, Op::binbytes, Op::short_binstring, Op::binstring,
+    Op::empty_dict, Op::empty_list, Op::empty_tuple, Op::tuple, Op::tuple1, Op::tuple2, Op::tuple3,
+    Op::list, Op::dict, Op::append, Op::appends, Op::setitem, Op::setitems,
+    Op::binget, Op::long_binget, Op::binput, Op::long_binput,
+    Op::global, Op::reduce, Op::build, Op::newobj, Op::binpersid,
+    // clang-format on
+};
 
 // What the walk knows about a value on the pickle stack: where its opcodes begin in the output
 // (so they can be replaced) and whether it is the OrderedDict class or an instance of it.
@@ -18,32 +81,34 @@ struct Slot {
 
 }  // namespace
 
+std::string pickle_memo_problem(std::string_view pickle) {
+  pickle::Walker walker(pickle, kMemoGuardOps);
+  pickle::Instruction in;
+  while (walker.next(in) == pickle::Status::ok && in.op != Op::stop)
+    if ((in.op == Op::binput || in.op == Op::long_binput) && !pickle::memo_index_possible(in.number, pickle.size()))
+      return fmt::format("its pickle names memo entry {} in {} bytes", in.number, pickle.size());
+  return {};
+}
+
 // LibTorch's unpickler has no POP, so values cannot be discarded after the fact; instead the walk
 // tracks the stack (which output bytes built each value) and replaces bytes already written:
 //   `OrderedDict` `()` REDUCE      -> EMPTY_DICT   (the SETITEMS that follow fill it)
 //   <ordered dict> <state> BUILD   -> <ordered dict>   (the state's opcodes are dropped)
-std::optional<std::string> plain_dicts_for_ordered_dicts(const uint8_t* p, size_t n) {
-  constexpr std::string_view kOrderedDict = "collections\nOrderedDict\n";
-  const std::string_view all(reinterpret_cast<const char*>(p), n);
-  if (all.find(kOrderedDict) == std::string_view::npos) return std::nullopt;
+std::optional<std::string> plain_dicts_for_ordered_dicts(std::string_view pickle) {
+  if (pickle.find("collections\nOrderedDict\n") == std::string_view::npos) return std::nullopt;
 
   std::string out;
-  out.reserve(n);
+  out.reserve(pickle.size());
   std::vector<Slot> stack;
   std::vector<std::pair<size_t, size_t>> marks;  // (stack size, output offset) at each MARK
   std::set<uint64_t> class_memo;                 // memo ids holding the OrderedDict class
   bool rewritten = false;
-  auto le = [&](size_t from, size_t k) {
-    uint64_t v = 0;
-    for (size_t i = 0; i < k; ++i) v |= uint64_t{p[from + i]} << (8 * i);
-    return v;
-  };
   // Pops `k` values and pushes one that starts where the first popped one started.
-  auto combine = [&](size_t k, Tag tag) -> bool {
+  auto combine = [&](size_t k) -> bool {
     if (stack.size() < k) return false;
     const size_t offset = stack[stack.size() - k].out_offset;
     stack.resize(stack.size() - k);
-    stack.push_back({offset, tag});
+    stack.push_back({offset, Tag::other});
     return true;
   };
   // Pops back to the last MARK; with `push`, one value that starts at the MARK.
@@ -56,123 +121,84 @@ std::optional<std::string> plain_dicts_for_ordered_dicts(const uint8_t* p, size_
     return true;
   };
 
-  size_t at = 0;
-  while (at < n) {
-    const size_t start = at;
+  pickle::Walker walker(pickle, kRewriteOps);
+  pickle::Instruction in;
+  pickle::Status status;
+  while ((status = walker.next(in)) == pickle::Status::ok) {
     const size_t out_start = out.size();
-    const uint8_t op = p[at++];
-    size_t arg = 0;
     bool ok = true;
-    switch (op) {
-      case 0x80:  // PROTO
-        arg = 1;
+    switch (in.op) {
+      case Op::proto:
+      case Op::stop:
         break;
-      case '.':  // STOP
+      case Op::global:
+        stack.push_back(
+            {out_start, in.module == "collections" && in.name == "OrderedDict" ? Tag::ordered_dict_class : Tag::other});
         break;
-      case 'c': {  // GLOBAL: two newline-terminated lines
-        size_t end = at;
-        for (int line = 0; line < 2; ++line) {
-          while (end < n && p[end] != '\n') ++end;
-          if (end >= n) return std::nullopt;
-          ++end;
-        }
-        arg = end - at;
-        stack.push_back({out_start, all.substr(at, arg) == kOrderedDict ? Tag::ordered_dict_class : Tag::other});
+      case Op::binget:
+      case Op::long_binget:
+        stack.push_back({out_start, class_memo.count(in.number) ? Tag::ordered_dict_class : Tag::other});
         break;
-      }
-      case 'h':
-      case 'j': {  // BINGET, LONG_BINGET
-        arg = op == 'h' ? 1 : 4;
-        if (n - at < arg) return std::nullopt;
-        stack.push_back({out_start, class_memo.count(le(at, arg)) ? Tag::ordered_dict_class : Tag::other});
-        break;
-      }
-      case 'q':
-      case 'r': {  // BINPUT, LONG_BINPUT
-        arg = op == 'q' ? 1 : 4;
-        if (n - at < arg || stack.empty()) return std::nullopt;
+      case Op::binput:
+      case Op::long_binput:
+        if (stack.empty()) return std::nullopt;
         if (stack.back().tag == Tag::ordered_dict_class)
-          class_memo.insert(le(at, arg));
+          class_memo.insert(in.number);
         else
-          class_memo.erase(le(at, arg));
+          class_memo.erase(in.number);
         break;
-      }
-      case 'K':
-        arg = 1;
+      case Op::binint1:
+      case Op::binint2:
+      case Op::binint:
+      case Op::binfloat:
+      case Op::long1:
+      case Op::long4:
+      case Op::short_binunicode:
+      case Op::binunicode:
+      case Op::short_binbytes:
+      case Op::binbytes:
+      case Op::short_binstring:
+      case Op::binstring:
+      case Op::empty_dict:
+      case Op::empty_list:
+      case Op::empty_tuple:
+      case Op::none:
+      case Op::newtrue:
+      case Op::newfalse:
         stack.push_back({out_start, Tag::other});
         break;
-      case 'M':
-        arg = 2;
-        stack.push_back({out_start, Tag::other});
-        break;
-      case 'J':
-        arg = 4;
-        stack.push_back({out_start, Tag::other});
-        break;
-      case 'G':
-        arg = 8;
-        stack.push_back({out_start, Tag::other});
-        break;
-      case 0x8a:
-      case 0x8c:
-      case 'C':
-      case 'U':  // LONG1, SHORT_BINUNICODE, SHORT_BINBYTES, SHORT_BINSTRING
-        if (n - at < 1) return std::nullopt;
-        arg = 1 + p[at];
-        stack.push_back({out_start, Tag::other});
-        break;
-      case 'X':
-      case 'B':
-      case 'T':
-      case 0x8b:  // BINUNICODE, BINBYTES, BINSTRING, LONG4
-        if (n - at < 4) return std::nullopt;
-        arg = 4 + le(at, 4);
-        stack.push_back({out_start, Tag::other});
-        break;
-      case '}':
-      case ']':
-      case ')':
-      case 'N':
-      case 0x88:
-      case 0x89:  // EMPTY_DICT, EMPTY_LIST, EMPTY_TUPLE, NONE, NEWTRUE, NEWFALSE
-        stack.push_back({out_start, Tag::other});
-        break;
-      case '(':
+      case Op::mark:
         marks.emplace_back(stack.size(), out_start);
         break;
-      case 'a':  // APPEND
+      case Op::append:
         ok = stack.size() >= 2;
         if (ok) stack.pop_back();
         break;
-      case 's':  // SETITEM
+      case Op::setitem:
         ok = stack.size() >= 3;
         if (ok) stack.resize(stack.size() - 2);
         break;
-      case 'e':
-      case 'u':  // APPENDS, SETITEMS
+      case Op::appends:
+      case Op::setitems:
         ok = to_mark(false);
         break;
-      case 't':
-      case 'l':
-      case 'd':  // TUPLE, LIST, DICT
+      case Op::tuple:
+      case Op::list:
+      case Op::dict:
         ok = to_mark(true);
         break;
-      case 0x85:
-        ok = combine(1, Tag::other);
+      case Op::tuple1:
+      case Op::binpersid:
+        ok = combine(1);
         break;
-      case 0x86:
-        ok = combine(2, Tag::other);
+      case Op::tuple2:
+      case Op::newobj:
+        ok = combine(2);
         break;
-      case 0x87:
-        ok = combine(3, Tag::other);
+      case Op::tuple3:
+        ok = combine(3);
         break;
-      case 'Q':  // BINPERSID
-        ok = combine(1, Tag::other);
-        break;
-      case 0x81:  // NEWOBJ
-        ok = combine(2, Tag::other);
-        break;
-      case 'R': {  // REDUCE
+      case Op::reduce: {
         if (stack.size() < 2) return std::nullopt;
         const Slot callable = stack[stack.size() - 2];
         if (callable.tag == Tag::ordered_dict_class) {
@@ -187,10 +213,10 @@ std::optional<std::string> plain_dicts_for_ordered_dicts(const uint8_t* p, size_
           rewritten = true;
           continue;  // the REDUCE itself is not copied
         }
-        ok = combine(2, Tag::other);
+        ok = combine(2);
         break;
       }
-      case 'b': {  // BUILD
+      case Op::build: {
         if (stack.size() < 2) return std::nullopt;
         if (stack[stack.size() - 2].tag == Tag::ordered_dict) {
           out.resize(stack.back().out_offset);  // drop the state's opcodes
@@ -202,13 +228,12 @@ std::optional<std::string> plain_dicts_for_ordered_dicts(const uint8_t* p, size_
         break;
       }
       default:
-        return std::nullopt;  // protocol 4 framing, text opcodes, ...: not what torch.save writes
+        return std::nullopt;  // outside kRewriteOps: the walker stops before
     }
-    if (!ok || arg > n - at) return std::nullopt;
-    out.append(all.substr(start, 1 + arg));
-    at += arg;
+    if (!ok) return std::nullopt;
+    out.append(pickle.substr(in.start, in.end - in.start));
   }
-  if (!rewritten) return std::nullopt;
+  if (status != pickle::Status::end || !rewritten) return std::nullopt;
   return out;
 }
 
