@@ -10,6 +10,7 @@
 #include "../plugins/callback/lr_finder/lr_sweep.h"
 
 #include <fulgur/checkpoint_io.h>
+#include <fulgur/data.h>
 #include <fulgur/testing/plugin_kit.h>
 
 #include <doctest/doctest.h>
