@@ -109,8 +109,9 @@ fs::path patched_good(const fs::path& to, Patch&& patch) {
 TEST_CASE("the SDK library exports the ABI guard symbol the host tag names") {
   const fulgur_abi_tag& tag = host_abi_tag();
   std::string expected = "fulgur_abi_v" + std::to_string(FULGUR_PLUGIN_ABI_MAJOR) + "_sdk" +
-                         std::to_string(FULGUR_SDK_VERSION_MAJOR_OF(tag.sdk_version)) + "_torch" + std::to_string(tag.torch_major) + "_" +
-                         std::to_string(tag.torch_minor) + "_cxx11abi" + std::to_string(tag.glibcxx_cxx11_abi);
+                         std::to_string(FULGUR_SDK_VERSION_MAJOR_OF(tag.sdk_version)) + "_torch" +
+                         std::to_string(tag.torch_major) + "_" + std::to_string(tag.torch_minor) + "_cxx11abi" +
+                         std::to_string(tag.glibcxx_cxx11_abi);
   CHECK(std::string(host_abi_guard_symbol()) == expected);
   CHECK(dlsym(RTLD_DEFAULT, host_abi_guard_symbol()) != nullptr);
 }
@@ -232,10 +233,11 @@ TEST_CASE("a plugin built against another libtorch is refused at the metadata ph
 TEST_CASE("the link-time ABI guard stops a mismatched plugin even when the checks are bypassed") {
   TempDir dir;
   const fs::path file = test::copy_library(fixture("libfulgur-fixture-other-abi.so"), dir / "libfulgur-other.so");
-  const std::string guard =
-      "fulgur_abi_v" + std::to_string(FULGUR_PLUGIN_ABI_MAJOR) + "_sdk" +
-      std::to_string(FULGUR_SDK_VERSION_MAJOR_OF(host_abi_tag().sdk_version)) + "_torch" + std::to_string(host_abi_tag().torch_major) + "_" +
-      std::to_string(FULGUR_TEST_OTHER_TORCH_MINOR) + "_cxx11abi" + std::to_string(host_abi_tag().glibcxx_cxx11_abi);
+  const std::string guard = "fulgur_abi_v" + std::to_string(FULGUR_PLUGIN_ABI_MAJOR) + "_sdk" +
+                            std::to_string(FULGUR_SDK_VERSION_MAJOR_OF(host_abi_tag().sdk_version)) + "_torch" +
+                            std::to_string(host_abi_tag().torch_major) + "_" +
+                            std::to_string(FULGUR_TEST_OTHER_TORCH_MINOR) + "_cxx11abi" +
+                            std::to_string(host_abi_tag().glibcxx_cxx11_abi);
 
   SUBCASE("Boost.DLL directly") {
     std::string what;

@@ -106,7 +106,6 @@ std::unique_ptr<PluginRegistry> make_registry(const std::optional<Config>& confi
   return std::make_unique<PluginRegistry>(plugin_search_path(sp), ro);
 }
 
-
 // "1.0"; a plugin built before SDK 1.0 recorded its C++ interface major: "pre-1.0 (7)".
 std::string sdk_version_text(uint32_t v) {
   if (FULGUR_SDK_VERSION_MAJOR_OF(v) == 0) return fmt::format("pre-1.0 ({})", FULGUR_SDK_VERSION_MINOR_OF(v));
@@ -169,7 +168,8 @@ int describe_plugin(const Args& args) {
   for (const PluginCandidate* c : matches) {
     const auto& m = c->metadata;
     std::cout << fmt::format(
-        "{} '{}' {}\n  {}\n  file:   {}\n  status: {}{}\n  SDK:    {} (this host: {})\n  ABI:    {}.{}, libtorch {}.{}\n",
+        "{} '{}' {}\n  {}\n  file:   {}\n  status: {}{}\n  SDK:    {} (this host: {})\n  ABI:    {}.{}, libtorch "
+        "{}.{}\n",
         to_string(m.kind), m.name, m.version, m.description, c->file.string(), to_string(c->status),
         c->reason.empty() ? "" : " (" + c->reason + ")", sdk_version_text(m.abi_tag.sdk_version),
         sdk_version_text(host_abi_tag().sdk_version), m.abi_major, m.abi_minor, m.abi_tag.torch_major,

@@ -4,9 +4,9 @@
 #include <fulgur/log.h>
 #include <fulgur/precision.h>
 
+#include <ATen/ATen.h>
 #include <ATen/core/Dict.h>
 #include <ATen/core/ivalue.h>
-#include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -58,7 +58,9 @@ bool Precision::optimizer_step(torch::optim::Optimizer& optimizer) {
   return true;
 }
 
-void Precision::state_dict(c10::IValue& out) const { out = c10::impl::GenericDict(c10::StringType::get(), c10::AnyType::get()); }
+void Precision::state_dict(c10::IValue& out) const {
+  out = c10::impl::GenericDict(c10::StringType::get(), c10::AnyType::get());
+}
 
 void Precision::load_state_dict(const c10::IValue& state) {
   if (state.isNone()) return;
@@ -70,9 +72,10 @@ void Precision::load_state_dict(const c10::IValue& state) {
   // A scaler state from a run with loss scaling, resumed without it: not an error, but say so.
   std::vector<std::string> keys;
   for (const auto& entry : dict) keys.push_back(entry.key().isString() ? entry.key().toStringRef() : "?");
-  log::warn(fmt::format("the precision plugin ignores the precision state in the checkpoint (keys: {}); it was "
-                        "saved by another precision plugin",
-                        fmt::join(keys, ", ")));
+  log::warn(
+      fmt::format("the precision plugin ignores the precision state in the checkpoint (keys: {}); it was "
+                  "saved by another precision plugin",
+                  fmt::join(keys, ", ")));
 }
 
 }  // namespace fulgur

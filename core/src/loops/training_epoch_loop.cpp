@@ -59,8 +59,7 @@ void TrainingEpochLoop::run(BatchLoader& train) {
   const c10::Device device = t.device();
   bool next_staged = false;
   auto stage_next = [&] {
-    next_staged =
-        next && staging && staging->stage_transfer(device, [&] { *next = t.transfer(std::move(*next)); });
+    next_staged = next && staging && staging->stage_transfer(device, [&] { *next = t.transfer(std::move(*next)); });
   };
   // Signals: with several processes on Gloo the ranks vote one batch behind (SignalVote).
   std::optional<SignalVote> vote;
@@ -137,8 +136,8 @@ bool TrainingEpochLoop::step_optimizer(torch::optim::Optimizer& optimizer) {
 void TrainingEpochLoop::prepare_optimizer_steps() {
   Trainer::Impl& t = trainer_;
   t.fused_adam_.reset();
-  if (t.module_->automatic_optimization && t.optimizer_ptrs_.size() == 1 &&
-      delegates_optimizer_step(t.plugins_) && CapturableAdam::refusal(*t.optimizer_ptrs_.front()).empty())
+  if (t.module_->automatic_optimization && t.optimizer_ptrs_.size() == 1 && delegates_optimizer_step(t.plugins_) &&
+      CapturableAdam::refusal(*t.optimizer_ptrs_.front()).empty())
     t.fused_adam_ = std::make_unique<CapturableAdam>(*t.optimizer_ptrs_.front());
   capture_.prepare();
 }
