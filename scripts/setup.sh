@@ -17,9 +17,11 @@ source "$here/env.sh"
 # fortunes: the text corpus of the GPT example (examples/gpt): 2.6 MB of plain English in
 # /usr/share/games/fortunes, read as it is (bible-kjv-text stores its text in a compressed format
 # only its own program reads; jargon-text's one file sits in /usr/share/doc, which slim images drop).
+# abigail-tools: abidw/abidiff (libabigail), which compare the SDK's ABI with the stored 1.0 baseline
+# (tests/abi/abi_check.sh, scripts/abi_check.sh).
 apt_packages=(build-essential cmake ninja-build ccache libboost-dev libgloo-dev libtomlplusplus-dev
   libspdlog-dev libfmt-dev doctest-dev zlib1g-dev dataset-fashion-mnist python3-venv binutils file
-  nlohmann-json3-dev libjpeg62-turbo-dev libpng-dev libcurl4-openssl-dev fortunes)
+  nlohmann-json3-dev libjpeg62-turbo-dev libpng-dev libcurl4-openssl-dev fortunes abigail-tools)
 missing=()
 for p in "${apt_packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -1,0 +1,106 @@
+// The ABI probe: a shared library whose only exported functions take every type the SDK 1.x
+// promise freezes, so that its DWARF (compiled with full debug info and every class's definition,
+// tests/abi/CMakeLists.txt) describes their layouts and vtables as the current headers declare them.
+// tests/abi/abi_check.sh dumps it with libabigail's abidw and compares it with the stored 1.0
+// baseline (tests/abi/baseline/): a changed layout, a virtual function inserted, removed or moved,
+// a changed signature fails; a new type or function (what a minor adds) passes.
+//
+// When a minor release adds a stable type (an extension interface, a struct a new free function
+// takes), add a probe for it here and store that release's baseline (scripts/abi_check.sh --help).
+#include <fulgur/abi.h>
+#include <fulgur/accelerator.h>
+#include <fulgur/blocks.h>
+#include <fulgur/callback.h>
+#include <fulgur/communicator.h>
+#include <fulgur/data_module.h>
+#include <fulgur/error.h>
+#include <fulgur/log.h>
+#include <fulgur/logger.h>
+#include <fulgur/lr_scheduler.h>
+#include <fulgur/module.h>
+#include <fulgur/option_spec.h>
+#include <fulgur/options.h>
+#include <fulgur/precision.h>
+#include <fulgur/profiler.h>
+#include <fulgur/strategy.h>
+#include <fulgur/trainer_context.h>
+#include <fulgur/types.h>
+
+// One exported function per type, named after it (C linkage: the report names the probe plainly).
+#define FULGUR_ABI_PROBE(name, ...) \
+  extern "C" __attribute__((visibility("default"))) void fulgur_abi_probe_##name(__VA_ARGS__*) {}
+
+// The C door (fulgur/abi.h).
+FULGUR_ABI_PROBE(plugin_desc, fulgur_plugin_desc)
+FULGUR_ABI_PROBE(plugin_list, fulgur_plugin_list)
+FULGUR_ABI_PROBE(option_desc, fulgur_option_desc)
+FULGUR_ABI_PROBE(create_args, fulgur_create_args)
+FULGUR_ABI_PROBE(abi_tag, fulgur_abi_tag)
+FULGUR_ABI_PROBE(note_header, fulgur_note_header)
+FULGUR_ABI_PROBE(kind, fulgur_kind)
+FULGUR_ABI_PROBE(option_type, fulgur_option_type)
+FULGUR_ABI_PROBE(stdlib, fulgur_stdlib)
+FULGUR_ABI_PROBE(query_fn, fulgur_plugin_query_fn)
+
+// The six interfaces and what they exchange.
+FULGUR_ABI_PROBE(accelerator, fulgur::Accelerator)
+FULGUR_ABI_PROBE(step_graph, fulgur::StepGraph)
+FULGUR_ABI_PROBE(strategy, fulgur::Strategy)
+FULGUR_ABI_PROBE(strategy_environment, fulgur::StrategyEnvironment)
+FULGUR_ABI_PROBE(checkpoint_parts, fulgur::CheckpointParts)
+FULGUR_ABI_PROBE(model_build, fulgur::ModelBuild)
+FULGUR_ABI_PROBE(communicator, fulgur::Communicator)
+FULGUR_ABI_PROBE(communicator_options, fulgur::CommunicatorOptions)
+FULGUR_ABI_PROBE(pending_collective, fulgur::PendingCollective)
+FULGUR_ABI_PROBE(gradient_sync, fulgur::GradientSync)
+FULGUR_ABI_PROBE(gradient_sync_options, fulgur::GradientSyncOptions)
+FULGUR_ABI_PROBE(block_hooks, fulgur::BlockHooks)
+FULGUR_ABI_PROBE(block_options, fulgur::BlockOptions)
+FULGUR_ABI_PROBE(full_parameters, fulgur::FullParameters)
+FULGUR_ABI_PROBE(precision, fulgur::Precision)
+FULGUR_ABI_PROBE(precision_scope, fulgur::PrecisionScope)
+FULGUR_ABI_PROBE(logger, fulgur::Logger)
+FULGUR_ABI_PROBE(logger_setup, fulgur::LoggerSetup)
+FULGUR_ABI_PROBE(profiler, fulgur::Profiler)
+FULGUR_ABI_PROBE(profile_scope, fulgur::ProfileScope)
+FULGUR_ABI_PROBE(callback, fulgur::Callback)
+FULGUR_ABI_PROBE(checkpoint_provider, fulgur::CheckpointProvider)
+FULGUR_ABI_PROBE(hook, fulgur::Hook)
+FULGUR_ABI_PROBE(callback_role, fulgur::CallbackRole)
+
+// The 1.0 extension interfaces (fulgur/extension.h).
+FULGUR_ABI_PROBE(step_graph_factory, fulgur::StepGraphFactory)
+FULGUR_ABI_PROBE(staged_transfers, fulgur::StagedTransfers)
+FULGUR_ABI_PROBE(device_step_strategy, fulgur::DeviceStepStrategy)
+FULGUR_ABI_PROBE(device_step_precision, fulgur::DeviceStepPrecision)
+
+// The Trainer as callbacks see it.
+FULGUR_ABI_PROBE(trainer_context, fulgur::TrainerContext)
+FULGUR_ABI_PROBE(batch_size_trial, fulgur::BatchSizeTrial)
+
+// The user's side: Module and DataModule (model and datamodule plugins).
+FULGUR_ABI_PROBE(module, fulgur::Module)
+FULGUR_ABI_PROBE(log_options, fulgur::LogOptions)
+FULGUR_ABI_PROBE(optimizer_config, fulgur::OptimizerConfig)
+FULGUR_ABI_PROBE(optimizer_handle, fulgur::OptimizerHandle)
+FULGUR_ABI_PROBE(lr_scheduler, fulgur::LRScheduler)
+FULGUR_ABI_PROBE(data_module, fulgur::DataModule)
+FULGUR_ABI_PROBE(batch_loader, fulgur::BatchLoader)
+
+// Shared vocabulary: the option schema, errors, logging, the types every interface exchanges.
+FULGUR_ABI_PROBE(options, fulgur::Options)
+FULGUR_ABI_PROBE(option_value, fulgur::OptionValue)
+FULGUR_ABI_PROBE(option_spec, fulgur::OptionSpec)
+FULGUR_ABI_PROBE(option_type_enum, fulgur::OptionType)
+FULGUR_ABI_PROBE(error, fulgur::Error)
+FULGUR_ABI_PROBE(error_kind, fulgur::ErrorKind)
+FULGUR_ABI_PROBE(log_level, fulgur::log::Level)
+FULGUR_ABI_PROBE(batch, fulgur::Batch)
+FULGUR_ABI_PROBE(step_output, fulgur::StepOutput)
+FULGUR_ABI_PROBE(cluster_info, fulgur::ClusterInfo)
+FULGUR_ABI_PROBE(metric_map, fulgur::MetricMap)
+FULGUR_ABI_PROBE(stage, fulgur::Stage)
+FULGUR_ABI_PROBE(run_status, fulgur::RunStatus)
+FULGUR_ABI_PROBE(reduce_op, fulgur::ReduceOp)
+FULGUR_ABI_PROBE(grad_clip_algorithm, fulgur::GradClipAlgorithm)
+FULGUR_ABI_PROBE(reduction, fulgur::Reduction)
