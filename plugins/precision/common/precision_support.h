@@ -146,7 +146,7 @@ inline c10::impl::GenericDict empty_state() {
 }
 
 // Stateless plugins: accept None or an empty dict; warn (not fail) on a scaler state saved by
-// another plugin, as 32-true does.
+// another plugin.
 inline void load_stateless(std::string_view plugin, const c10::IValue& state) {
   if (state.isNone()) return;
   if (!state.isGenericDict())

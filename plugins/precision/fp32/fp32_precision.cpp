@@ -28,27 +28,10 @@ class Fp32Precision final : public fulgur::Precision {
   // Nothing on the step's path decides on the host: a captured step needs no change here.
   std::string step_capture_refusal() const override { return {}; }
 
-  void state_dict(c10::IValue& out) const override {
-    out = c10::impl::GenericDict(c10::StringType::get(), c10::AnyType::get());
-  }
-
-  void load_state_dict(const c10::IValue& state) override {
-    if (state.isNone()) return;
-    if (!state.isGenericDict())
-      throw fulgur::Error(fulgur::ErrorKind::checkpoint,
-                          fmt::format("precision '32-true': the checkpoint's precision state is a {}, expected a dict",
-                                      state.tagKind()));
-    const c10::impl::GenericDict dict = state.toGenericDict();
-    if (dict.empty()) return;
-    // A checkpoint from a run with loss scaling (16-mixed) resumed in fp32: the scaler has no
-    // meaning here, which is not an error, but the user should know it is dropped.
-    std::vector<std::string> keys;
-    for (const auto& entry : dict) keys.push_back(entry.key().isString() ? entry.key().toStringRef() : "?");
-    spdlog::warn(
-        "precision '32-true' ignores the precision state in the checkpoint (keys: {}); it was saved by "
-        "another precision plugin",
-        fmt::join(keys, ", "));
-  }
+  void state_dict(c10::IValue& out) const override { out = ps::empty_state(); }
+  // A checkpoint from a run with loss scaling (16-mixed) resumed in fp32: the scaler has no
+  // meaning here, which is not an error, but the user is told it is dropped.
+  void load_state_dict(const c10::IValue& state) override { ps::load_stateless("32-true", state); }
 };
 
 }  // namespace
