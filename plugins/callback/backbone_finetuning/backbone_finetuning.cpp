@@ -19,7 +19,6 @@
 #include "../common/weights_support.h"
 
 #include <fmt/format.h>
-#include <spdlog/spdlog.h>
 #include <torch/optim/optimizer.h>
 
 #include <cmath>
@@ -117,16 +116,17 @@ class BackboneFinetuning final : public fulgur::CallbackBase<BackboneFinetuning>
       weights::add_param_group(*optimizer_, frozen_, previous_lr_);
       unfrozen_ = true;
       if (verbose_)
-        spdlog::info("{}: epoch {}: unfroze {} backbone parameters, lr {} (current lr {})", kOwner, epoch,
-                     frozen_.size(), round_to(previous_lr_, rounding_), round_to(current_lr, rounding_));
+        fulgur::log::info(fmt::format("{}: epoch {}: unfroze {} backbone parameters, lr {} (current lr {})", kOwner,
+                                      epoch, frozen_.size(), round_to(previous_lr_, rounding_),
+                                      round_to(current_lr, rounding_)));
     } else if (epoch > unfreeze_at_ && unfrozen_) {
       double next = lambda_ * previous_lr_;
       if (should_align_ && next > current_lr) next = current_lr;
       groups.back().options().set_lr(next);
       previous_lr_ = next;
       if (verbose_)
-        spdlog::info("{}: epoch {}: current lr {}, backbone lr {}", kOwner, epoch, round_to(current_lr, rounding_),
-                     round_to(next, rounding_));
+        fulgur::log::info(fmt::format("{}: epoch {}: current lr {}, backbone lr {}", kOwner, epoch,
+                                      round_to(current_lr, rounding_), round_to(next, rounding_)));
     }
   }
 

@@ -14,7 +14,6 @@
 #include "../common/weights_support.h"
 
 #include <fmt/format.h>
-#include <spdlog/spdlog.h>
 #include <torch/optim/optimizer.h>
 
 #include <algorithm>
@@ -167,11 +166,11 @@ class FreezeSchedule final : public fulgur::CallbackBase<FreezeSchedule> {
       added_groups_.push_back(orphan_names);
     }
     if (verbose_)
-      spdlog::info("{}: epoch {}: {} {} parameter(s) matching \"{}\"{}", kOwner, entry.epoch,
-                   entry.freeze ? "froze" : "unfroze", count, entry.pattern,
-                   orphans.empty()
-                       ? std::string()
-                       : fmt::format(" ({} added to the optimizer as a new parameter group)", orphans.size()));
+      fulgur::log::info(fmt::format(
+          "{}: epoch {}: {} {} parameter(s) matching \"{}\"{}", kOwner, entry.epoch, entry.freeze ? "froze" : "unfroze",
+          count, entry.pattern,
+          orphans.empty() ? std::string()
+                          : fmt::format(" ({} added to the optimizer as a new parameter group)", orphans.size())));
   }
 
   std::vector<Entry> entries_;

@@ -6,7 +6,6 @@
 #include <fulgur/plugin.h>
 
 #include <fmt/format.h>
-#include <spdlog/spdlog.h>
 
 #include <array>
 #include <chrono>
