@@ -4,6 +4,11 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include <cmath>
+#include <exception>
+#include <string>
+#include <vector>
+
 namespace fulgur {
 
 std::string_view to_string(OptionType type) {
@@ -83,6 +88,30 @@ std::string format_option_value(const OptionValue& value) {
     std::string operator()(const std::vector<double>& l) const { return fmt::format("[{}]", fmt::join(l, ", ")); }
   };
   return std::visit(Visitor{}, value);
+}
+
+std::optional<double> parse_duration(std::string_view text) {
+  std::vector<double> fields;
+  size_t start = 0;
+  while (true) {
+    const size_t end = text.find(':', start);
+    const std::string field(text.substr(start, end == std::string_view::npos ? std::string_view::npos : end - start));
+    try {
+      size_t used = 0;
+      const double value = std::stod(field, &used);
+      if (used != field.size() || !std::isfinite(value) || value < 0) return std::nullopt;
+      fields.push_back(value);
+    } catch (const std::exception&) {  // empty, or not a number
+      return std::nullopt;
+    }
+    if (end == std::string_view::npos) break;
+    start = end + 1;
+  }
+  if (fields.size() > 4) return std::nullopt;
+  constexpr double kScale[] = {1, 60, 3600, 86400};  // seconds, minutes, hours, days from the right
+  double seconds = 0;
+  for (size_t i = 0; i < fields.size(); ++i) seconds += fields[fields.size() - 1 - i] * kScale[i];
+  return seconds;
 }
 
 }  // namespace fulgur
