@@ -9,6 +9,10 @@ foreach(_lib fmt spdlog)
     file(CREATE_LINK /usr/include/${_lib} ${_fulgur_sys_first}/${_lib} SYMBOLIC)
   endif()
 endforeach()
+# fulgur_fmt: fmt alone, for code that formats text but logs through the SDK's facade
+# (fulgur/log.h): the built-in plugins. fulgur_logging adds spdlog, for the host side only.
+add_library(fulgur_fmt INTERFACE)
+target_include_directories(fulgur_fmt BEFORE INTERFACE $<BUILD_INTERFACE:${_fulgur_sys_first}>)
+target_link_libraries(fulgur_fmt INTERFACE fmt::fmt)
 add_library(fulgur_logging INTERFACE)
-target_include_directories(fulgur_logging BEFORE INTERFACE $<BUILD_INTERFACE:${_fulgur_sys_first}>)
-target_link_libraries(fulgur_logging INTERFACE spdlog::spdlog fmt::fmt)
+target_link_libraries(fulgur_logging INTERFACE fulgur_fmt spdlog::spdlog)

@@ -19,36 +19,6 @@ double as_number(const OptionValue& v) {
 
 }  // namespace
 
-double parse_max_time(const std::string& text) {
-  if (text.empty()) return 0;
-  const auto bad = [&] {
-    return Error(ErrorKind::config,
-                 fmt::format("[trainer] max_time = \"{}\": expected \"DD:HH:MM:SS\" (fewer fields count from the "
-                             "right, e.g. \"00:01:30:00\" or \"90:00\")",
-                             text));
-  };
-  std::vector<double> parts;
-  size_t start = 0;
-  while (true) {
-    size_t end = text.find(':', start);
-    std::string field = text.substr(start, end == std::string::npos ? std::string::npos : end - start);
-    try {
-      size_t used = 0;
-      parts.push_back(std::stod(field, &used));
-      if (used != field.size() || !std::isfinite(parts.back()) || parts.back() < 0) throw bad();
-    } catch (const std::exception&) {
-      throw bad();
-    }
-    if (end == std::string::npos) break;
-    start = end + 1;
-  }
-  if (parts.size() > 4) throw bad();
-  const double scale[] = {1, 60, 3600, 86400};
-  double seconds = 0;
-  for (size_t i = 0; i < parts.size(); ++i) seconds += parts[parts.size() - 1 - i] * scale[i];
-  return seconds;
-}
-
 int64_t apply_batch_limit(const OptionValue& limit, int64_t available) {
   if (const auto* count = std::get_if<int64_t>(&limit)) return available < 0 ? *count : std::min(*count, available);
   if (available < 0) return std::get<double>(limit) > 0 ? -1 : 0;
@@ -96,13 +66,13 @@ void validate_trainer_values(const Config& config) {
     const OptionValue& v = t.values().at("val_check_interval");
     require(as_number(v) > 0, "val_check_interval", "val_check_interval must be > 0");
   }
-  try {
-    parse_max_time(t.get_string("max_time"));
-  } catch (const Error& e) {
-    auto it = config.trainer_locations.find("max_time");
-    throw Error(ErrorKind::config,
-                it == config.trainer_locations.end() ? std::string(e.what()) : it->second.str() + ": " + e.what());
-  }
+  // max_time is the callback the build marks for it (plugin_connector.cpp); its syntax is checked
+  // here, with the one duration parser, so that a bad value names the key before any plugin loads.
+  const std::string& max_time = t.get_string("max_time");
+  require(max_time.empty() || parse_duration(max_time), "max_time",
+          fmt::format("max_time = \"{}\": expected \"DD:HH:MM:SS\" (fewer fields count from the right, e.g. "
+                      "\"00:01:30:00\" or \"90:00\")",
+                      max_time));
   const std::string& devices = t.get_string("devices");
   require(!devices.empty(), "devices", "devices = \"\": give a count, \"auto\", -1 or indices such as \"0,1\"");
   validate_signal_options(config);
@@ -122,7 +92,6 @@ TrainerSettings TrainerSettings::from_config(const Config& config) {
   s.min_epochs = t.get_int("min_epochs");
   s.min_steps = t.get_int("min_steps");
   if (s.max_epochs < 0 && s.max_steps < 0) s.max_epochs = 1000;  // Lightning's default
-  s.max_time_seconds = t.get_string("max_time").empty() ? -1.0 : parse_max_time(t.get_string("max_time"));
   s.check_val_every_n_epoch = t.get_int("check_val_every_n_epoch");
   s.reload_dataloaders_every_n_epochs = t.get_int("reload_dataloaders_every_n_epochs");
   s.num_sanity_val_steps = t.get_int("num_sanity_val_steps");

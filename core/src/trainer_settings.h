@@ -13,8 +13,6 @@ namespace fulgur {
 // Batch limits from limit_*_batches: an integer is a count, a float a fraction of the loader.
 // Unknown lengths (-1) stay unknown unless the limit is a count.
 int64_t apply_batch_limit(const OptionValue& limit, int64_t available);
-// "DD:HH:MM:SS" (fewer fields count from the right) in seconds; throws fulgur::Error(config).
-double parse_max_time(const std::string& text);
 // Every [trainer] value check the Trainer makes, without building anything (config check uses it).
 void validate_trainer_values(const Config& config);
 
@@ -28,7 +26,6 @@ struct TrainerSettings {
 
   std::string default_root_dir;
   int64_t max_epochs = -1, max_steps = -1, min_epochs = 0, min_steps = 0;
-  double max_time_seconds = -1;  // -1: no limit (""); "00:00:00:00" stops at the first check
   int64_t reload_dataloaders_every_n_epochs = 0;
   int64_t check_val_every_n_epoch = 1, num_sanity_val_steps = 2, log_every_n_steps = 50;
   int64_t accumulate_grad_batches = 1, fast_dev_run = 0;

@@ -2,10 +2,9 @@
 #include "fashion_mnist_nets.h"
 
 #include <fulgur/error.h>
-#include <fulgur/registry/registry.h>
+#include <fulgur/suggest.h>
 
 #include <fmt/format.h>
-#include <fmt/ranges.h>
 #include <torch/torch.h>
 
 #include <algorithm>
@@ -40,40 +39,6 @@ fs::path find_idx_file(const fs::path& dir, const std::string& name) {
   throw Error(ErrorKind::io, fmt::format("Fashion-MNIST file {} not found (nor the uncompressed {}); {}", gz.string(),
                                          plain.filename().string(), kPackageHint));
 }
-
-// Hyperparameter getters with defaults; type errors come from Options and name the table and key.
-int64_t int_or(const Options& o, std::string_view key, int64_t fallback) {
-  return o.contains(key) ? o.get_int(key) : fallback;
-}
-double float_or(const Options& o, std::string_view key, double fallback) {
-  return o.contains(key) ? o.get_float(key) : fallback;
-}
-std::string string_or(const Options& o, std::string_view key, std::string fallback) {
-  return o.contains(key) ? o.get_string(key) : fallback;
-}
-
-std::string owner_of(const Options& o, const char* fallback) { return o.owner().empty() ? fallback : o.owner(); }
-
-// A typo in a hyperparameter name would otherwise silently fall back to the default.
-void reject_unknown_keys(const Options& o, const char* table, const std::vector<std::string>& known) {
-  for (const auto& [key, value] : o.values()) {
-    if (std::find(known.begin(), known.end(), key) != known.end()) continue;
-    std::string message = fmt::format("{}: unknown key '{}'", owner_of(o, table), key);
-    if (std::string s = closest_match(key, known); !s.empty()) message += fmt::format("; did you mean '{}'?", s);
-    message += fmt::format(" Known keys: {}.", fmt::join(known, ", "));
-    throw Error(ErrorKind::config, message);
-  }
-}
-
-// Lightning's save_hyperparameters records defaults too; so do we (checkpoints and loggers see
-// the values actually used).
-void set_default(Options& o, const std::string& key, OptionValue value) {
-  if (!o.contains(key)) o.set(key, std::move(value));
-}
-
-}  // namespace
-
-namespace {
 
 // A split as stored: uint8 pixels [N, 28, 28] (a quarter of the float bytes), int64 labels.
 FashionMnistSplit read_split(const fs::path& dir, bool train) {
@@ -147,13 +112,15 @@ FashionMnistSplit load_fashion_mnist(const fs::path& dir, bool train) { return n
 // DataModule
 
 FashionMnistDataModule::FashionMnistDataModule(Options hp) {
-  reject_unknown_keys(hp, "[data]", {"dir", "batch_size", "num_workers", "val_split", "seed"});
-  const std::string owner = owner_of(hp, "[data]");
-  dir_ = string_or(hp, "dir", kFashionMnistDefaultDir);
-  batch_size_ = int_or(hp, "batch_size", 64);
-  num_workers_ = int_or(hp, "num_workers", 0);
-  val_count_ = int_or(hp, "val_split", 5000);
-  const int64_t seed = int_or(hp, "seed", 42);
+  // Lightning's save_hyperparameters records defaults too: checkpoints and loggers see the values
+  // actually used.
+  hparams = with_defaults(hp, hparams_schema, "[data]");
+  const std::string& owner = hparams.owner();
+  dir_ = hparams.get_string("dir");
+  batch_size_ = hparams.get_int("batch_size");
+  num_workers_ = hparams.get_int("num_workers");
+  val_count_ = hparams.get_int("val_split");
+  const int64_t seed = hparams.get_int("seed");
   if (batch_size_ <= 0)
     throw Error(ErrorKind::config, fmt::format("{}: batch_size = {} must be positive", owner, batch_size_));
   if (num_workers_ < 0)
@@ -163,13 +130,6 @@ FashionMnistDataModule::FashionMnistDataModule(Options hp) {
                 fmt::format("{}: val_split = {} must be >= 0 (images held out for validation)", owner, val_count_));
   if (seed < 0) throw Error(ErrorKind::config, fmt::format("{}: seed = {} must be >= 0", owner, seed));
   seed_ = static_cast<uint64_t>(seed);
-
-  set_default(hp, "dir", dir_.string());
-  set_default(hp, "batch_size", batch_size_);
-  set_default(hp, "num_workers", num_workers_);
-  set_default(hp, "val_split", val_count_);
-  set_default(hp, "seed", seed);
-  hparams = std::move(hp);
 }
 
 void FashionMnistDataModule::set_batch_size(int64_t n) {
@@ -186,7 +146,7 @@ void FashionMnistDataModule::setup(Stage stage) {
     if (val_count_ >= n)
       throw Error(ErrorKind::config,
                   fmt::format("{}: val_split = {} leaves no training images: the training split has {} images",
-                              owner_of(hparams, "[data]"), val_count_, n));
+                              hparams.owner(), val_count_, n));
     // The held-out images depend only on the seed, so every run (and a resumed one) validates on
     // the same images. Sorting keeps each part in file order.
     at::Tensor perm = torch::randperm(n, at::detail::createCPUGenerator(seed_), torch::kInt64);
@@ -233,32 +193,25 @@ std::unique_ptr<BatchLoader> FashionMnistDataModule::predict_loader() {
 // Models
 
 FashionMnistClassifier::FashionMnistClassifier(Options hp) {
-  reject_unknown_keys(hp, "[model]", {"arch", "optimizer", "lr", "weight_decay", "momentum", "dropout"});
-  const std::string owner = owner_of(hp, "[model]");
-  const std::string optimizer = string_or(hp, "optimizer", "adam");
+  hparams = with_defaults(hp, hparams_schema, "[model]");  // defaults recorded, as for the data
+  const std::string& owner = hparams.owner();
+  const std::string& optimizer = hparams.get_string("optimizer");
   if (optimizer != "adam" && optimizer != "sgd") {
     std::string message = fmt::format("{}: unknown optimizer '{}'", owner, optimizer);
     if (std::string s = closest_match(optimizer, {"adam", "sgd"}); !s.empty())
       message += fmt::format("; did you mean '{}'?", s);
     throw Error(ErrorKind::config, message + " Choose \"adam\" or \"sgd\".");
   }
-  const double lr = float_or(hp, "lr", 1e-3);
-  const double weight_decay = float_or(hp, "weight_decay", 0.0);
-  const double momentum = float_or(hp, "momentum", 0.9);
-  const double dropout = float_or(hp, "dropout", 0.25);
+  const double lr = hparams.get_float("lr");
+  const double weight_decay = hparams.get_float("weight_decay");
+  const double momentum = hparams.get_float("momentum");
+  const double dropout = hparams.get_float("dropout");
   if (!(lr > 0)) throw Error(ErrorKind::config, fmt::format("{}: lr = {} must be positive", owner, lr));
   if (!(weight_decay >= 0))
     throw Error(ErrorKind::config, fmt::format("{}: weight_decay = {} must be >= 0", owner, weight_decay));
   if (!(momentum >= 0)) throw Error(ErrorKind::config, fmt::format("{}: momentum = {} must be >= 0", owner, momentum));
   if (!(dropout >= 0 && dropout < 1))
     throw Error(ErrorKind::config, fmt::format("{}: dropout = {} must be in [0, 1)", owner, dropout));
-
-  set_default(hp, "optimizer", optimizer);
-  set_default(hp, "lr", lr);
-  set_default(hp, "weight_decay", weight_decay);
-  set_default(hp, "momentum", momentum);
-  set_default(hp, "dropout", dropout);
-  hparams = std::move(hp);
 }
 
 StepOutput FashionMnistClassifier::training_step(const Batch& batch, int64_t) {
@@ -303,10 +256,11 @@ std::vector<OptimizerConfig> FashionMnistClassifier::configure_optimizers() {
 }
 
 std::shared_ptr<FashionMnistClassifier> make_fashion_mnist_model(const Options& hparams) {
-  const std::string arch = string_or(hparams, "arch", "cnn");
+  const Options checked = with_defaults(hparams, FashionMnistClassifier::hparams_schema, "[model]");
+  const std::string& arch = checked.get_string("arch");
   if (arch == "cnn") return std::make_shared<FashionMnistCnn>(hparams);
   if (arch == "mlp") return std::make_shared<FashionMnistMlp>(hparams);
-  std::string message = fmt::format("{}: unknown arch '{}'", owner_of(hparams, "[model]"), arch);
+  std::string message = fmt::format("{}: unknown arch '{}'", checked.owner(), arch);
   if (std::string s = closest_match(arch, {"cnn", "mlp"}); !s.empty())
     message += fmt::format("; did you mean '{}'?", s);
   throw Error(ErrorKind::config, message + " Choose \"cnn\" or \"mlp\".");

@@ -46,7 +46,8 @@ FashionMnistSplit load_fashion_mnist(const std::filesystem::path& dir, bool trai
 //   num_workers 0     background threads assembling batches
 //   val_split   5000  training images held out for validation (0: no validation loader)
 //   seed        42    fixes which images are held out and the shuffling order
-// Unknown keys are rejected with a suggestion, like the Trainer's own tables.
+// Unknown keys are rejected with a suggestion, like the Trainer's own tables; the defaults come
+// from hparams_schema whether the options come from `fulgur fit` or from code.
 class FashionMnistDataModule : public DataModule {
  public:
   // The schema of [data] for `fulgur fit` (the fashion_mnist plugin) and fulgur::cli_main.
@@ -86,17 +87,28 @@ class FashionMnistDataModule : public DataModule {
   FashionMnistSplit train_, val_, test_;
 };
 
-// Common steps of both classifiers. [model] hyperparameters:
-//   arch          "cnn" or "mlp" (used by make_fashion_mnist_model)
-//   optimizer     "adam" (default) or "sgd"
-//   lr            1e-3
-//   weight_decay  0.0
-//   momentum      0.9   (sgd only)
-//   dropout       0.25  (cnn only)
+// The optimizer hyperparameters both nets share, and the CNN's dropout.
+#define FULGUR_FASHION_MNIST_OPTIMIZER_OPTIONS                                                                         \
+  FULGUR_OPTION(string, optimizer, "\"adam\" or \"sgd\"", "adam"), FULGUR_OPTION(floating, lr, "Learning rate", 1e-3), \
+      FULGUR_OPTION(floating, weight_decay, "L2 penalty of the optimizer", 0.0),                                       \
+      FULGUR_OPTION(floating, momentum, "SGD momentum (optimizer = \"sgd\" only)", 0.9)
+#define FULGUR_FASHION_MNIST_DROPOUT_OPTION \
+  FULGUR_OPTION(floating, dropout, "Dropout after the convolutions and fc1", 0.25)
+
+// Common steps of both classifiers. Their [model] hyperparameters are hparams_schema below; each
+// net's plugin declares its own part of it (fashion_mnist_nets.h).
 // training_step logs train/loss (progress bar); validation_step val/loss and val/acc (progress
 // bar); test_step test/loss and test/acc; predict_step returns the logits [B, 10].
 class FashionMnistClassifier : public Module {
  public:
+  // Every key either net accepts when built in code (make_fashion_mnist_model); `arch` picks the
+  // net there, and each net records its own.
+  static constexpr auto hparams_schema =
+      option_schema(FULGUR_OPTION(string, arch, "\"cnn\" or \"mlp\"", "cnn"), FULGUR_FASHION_MNIST_OPTIMIZER_OPTIONS,
+                    FULGUR_FASHION_MNIST_DROPOUT_OPTION);
+
+  // Checks `hparams` against hparams_schema (unknown keys refused with a suggestion) and fills in
+  // the defaults.
   explicit FashionMnistClassifier(Options hparams);
 
   // Logits [B, 10] for images [B, 1, 28, 28].

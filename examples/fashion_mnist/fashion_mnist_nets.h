@@ -10,12 +10,6 @@
 
 namespace fulgur::examples {
 
-// The optimizer hyperparameters both nets share.
-#define FULGUR_FASHION_MNIST_OPTIMIZER_OPTIONS                                                                         \
-  FULGUR_OPTION(string, optimizer, "\"adam\" or \"sgd\"", "adam"), FULGUR_OPTION(floating, lr, "Learning rate", 1e-3), \
-      FULGUR_OPTION(floating, weight_decay, "L2 penalty of the optimizer", 0.0),                                       \
-      FULGUR_OPTION(floating, momentum, "SGD momentum (optimizer = \"sgd\" only)", 0.9)
-
 // Records the net's arch among its hyperparameters (what loggers and checkpoints see).
 inline Options with_arch(Options hp, const char* arch) {
   if (!hp.contains("arch")) hp.set("arch", std::string(arch));
@@ -28,8 +22,7 @@ inline Options with_arch(Options hp, const char* arch) {
 class FashionMnistCnn : public FashionMnistClassifier {
  public:
   static constexpr auto hparams_schema =
-      option_schema(FULGUR_FASHION_MNIST_OPTIMIZER_OPTIONS,
-                    FULGUR_OPTION(floating, dropout, "Dropout after the convolutions and fc1", 0.25));
+      option_schema(FULGUR_FASHION_MNIST_OPTIMIZER_OPTIONS, FULGUR_FASHION_MNIST_DROPOUT_OPTION);
   explicit FashionMnistCnn(Options hp) : FashionMnistClassifier(with_arch(std::move(hp), "cnn")) {
     conv1 = register_module("conv1", torch::nn::Conv2d(torch::nn::Conv2dOptions(1, 32, 3).padding(1)));
     conv2 = register_module("conv2", torch::nn::Conv2d(torch::nn::Conv2dOptions(32, 64, 3).padding(1)));

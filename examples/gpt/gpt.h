@@ -87,11 +87,6 @@ inline constexpr std::array<HyperParam, 9> kCharCorpusHyperParams{{
 }};
 // clang-format on
 
-// `given` with every key of `table` present: given values as they are, the others from their
-// defaults. Throws fulgur::Error(config) naming the owner (or `fallback_owner`, e.g. "[model]")
-// for a key the table lacks, with a suggestion.
-Options with_defaults(const Options& given, std::span<const HyperParam> table, std::string_view fallback_owner);
-
 // Bytes of text <-> token ids (int64 tensors).
 at::Tensor encode_bytes(std::string_view text);
 std::string decode_bytes(const at::Tensor& tokens);

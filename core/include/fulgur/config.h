@@ -115,8 +115,9 @@ void validate_plugins(Config& config, const PluginRegistry& registry);
 
 // Everything `fulgur config check` verifies without training: structure and plugin schemas
 // (validate_plugins), every [trainer] value (ranges, enums, durations), and each selected plugin's
-// own checks of its option values (its constructor runs; nothing else does). Throws fulgur::Error
-// with file:line:col on the first problem.
+// own checks of its option values (its constructor runs; nothing else does), the callbacks that
+// [trainer] keys stand for (max_time) included. Throws fulgur::Error with file:line:col on the
+// first problem.
 void check_config_values(Config& config, const PluginRegistry& registry);
 
 }  // namespace fulgur

@@ -7,6 +7,8 @@
 #include <fmt/format.h>
 #include <spdlog/spdlog.h>
 
+#include <algorithm>
+
 #include "../trainer_impl.h"
 
 namespace fulgur {
@@ -33,6 +35,32 @@ std::unique_ptr<PluginRegistry> make_registry(const Config& config) {
 std::shared_ptr<Callback> create_callback(const PluginRegistry& registry, const std::string& name,
                                           const Options& options) {
   return plugin_cast<Callback>(registry.create(PluginKind::callback, name, options));
+}
+
+// The value of the [trainer] key a shorthand stands for; empty: the key is not set.
+const std::string& shorthand_value(const Config& config, const builtin::Shorthand& shorthand) {
+  return config.trainer.get_string(shorthand.trainer_key);
+}
+
+// The callback a non-empty [trainer] key stands for (builtin::kShorthands: Lightning's
+// Trainer(max_time=...) adds a Timer(duration=max_time)): its schema's defaults, and its option set
+// to the key's value. What the callback refuses is reported against the [trainer] key.
+std::shared_ptr<Callback> create_shorthand(const Config& config, const PluginRegistry& registry,
+                                           const builtin::Shorthand& shorthand) {
+  const std::string name(shorthand.name);
+  const std::string& value = shorthand_value(config, shorthand);
+  Options options(fmt::format("{} '{}'", to_string(PluginKind::callback), name));
+  for (const OptionSchema& spec : registry.resolve(PluginKind::callback, name).metadata.options)
+    if (spec.default_value) options.set(spec.key, *spec.default_value);
+  options.set(std::string(shorthand.option), value);
+  try {
+    return create_callback(registry, name, options);
+  } catch (const Error& e) {
+    const auto where = config.trainer_locations.find(shorthand.trainer_key);
+    throw Error(e.kind(), fmt::format("{}[trainer] {} = \"{}\": {}",
+                                      where == config.trainer_locations.end() ? "" : where->second.str() + ": ",
+                                      shorthand.trainer_key, value, e.what()));
+  }
 }
 
 }  // namespace
@@ -88,20 +116,36 @@ PluginSet connect_plugins(Config& config, bool fast_dev_run) {
       set.logger_identities.push_back(identity_of(registry, PluginKind::logger, name));
     }
   }
+  const auto configured = [&](std::string_view name) {
+    return !barebones && std::any_of(config.callbacks.begin(), config.callbacks.end(),
+                                     [&](const PluginSelection& sel) { return sel.name == name; });
+  };
+  if (!barebones) {
+    for (const auto& sel : config.callbacks) {
+      auto callback = create_callback(registry, sel.name, sel.options);
+      // fast_dev_run: no checkpoints, no decisions from monitored metrics (Lightning).
+      if (fast_dev_run && (callback->roles() & (CallbackRole::monitor | CallbackRole::checkpoint))) continue;
+      set.callbacks.push_back({std::move(callback), identity_of(registry, PluginKind::callback, sel.name)});
+    }
+  }
+  // [trainer] keys that stand for a callback, in barebones runs too (Lightning keeps max_time's
+  // Timer there). A callback the config selects itself wins, as in Lightning.
+  for (const builtin::Shorthand& shorthand : builtin::kShorthands) {
+    if (shorthand_value(config, shorthand).empty()) continue;
+    const std::string name(shorthand.name);
+    if (configured(name)) {
+      spdlog::info("Ignoring [trainer] {}: the config already selects callback '{}'", shorthand.trainer_key, name);
+      continue;
+    }
+    set.callbacks.push_back(
+        {create_shorthand(config, registry, shorthand), identity_of(registry, PluginKind::callback, name)});
+  }
   if (barebones) return set;
 
-  for (const auto& sel : config.callbacks) {
-    auto callback = create_callback(registry, sel.name, sel.options);
-    // fast_dev_run: no checkpoints, no decisions from monitored metrics (Lightning).
-    if (fast_dev_run && (callback->roles() & (CallbackRole::monitor | CallbackRole::checkpoint))) continue;
-    set.callbacks.push_back({std::move(callback), identity_of(registry, PluginKind::callback, sel.name)});
-  }
   for (const builtin::Default& d : builtin::kDefaults) {
     if (d.kind != PluginKind::callback || !is_default_enabled(d)) continue;
     const std::string name(d.name);
-    bool configured = false;
-    for (const auto& sel : config.callbacks) configured |= sel.name == name;
-    if (configured) continue;
+    if (configured(name)) continue;
     const Options defaults = default_options(registry.resolve(PluginKind::callback, name).metadata);
     auto callback = create_callback(registry, name, defaults);
     // A configured checkpoint callback (any plugin with that role) replaces the default one, as a
@@ -128,6 +172,8 @@ void check_config_values(Config& config, const PluginRegistry& registry) {
       throw Error(e.kind(), fmt::format("{}: {}", sel->where.str(), e.what()));
     }
   }
+  for (const builtin::Shorthand& shorthand : builtin::kShorthands)
+    if (!shorthand_value(config, shorthand).empty()) (void)create_shorthand(config, registry, shorthand);
 }
 
 }  // namespace fulgur

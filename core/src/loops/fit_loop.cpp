@@ -34,7 +34,6 @@ void FitLoop::run() {
     bool& running;
     ~Finished() { running = false; }
   } finished{running_};
-  start_time_ = std::chrono::steady_clock::now();
   const SignalScope signals(t.config_, t.settings_.default_root_dir);  // SIGTERM & co.: safe points below
   setup_data();
   run_sanity_check();
@@ -129,36 +128,19 @@ void FitLoop::run_sanity_check() {
   t.logging_.clear_after_sanity_check();
 }
 
-double FitLoop::elapsed_seconds() const {
-  return elapsed_before_resume_ + std::chrono::duration<double>(std::chrono::steady_clock::now() - start_time_).count();
-}
-
-bool FitLoop::time_exceeded() const {
-  const double limit = trainer_.settings_.max_time_seconds;
-  if (limit < 0) return false;  // no max_time
-  const bool over = elapsed_seconds() >= limit;
-  // Each rank has its own clock: ranks must leave the loop at the same batch, or they would wait
-  // in different collectives. Any rank over the limit stops them all.
-  Strategy& strategy = *trainer_.plugins_.strategy;
-  if (strategy.cluster().world_size > 1) return strategy.reduce_boolean_decision(over, /*all=*/false);
-  return over;
-}
-
 bool FitLoop::done() {
   const TrainerSettings& s = trainer_.settings_;
   if (s.max_steps >= 0 && position_.global_step >= s.max_steps) return true;
   if (s.max_epochs >= 0 && position_.epoch >= s.max_epochs) return true;
-  // A requested stop, and max_time (Lightning's Timer requests one), are honoured once min_epochs
-  // and min_steps are met.
+  // A requested stop (max_time's Timer requests one) is honoured once min_epochs and min_steps
+  // are met.
   if (position_.epoch < s.min_epochs || position_.global_step < s.min_steps) return false;
-  const bool out_of_time = time_exceeded();  // a collective with several ranks: always asked
-  return trainer_.should_stop_ || out_of_time;
+  return trainer_.should_stop_;
 }
 
 c10::IValue FitLoop::state_dict() const {
   auto state = string_dict();
   state.insert("epoch", position_.epoch);
-  state.insert("elapsed_seconds", elapsed_seconds());
   state.insert("cpu_rng_state", cpu_rng_state());
   epoch_loop_.state_dict(state);
   return state;
@@ -167,7 +149,8 @@ c10::IValue FitLoop::state_dict() const {
 void FitLoop::load_state_dict(const c10::IValue& state, const std::string& path) {
   const auto dict = as_dict(state, "loops.fit_loop", path);
   position_.epoch = require_key(dict, "epoch", path, "").toInt();
-  elapsed_before_resume_ = require_key(dict, "elapsed_seconds", path, "").toDouble();
+  // Checkpoints from before max_time became the Timer also hold "elapsed_seconds": the Timer keeps
+  // that time in its own state now (callbacks["Timer"]), so it is not read.
   set_cpu_rng_state(require_key(dict, "cpu_rng_state", path, "").toTensor());
   if (epoch_loop_.load_state_dict(dict, path)) {
     // Saved during the epoch-end work: that epoch is complete. Finish what comes after the

@@ -7,7 +7,6 @@
 
 #include <ATen/core/ivalue.h>
 
-#include <chrono>
 #include <memory>
 #include <string>
 #include <vector>
@@ -25,7 +24,7 @@ class FitLoop {
   // loaders, runs the sanity check, then epochs until done().
   void run();
   // Whether fit ends here: max_steps / max_epochs reached, or (once min_epochs and min_steps are
-  // met) a requested stop or max_time. With several ranks this is a collective: every rank asks.
+  // met) a requested stop. [trainer] max_time is a callback that requests one (plugin_connector).
   bool done();
 
   // After a signal stopped fit (the process exits next): no loader thread may outlive exit.
@@ -39,7 +38,7 @@ class FitLoop {
   TrainingEpochLoop& epoch_loop() { return epoch_loop_; }
   const TrainingEpochLoop& epoch_loop() const { return epoch_loop_; }
 
-  // The checkpoint's loops.fit_loop: epoch, elapsed time, the CPU RNG, and the epoch loop's state.
+  // The checkpoint's loops.fit_loop: epoch, the CPU RNG, and the epoch loop's state.
   c10::IValue state_dict() const;
   // Restores it. A checkpoint written during the epoch-end work counts that epoch as complete
   // and runs what followed the callbacks (epoch schedulers that need no metric, as Lightning).
@@ -49,8 +48,6 @@ class FitLoop {
   // Asks the DataModule for the loaders (at the start, and every reload_dataloaders_every_n_epochs).
   void setup_data();
   void run_sanity_check();
-  bool time_exceeded() const;
-  double elapsed_seconds() const;
 
   Trainer::Impl& trainer_;
   RunPosition position_;
@@ -58,8 +55,6 @@ class FitLoop {
   std::unique_ptr<BatchLoader> train_loader_;
   std::vector<std::unique_ptr<BatchLoader>> val_loaders_;
   int64_t loaders_epoch_ = -1;  // the epoch the loaders were last asked for
-  std::chrono::steady_clock::time_point start_time_ = std::chrono::steady_clock::now();
-  double elapsed_before_resume_ = 0;
   bool running_ = false;
 };
 

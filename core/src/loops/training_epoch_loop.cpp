@@ -79,8 +79,8 @@ void TrainingEpochLoop::run(BatchLoader& train) {
     if (validate_this_epoch && val_check_batches_ > 0 && (batch_idx + 1) % val_check_batches_ == 0 && !is_last_batch_)
       val_loop_.run(/*sanity=*/false);
     if (vote ? vote->after_batch() : interrupt_due(t)) interrupt_at_safe_point(t);  // after the step and its validation
-    // Mid-epoch, the fit loop's epoch limit cannot hold yet: this checks max_steps, max_time and
-    // a requested stop.
+    // Mid-epoch, the fit loop's epoch limit cannot hold yet: this checks max_steps and a requested
+    // stop (max_time's among them).
     if (fit_.done()) break;
     stage_next();
   }

@@ -19,7 +19,6 @@
 #include "../common/weights_support.h"
 
 #include <fmt/format.h>
-#include <spdlog/spdlog.h>
 #include <torch/optim/optimizer.h>
 
 #include <cmath>
@@ -76,15 +75,7 @@ class BackboneFinetuning final : public fulgur::CallbackBase<BackboneFinetuning>
   }
 
   void on_fit_start(fulgur::TrainerContext& trainer) override {
-    // The data-parallel strategy decides which gradients it all-reduces from requires_grad at the
-    // first backward, and the contract has no way to tell it that the set changed: parameters
-    // unfrozen later would train on each rank's own gradients and the replicas would drift apart.
-    if (trainer.cluster().world_size > 1)
-      throw Error(ErrorKind::config,
-                  fmt::format("{}: changing which parameters train during a run is not supported with several "
-                              "processes (world size {}): the strategy fixes the gradients it synchronizes at the "
-                              "first backward. Train in one process, or freeze the parameters in the Module itself",
-                              kOwner, trainer.cluster().world_size));
+    weights::require_one_process_to_change_trainable(trainer, kOwner);
     auto optimizers = trainer.optimizers();
     if (optimizers.empty())
       throw Error(ErrorKind::config, fmt::format("{}: the Module configured no optimizer; there is nothing to add the "
@@ -125,16 +116,17 @@ class BackboneFinetuning final : public fulgur::CallbackBase<BackboneFinetuning>
       weights::add_param_group(*optimizer_, frozen_, previous_lr_);
       unfrozen_ = true;
       if (verbose_)
-        spdlog::info("{}: epoch {}: unfroze {} backbone parameters, lr {} (current lr {})", kOwner, epoch,
-                     frozen_.size(), round_to(previous_lr_, rounding_), round_to(current_lr, rounding_));
+        fulgur::log::info(fmt::format("{}: epoch {}: unfroze {} backbone parameters, lr {} (current lr {})", kOwner,
+                                      epoch, frozen_.size(), round_to(previous_lr_, rounding_),
+                                      round_to(current_lr, rounding_)));
     } else if (epoch > unfreeze_at_ && unfrozen_) {
       double next = lambda_ * previous_lr_;
       if (should_align_ && next > current_lr) next = current_lr;
       groups.back().options().set_lr(next);
       previous_lr_ = next;
       if (verbose_)
-        spdlog::info("{}: epoch {}: current lr {}, backbone lr {}", kOwner, epoch, round_to(current_lr, rounding_),
-                     round_to(next, rounding_));
+        fulgur::log::info(fmt::format("{}: epoch {}: current lr {}, backbone lr {}", kOwner, epoch,
+                                      round_to(current_lr, rounding_), round_to(next, rounding_)));
     }
   }
 

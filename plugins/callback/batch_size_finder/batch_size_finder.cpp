@@ -20,7 +20,6 @@
 #include "trial_memory.h"
 
 #include <fmt/format.h>
-#include <spdlog/spdlog.h>
 
 #include <filesystem>
 #include <fstream>
@@ -71,7 +70,7 @@ class BatchSizeFinder final : public fulgur::CallbackBase<BatchSizeFinder> {
   void on_fit_start(fulgur::TrainerContext& trainer) override {
     if (found_) {  // restored from a checkpoint: that run's search holds
       trainer.set_train_batch_size(*found_);
-      spdlog::info("{}: batch size {} from the checkpoint (no new search)", kOwner, *found_);
+      fulgur::log::info(fmt::format("{}: batch size {} from the checkpoint (no new search)", kOwner, *found_));
       return;
     }
     if (trainer.train_batch_size() < 0)
@@ -99,7 +98,8 @@ class BatchSizeFinder final : public fulgur::CallbackBase<BatchSizeFinder> {
       const bsf::TrialOutcome outcome = bsf::run_trial(
           [&] { ran = trainer.run_batch_size_trial(size, steps_per_trial_); }, on_cpu ? max_memory_bytes_ : 0);
       trials.push_back({size, outcome, ran.batches_run});
-      spdlog::info("{}: batch size {} {}{}", kOwner, size, outcome.fits ? "fits" : "does not fit", describe(outcome));
+      fulgur::log::info(fmt::format("{}: batch size {} {}{}", kOwner, size, outcome.fits ? "fits" : "does not fit",
+                                    describe(outcome)));
       search.report(outcome.fits, outcome.fits && ran.batches_per_epoch == 1);
     }
     if (trainer.is_global_zero()) write_trials(trainer, trials);
@@ -109,8 +109,9 @@ class BatchSizeFinder final : public fulgur::CallbackBase<BatchSizeFinder> {
                               trials.back().batch_size, describe(trials.back().outcome)));
     found_ = *search.result();
     trainer.set_train_batch_size(*found_);
-    spdlog::info("{}: training with batch size {} (configured {}; {} trials, see batch_size_finder.csv)", kOwner,
-                 *found_, configured, trials.size());
+    fulgur::log::info(
+        fmt::format("{}: training with batch size {} (configured {}; {} trials, see batch_size_finder.csv)", kOwner,
+                    *found_, configured, trials.size()));
     if (trainer.has_logger())
       trainer.log_metrics({{"batch_size_finder/batch_size", static_cast<double>(*found_)}}, kOwner);
   }

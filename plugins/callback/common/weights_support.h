@@ -1,11 +1,13 @@
 // Helpers for the built-in callbacks that read and change a model's weights and its optimizers'
 // parameter groups (ema, swa, backbone_finetuning, freeze_schedule, spike_detection,
 // model_pruning): named tensors of the user's module, an averaged copy of them that can be swapped
-// in and out, storing tensors in callback state, parameter-name patterns, and adding a parameter
-// group. Header-only: each callback is its own plugin library and may use only the SDK.
+// in and out, storing tensors in callback state, parameter-name patterns, adding a parameter
+// group, and the one-process rule for changing which parameters train. Header-only: each callback is its own plugin
+// library and may use only the SDK.
 #pragma once
 
 #include <fulgur/error.h>
+#include <fulgur/trainer_context.h>
 
 #include <ATen/core/Dict.h>
 #include <ATen/core/List.h>
@@ -221,6 +223,21 @@ inline void add_param_group(torch::optim::Optimizer& optimizer, std::vector<at::
   std::unique_ptr<torch::optim::OptimizerOptions> options = optimizer.param_groups().front().options().clone();
   options->set_lr(lr);
   optimizer.add_param_group(torch::optim::OptimizerParamGroup(std::move(params), std::move(options)));
+}
+
+// For the callbacks that freeze and unfreeze parameters during a run (backbone_finetuning,
+// freeze_schedule), at fit start: refused with several processes. The data-parallel strategy
+// decides which gradients it all-reduces from requires_grad at the first backward, and the
+// contract has no way to tell it that the set changed: parameters unfrozen later would train on
+// each rank's own gradients and the replicas would drift apart.
+inline void require_one_process_to_change_trainable(const TrainerContext& trainer, std::string_view owner) {
+  const int64_t world_size = trainer.cluster().world_size;
+  if (world_size > 1)
+    throw Error(ErrorKind::config,
+                fmt::format("{}: changing which parameters train during a run is not supported with several "
+                            "processes (world size {}): the strategy fixes the gradients it synchronizes at the "
+                            "first backward. Train in one process, or freeze the parameters in the Module itself",
+                            owner, world_size));
 }
 
 }  // namespace fulgur::weights_support

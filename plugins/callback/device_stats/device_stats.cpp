@@ -1,22 +1,14 @@
 // Built-in callback `device_stats`: Lightning's DeviceStatsMonitor. On the Trainer's logging steps
 // it logs, at the start and at the end of the training batch, the accelerator's statistics
-// (Accelerator::device_stats), CUDA caching-allocator memory when the model runs on a CUDA device,
-// and CPU utilisation and memory read from /proc, under Lightning's names:
+// (Accelerator::device_stats: the cuda accelerator reports its caching allocator's memory) and
+// CPU utilisation and memory read from /proc, under Lightning's names:
 // "DeviceStatsMonitor.on_train_batch_start/<stat>" and ".../on_train_batch_end/<stat>".
 // Nothing here synchronizes the device: allocator statistics are host-side counters.
-#include <fulgur/accelerator.h>
 #include <fulgur/plugin.h>
 
 #include <fmt/format.h>
 
 #include <string>
-
-#if FULGUR_CUDA_VERSION > 0 && __has_include(<c10/cuda/CUDACachingAllocator.h>)
-#include <c10/cuda/CUDACachingAllocator.h>
-#define FULGUR_DEVICE_STATS_CUDA 1
-#else
-#define FULGUR_DEVICE_STATS_CUDA 0
-#endif
 
 #include "../common/monitor_support.h"
 #include "proc_stats.h"
@@ -26,23 +18,6 @@ namespace {
 namespace monitor = fulgur::monitor_support;
 
 constexpr char kOwner[] = "callback 'device_stats'";
-
-#if FULGUR_DEVICE_STATS_CUDA
-// The numbers torch.cuda.memory_stats() reports under the same keys (aggregate pool).
-void cuda_stats(const c10::Device& device, fulgur::MetricMap& out) {
-  const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(device.index() < 0 ? 0 : device.index());
-  constexpr auto all = static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE);
-  auto put = [&](const char* name, const c10::CachingAllocator::StatArray& stat) {
-    out[fmt::format("{}.all.current", name)] = static_cast<double>(stat[all].current);
-    out[fmt::format("{}.all.peak", name)] = static_cast<double>(stat[all].peak);
-  };
-  put("allocated_bytes", stats.allocated_bytes);
-  put("reserved_bytes", stats.reserved_bytes);
-  put("active_bytes", stats.active_bytes);
-  out["num_alloc_retries"] = static_cast<double>(stats.num_alloc_retries);
-  out["num_ooms"] = static_cast<double>(stats.num_ooms);
-}
-#endif
 
 class DeviceStatsMonitor final : public fulgur::Callback {
  public:
@@ -70,11 +45,7 @@ class DeviceStatsMonitor final : public fulgur::Callback {
  private:
   // Both readings of a batch go to the Trainer's row for that batch's step.
   void log(fulgur::TrainerContext& trainer, const char* hook) {
-    const c10::Device device = trainer.device();
     fulgur::MetricMap stats = trainer.device_stats();
-#if FULGUR_DEVICE_STATS_CUDA
-    if (device.is_cuda()) cuda_stats(device, stats);
-#endif
     if (cpu_stats_) sampler_.sample(stats);
     fulgur::MetricMap named;
     for (const auto& [key, value] : stats) named[fmt::format("DeviceStatsMonitor.{}/{}", hook, key)] = value;

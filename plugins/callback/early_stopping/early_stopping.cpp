@@ -7,7 +7,6 @@
 #include "../common/callback_support.h"
 
 #include <fmt/format.h>
-#include <spdlog/spdlog.h>
 
 #include <cmath>
 #include <optional>
@@ -178,9 +177,9 @@ class EarlyStopping final : public fulgur::Callback {
   void log(fulgur::TrainerContext& trainer, const std::string& message) const {
     const auto& cluster = trainer.cluster();
     if (cluster.world_size <= 1) {
-      spdlog::info("{}", message);
+      fulgur::log::info(message);
     } else if (!log_rank_zero_only_ || cluster.global_rank == 0) {
-      spdlog::info("[rank: {}] {}", cluster.global_rank, message);
+      fulgur::log::info(fmt::format("[rank: {}] {}", cluster.global_rank, message));
     }
   }
 

@@ -12,7 +12,6 @@
 #include "../common/weights_support.h"
 
 #include <fmt/format.h>
-#include <spdlog/spdlog.h>
 
 #include <optional>
 #include <string>
@@ -93,8 +92,8 @@ class Ema final : public fulgur::CallbackBase<Ema> {
   void on_train_end(fulgur::TrainerContext&) override {
     if (!copy_at_end_ || average_.n_averaged() == 0) return;
     average_.copy_to_model();
-    spdlog::info("{}: copied the exponential moving average ({} updates) into the model", kOwner,
-                 average_.n_averaged());
+    fulgur::log::info(fmt::format("{}: copied the exponential moving average ({} updates) into the model", kOwner,
+                                  average_.n_averaged()));
   }
 
   std::string state_key() const override { return "EMAWeightAveraging"; }

@@ -14,7 +14,6 @@
 #include "../common/weights_support.h"
 
 #include <fmt/format.h>
-#include <spdlog/spdlog.h>
 #include <torch/optim/optimizer.h>
 
 #include <algorithm>
@@ -75,15 +74,7 @@ class FreezeSchedule final : public fulgur::CallbackBase<FreezeSchedule> {
       : entries_(parse_schedule(options.get_string_list("schedule"))), verbose_(options.get_bool("verbose")) {}
 
   void on_fit_start(fulgur::TrainerContext& trainer) override {
-    // The data-parallel strategy decides which gradients it all-reduces from requires_grad at the
-    // first backward, and the contract has no way to tell it that the set changed: parameters
-    // unfrozen later would train on each rank's own gradients and the replicas would drift apart.
-    if (trainer.cluster().world_size > 1)
-      throw Error(ErrorKind::config,
-                  fmt::format("{}: changing which parameters train during a run is not supported with several "
-                              "processes (world size {}): the strategy fixes the gradients it synchronizes at the "
-                              "first backward. Train in one process, or freeze the parameters in the Module itself",
-                              kOwner, trainer.cluster().world_size));
+    weights::require_one_process_to_change_trainable(trainer, kOwner);
     auto optimizers = trainer.optimizers();
     optimizer_ = optimizers.empty() ? nullptr : optimizers.front();
     params_.clear();
@@ -175,11 +166,11 @@ class FreezeSchedule final : public fulgur::CallbackBase<FreezeSchedule> {
       added_groups_.push_back(orphan_names);
     }
     if (verbose_)
-      spdlog::info("{}: epoch {}: {} {} parameter(s) matching \"{}\"{}", kOwner, entry.epoch,
-                   entry.freeze ? "froze" : "unfroze", count, entry.pattern,
-                   orphans.empty()
-                       ? std::string()
-                       : fmt::format(" ({} added to the optimizer as a new parameter group)", orphans.size()));
+      fulgur::log::info(fmt::format(
+          "{}: epoch {}: {} {} parameter(s) matching \"{}\"{}", kOwner, entry.epoch, entry.freeze ? "froze" : "unfroze",
+          count, entry.pattern,
+          orphans.empty() ? std::string()
+                          : fmt::format(" ({} added to the optimizer as a new parameter group)", orphans.size())));
   }
 
   std::vector<Entry> entries_;

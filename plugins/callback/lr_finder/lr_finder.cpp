@@ -26,7 +26,6 @@
 #include <ATen/core/grad_mode.h>
 #include <ATen/ops/scalar_tensor.h>
 #include <fmt/format.h>
-#include <spdlog/spdlog.h>
 #include <torch/nn/module.h>
 #include <torch/optim/optimizer.h>
 
@@ -159,9 +158,9 @@ class LrFinder final : public fulgur::CallbackBase<LrFinder> {
     snapshot_ = std::move(snapshot);
     sweep_.emplace(sweep_options_);
     last_step_ = trainer.global_step();
-    spdlog::info("{}: sweeping the lr from {} to {} over {} steps ({})", kOwner, sweep_options_.min_lr_,
-                 sweep_options_.max_lr_, sweep_options_.num_training_steps_,
-                 sweep_options_.mode_ == lf::SweepMode::exponential ? "exponential" : "linear");
+    fulgur::log::info(fmt::format("{}: sweeping the lr from {} to {} over {} steps ({})", kOwner,
+                                  sweep_options_.min_lr_, sweep_options_.max_lr_, sweep_options_.num_training_steps_,
+                                  sweep_options_.mode_ == lf::SweepMode::exponential ? "exponential" : "linear"));
   }
 
   static void set_lr(fulgur::TrainerContext& trainer, double lr) {
@@ -173,30 +172,31 @@ class LrFinder final : public fulgur::CallbackBase<LrFinder> {
     done_ = true;
     const auto& points = sweep_->points();
     if (sweep_->diverged())
-      spdlog::info(
-          "{}: the sweep stopped after {} steps: the smoothed loss exceeded early_stop_threshold = {} "
-          "times the best one",
-          kOwner, points.size(), sweep_options_.early_stop_threshold_);
+      fulgur::log::info(
+          fmt::format("{}: the sweep stopped after {} steps: the smoothed loss exceeded early_stop_threshold = {} "
+                      "times the best one",
+                      kOwner, points.size(), sweep_options_.early_stop_threshold_));
     else if (static_cast<int64_t>(points.size()) < sweep_options_.num_training_steps_)
-      spdlog::warn(
-          "{}: the first epoch had only {} training steps, fewer than num_training_steps = {}; the sweep "
-          "ended with the epoch (lower num_training_steps or raise limit_train_batches)",
-          kOwner, points.size(), sweep_options_.num_training_steps_);
+      fulgur::log::warn(
+          fmt::format("{}: the first epoch had only {} training steps, fewer than num_training_steps = {}; the sweep "
+                      "ended with the epoch (lower num_training_steps or raise limit_train_batches)",
+                      kOwner, points.size(), sweep_options_.num_training_steps_));
     const auto index = sweep_->suggestion_index();
     if (index) suggestion_ = points[*index].lr;
     // Restored before the files are written: a failed write must not leave the sweep's weights.
     restore(trainer);
     if (trainer.is_global_zero()) write_results(trainer, index);
     if (!index)
-      spdlog::error(
-          "{}: no lr suggested: fewer than 2 finite losses remained after skip_begin = {} and skip_end = "
-          "{}; the optimizers keep their lr",
-          kOwner, sweep_options_.skip_begin_, sweep_options_.skip_end_);
+      fulgur::log::error(
+          fmt::format("{}: no lr suggested: fewer than 2 finite losses remained after skip_begin = {} and skip_end = "
+                      "{}; the optimizers keep their lr",
+                      kOwner, sweep_options_.skip_begin_, sweep_options_.skip_end_));
     else if (update_attr_)
       set_lr(trainer, *suggestion_);
     if (index) {
-      spdlog::info("{}: suggested lr {}{}", kOwner, *suggestion_,
-                   update_attr_ ? "; the optimizers use it from now on" : " (update_attr = false: not applied)");
+      fulgur::log::info(
+          fmt::format("{}: suggested lr {}{}", kOwner, *suggestion_,
+                      update_attr_ ? "; the optimizers use it from now on" : " (update_attr = false: not applied)"));
       if (trainer.has_logger()) trainer.log_metrics({{"lr_finder/suggestion", *suggestion_}}, kOwner);
     }
     sweep_.reset();
@@ -236,7 +236,7 @@ class LrFinder final : public fulgur::CallbackBase<LrFinder> {
     const std::filesystem::path png = dir / "lr_find.png";
     lf::write_loss_plot(png.string(), points, index,
                         lf::LossPlotOptions().log_x(sweep_options_.mode_ == lf::SweepMode::exponential));
-    spdlog::info("{}: wrote {} and {}", kOwner, csv.string(), png.string());
+    fulgur::log::info(fmt::format("{}: wrote {} and {}", kOwner, csv.string(), png.string()));
   }
 
   lf::LrSweepOptions sweep_options_;

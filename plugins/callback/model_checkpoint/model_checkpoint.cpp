@@ -10,7 +10,6 @@
 #include "../common/callback_support.h"
 
 #include <fmt/format.h>
-#include <spdlog/spdlog.h>
 
 #include <dirent.h>
 #include <ftw.h>
@@ -522,10 +521,10 @@ class ModelCheckpoint final : public fulgur::Callback, public fulgur::Checkpoint
       // yet (validation every N epochs); Lightning warns and skips. Anywhere else it is a mistake.
       if (trigger == Trigger::train_epoch_end && !validation_ran_ && validation_expected(trainer)) {
         if (!warned_missing_before_validation_ && trainer.is_global_zero())
-          spdlog::warn(
-              "{}: \"{}\" is not logged yet; no top-k checkpoint at the end of epoch {} (validation has "
-              "not run yet)",
-              kOwner, monitor_, trainer.current_epoch());
+          fulgur::log::warn(
+              fmt::format("{}: \"{}\" is not logged yet; no top-k checkpoint at the end of epoch {} (validation has "
+                          "not run yet)",
+                          kOwner, monitor_, trainer.current_epoch()));
         warned_missing_before_validation_ = true;
         return;
       }
@@ -535,8 +534,8 @@ class ModelCheckpoint final : public fulgur::Callback, public fulgur::Checkpoint
     if (check_monitor_top_k(trainer, current)) {
       update_best_and_save(trainer, current, candidates);
     } else if (verbose_ && trainer.is_global_zero()) {
-      spdlog::info("Epoch {}, global step {}: '{}' was not in top {}", epoch_of(candidates), step_of(candidates),
-                   monitor_, save_top_k_);
+      fulgur::log::info(fmt::format("Epoch {}, global step {}: '{}' was not in top {}", epoch_of(candidates),
+                                    step_of(candidates), monitor_, save_top_k_));
     }
   }
 
@@ -572,8 +571,9 @@ class ModelCheckpoint final : public fulgur::Callback, public fulgur::Checkpoint
     top_k_.best_model_path = best.first;
     top_k_.best_model_score = best.second;
     if (verbose_ && trainer.is_global_zero())
-      spdlog::info("Epoch {}, global step {}: '{}' reached {:.5f} (best {:.5f}), saving model to '{}' as top {}",
-                   epoch_of(candidates), step_of(candidates), monitor_, current, *top_k_.best_model_score, filepath, k);
+      fulgur::log::info(fmt::format(
+          "Epoch {}, global step {}: '{}' reached {:.5f} (best {:.5f}), saving model to '{}' as top {}",
+          epoch_of(candidates), step_of(candidates), monitor_, current, *top_k_.best_model_score, filepath, k));
     save_checkpoint(trainer, filepath, before);
     if (!removed_path.empty() && should_remove(removed_path, filepath)) remove_checkpoint(trainer, removed_path);
   }
@@ -583,8 +583,8 @@ class ModelCheckpoint final : public fulgur::Callback, public fulgur::Checkpoint
     std::string filepath = unique_filepath(trainer, filename_, candidates, top_k_.best_model_path);
     std::string previous = std::exchange(top_k_.best_model_path, filepath);
     if (verbose_ && trainer.is_global_zero())
-      spdlog::info("Epoch {}, global step {}: saving model to '{}'", epoch_of(candidates), step_of(candidates),
-                   filepath);
+      fulgur::log::info(fmt::format("Epoch {}, global step {}: saving model to '{}'", epoch_of(candidates),
+                                    step_of(candidates), filepath));
     save_checkpoint(trainer, filepath, before);
     if (save_top_k_ == 1 && !previous.empty() && should_remove(previous, filepath))
       remove_checkpoint(trainer, previous);
@@ -645,12 +645,13 @@ class ModelCheckpoint final : public fulgur::Callback, public fulgur::Checkpoint
   static void remove_checkpoint(fulgur::TrainerContext& trainer, const std::string& path) {
     if (!trainer.is_global_zero()) return;
     if (int error = remove_tree(path); error != 0)
-      spdlog::warn("{}: could not delete {}, which is no longer kept: {}", kOwner, path, std::strerror(error));
+      fulgur::log::warn(
+          fmt::format("{}: could not delete {}, which is no longer kept: {}", kOwner, path, std::strerror(error)));
   }
 
   void warn_if_directory_not_empty() const {
     if (directory_has_entries(dirpath_))
-      spdlog::warn("{}: checkpoint directory {} exists and is not empty", kOwner, dirpath_);
+      fulgur::log::warn(fmt::format("{}: checkpoint directory {} exists and is not empty", kOwner, dirpath_));
   }
 
   void apply_loaded_state(LoadedState loaded) {
@@ -658,10 +659,10 @@ class ModelCheckpoint final : public fulgur::Callback, public fulgur::Checkpoint
     if (!loaded.dirpath || *loaded.dirpath == dirpath_) {
       top_k_ = std::move(loaded.top_k);
     } else {
-      spdlog::warn(
-          "{}: the checkpoint directory changed from {} to {}, so best_model_score, kth_best_model_path, "
-          "kth_value, last_model_path and best_k_models are not restored; only best_model_path is",
-          kOwner, *loaded.dirpath, dirpath_);
+      fulgur::log::warn(
+          fmt::format("{}: the checkpoint directory changed from {} to {}, so best_model_score, kth_best_model_path, "
+                      "kth_value, last_model_path and best_k_models are not restored; only best_model_path is",
+                      kOwner, *loaded.dirpath, dirpath_));
     }
     top_k_.best_model_path = best_model_path;
   }
@@ -701,7 +702,8 @@ class ModelCheckpoint final : public fulgur::Callback, public fulgur::Checkpoint
       if (!state.isGenericDict()) return {};
       return support::get_optional_string(kOwner, state.toGenericDict(), "best_model_path").value_or("");
     } catch (const fulgur::Error& e) {
-      spdlog::warn("{}: could not read the best checkpoint's path from {}: {}", kOwner, last, e.what());
+      fulgur::log::warn(
+          fmt::format("{}: could not read the best checkpoint's path from {}: {}", kOwner, last, e.what()));
       return {};
     }
   }

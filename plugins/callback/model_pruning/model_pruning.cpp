@@ -30,7 +30,6 @@
 #include <ATen/ops/zeros_like.h>
 #include <fmt/format.h>
 #include <fmt/ranges.h>
-#include <spdlog/spdlog.h>
 #include <torch/nn/module.h>
 
 #include <cmath>
@@ -157,16 +156,16 @@ class ModelPruning final : public fulgur::CallbackBase<ModelPruning> {
     if (verbose_ >= 2)
       for (const auto& p : pruned_) row["pruning/sparsity/" + p.name] = sparsity_of(p);
     if (verbose_ >= 1)
-      spdlog::info("{}: epoch {}: pruned to a sparsity of {:.4f} over {} parameter(s)", kOwner, epoch,
-                   row["pruning/sparsity"], pruned_.size());
+      fulgur::log::info(fmt::format("{}: epoch {}: pruned to a sparsity of {:.4f} over {} parameter(s)", kOwner, epoch,
+                                    row["pruning/sparsity"], pruned_.size()));
     if (trainer.has_logger()) trainer.log_metrics(row, kOwner);
   }
 
   void on_train_end(fulgur::TrainerContext&) override {
     if (prunings_ == 0) return;
     apply_masks();
-    spdlog::info("{}: pruning made permanent: sparsity {:.4f} over {} parameter(s)", kOwner, sparsity(),
-                 pruned_.size());
+    fulgur::log::info(fmt::format("{}: pruning made permanent: sparsity {:.4f} over {} parameter(s)", kOwner,
+                                  sparsity(), pruned_.size()));
   }
 
   std::string state_key() const override { return "ModelPruning"; }

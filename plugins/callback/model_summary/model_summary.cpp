@@ -11,7 +11,6 @@
 #include <fulgur/plugin.h>
 
 #include <fmt/format.h>
-#include <spdlog/spdlog.h>
 #include <torch/nn/module.h>
 
 #include <cmath>
@@ -140,7 +139,7 @@ class ModelSummary final : public fulgur::Callback {
 
   void on_fit_start(fulgur::TrainerContext& trainer) override {
     if (!trainer.is_global_zero()) return;
-    spdlog::info("\n{}", summarize(trainer.model(), max_depth_));
+    fulgur::log::info(fmt::format("\n{}", summarize(trainer.model(), max_depth_)));
   }
 
   static std::string summarize(const torch::nn::Module& model, int64_t max_depth) {

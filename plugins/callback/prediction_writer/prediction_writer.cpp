@@ -16,7 +16,6 @@
 
 #include <ATen/core/List.h>
 #include <fmt/format.h>
-#include <spdlog/spdlog.h>
 
 #include <cstdio>
 #include <filesystem>
@@ -102,7 +101,7 @@ class PredictionWriter final : public fulgur::CallbackBase<PredictionWriter> {
     } else {
       write_csv(path, predictions_, indices_);
     }
-    spdlog::info("{}: wrote {} batches of predictions to {}", kOwner, predictions_.size(), path);
+    fulgur::log::info(fmt::format("{}: wrote {} batches of predictions to {}", kOwner, predictions_.size(), path));
     predictions_.clear();
     indices_.clear();
   }

@@ -20,7 +20,6 @@
 
 #include <ATen/core/grad_mode.h>
 #include <fmt/format.h>
-#include <spdlog/spdlog.h>
 #include <torch/optim/optimizer.h>
 
 #include <cmath>
@@ -157,14 +156,14 @@ class SpikeDetection final : public fulgur::CallbackBase<SpikeDetection> {
         values_.size());
     switch (action_) {
       case Action::warn:
-        spdlog::warn("{}", what);
+        fulgur::log::warn(what);
         return;
       case Action::skip: {
         at::NoGradGuard no_grad;
         for (auto& group : optimizer.param_groups())
           for (auto& param : group.params())
             if (param.grad().defined()) param.mutable_grad() = at::Tensor();
-        spdlog::warn("{}; the optimizer step of this batch is skipped", what);
+        fulgur::log::warn(fmt::format("{}; the optimizer step of this batch is skipped", what));
         return;
       }
       case Action::raise:

@@ -16,7 +16,6 @@
 #include "../common/weights_support.h"
 
 #include <fmt/format.h>
-#include <spdlog/spdlog.h>
 #include <torch/optim/optimizer.h>
 
 #include <cmath>
@@ -162,13 +161,13 @@ class Swa final : public fulgur::CallbackBase<Swa> {
 
   void on_train_end(fulgur::TrainerContext&) override {
     if (average_.n_averaged() == 0) {
-      spdlog::warn("{}: training ended before SWA started (epoch {}); the model keeps its trained weights", kOwner,
-                   swa_start_);
+      fulgur::log::warn(fmt::format(
+          "{}: training ended before SWA started (epoch {}); the model keeps its trained weights", kOwner, swa_start_));
       return;
     }
     average_.copy_to_model();
-    spdlog::info("{}: the model now holds the average of the weights of {} epoch(s), from epoch {}", kOwner,
-                 average_.n_averaged(), swa_start_);
+    fulgur::log::info(fmt::format("{}: the model now holds the average of the weights of {} epoch(s), from epoch {}",
+                                  kOwner, average_.n_averaged(), swa_start_));
   }
 
   std::string state_key() const override { return "StochasticWeightAveraging"; }

@@ -14,7 +14,6 @@
 
 #include <ATen/Context.h>
 #include <fmt/format.h>
-#include <spdlog/spdlog.h>
 
 #include <chrono>
 #include <string>
@@ -71,10 +70,12 @@ class ThroughputMonitor final : public fulgur::Callback {
       peak_flops_ = peak.value_or(0.0);
       const std::string dtype_name = dtype == c10::ScalarType::Float && tf32 ? "tf32" : c10::toString(dtype);
       if (peak)
-        spdlog::info("{}: MFU against {:.4g} FLOP/s, the peak of '{}' in {} (set peak_flops to use another)", kOwner,
-                     *peak, device, dtype_name);
+        fulgur::log::info(
+            fmt::format("{}: MFU against {:.4g} FLOP/s, the peak of '{}' in {} (set peak_flops to use another)", kOwner,
+                        *peak, device, dtype_name));
       else
-        spdlog::debug("{}: no peak FLOP/s known for '{}' in {}: set peak_flops to log MFU", kOwner, device, dtype_name);
+        fulgur::log::debug(fmt::format("{}: no peak FLOP/s known for '{}' in {}: set peak_flops to log MFU", kOwner,
+                                       device, dtype_name));
     }
     batches_ = samples_ = items_ = 0;
     train_seconds_ = 0;
@@ -100,11 +101,11 @@ class ThroughputMonitor final : public fulgur::Callback {
       counted_ = true;
       if (size > 0 && flops > 0) {
         flops_per_sample_ = static_cast<double>(flops) / static_cast<double>(size);
-        spdlog::info("{}: counted {:.4g} FLOPs per sample (forward, backward and optimizer step)", kOwner,
-                     flops_per_sample_);
+        fulgur::log::info(fmt::format("{}: counted {:.4g} FLOPs per sample (forward, backward and optimizer step)",
+                                      kOwner, flops_per_sample_));
       } else {
-        spdlog::warn("{}: no FLOPs were counted on a training batch; set flops_per_sample to log FLOP/s and MFU",
-                     kOwner);
+        fulgur::log::warn(fmt::format(
+            "{}: no FLOPs were counted on a training batch; set flops_per_sample to log FLOP/s and MFU", kOwner));
       }
     }
     if (!trainer.step_logging_due()) return;

@@ -2,18 +2,16 @@
 // `duration` ("DD:HH:MM:SS", fewer fields counting from the right, or plain seconds), checked after
 // every training batch or every epoch. The time spent in each stage is kept, and the training
 // time so far travels in the checkpoint (callbacks["Timer"]["time_elapsed"]), so a resumed run
-// stops at the same total.
+// stops at the same total. [trainer] max_time is this callback too, as in Lightning: a non-empty
+// max_time adds it with duration = max_time (TRAINER_SHORTHAND in plugins/CMakeLists.txt).
 #include <fulgur/plugin.h>
 
 #include <fmt/format.h>
-#include <spdlog/spdlog.h>
 
 #include <array>
 #include <chrono>
-#include <cmath>
 #include <optional>
 #include <string>
-#include <vector>
 
 #include "../common/callback_support.h"
 
@@ -28,34 +26,22 @@ using Clock = std::chrono::steady_clock;
 constexpr char kOwner[] = "callback 'timer'";
 constexpr std::array<Stage, 4> kStages = {Stage::fit, Stage::validate, Stage::test, Stage::predict};
 
-// "DD:HH:MM:SS" (or "HH:MM:SS", "MM:SS") or a number of seconds ("3600", "90.5").
-double parse_duration(const std::string& text) {
-  auto bad = [&] {
-    return Error(ErrorKind::config, fmt::format("{}: duration = \"{}\" is not understood; write \"DD:HH:MM:SS\" "
-                                                "(e.g. \"00:12:00:00\" for twelve hours) or seconds (e.g. \"3600\")",
-                                                kOwner, text));
-  };
-  std::vector<double> parts;
-  size_t start = 0;
-  while (true) {
-    const size_t end = text.find(':', start);
-    const std::string field = text.substr(start, end == std::string::npos ? std::string::npos : end - start);
-    try {
-      size_t used = 0;
-      parts.push_back(std::stod(field, &used));
-      if (used != field.size() || !std::isfinite(parts.back()) || parts.back() < 0) throw bad();
-    } catch (const std::exception&) {
-      throw bad();
-    }
-    if (end == std::string::npos) break;
-    start = end + 1;
-  }
-  if (parts.size() > 4) throw bad();
-  const double scale[] = {1, 60, 3600, 86400};
-  double seconds = 0;
-  for (size_t i = 0; i < parts.size(); ++i) seconds += parts[parts.size() - 1 - i] * scale[i];
-  if (seconds <= 0) throw bad();
-  return seconds;
+// "DD:HH:MM:SS" (or "HH:MM:SS", "MM:SS") or a number of seconds ("3600", "90.5"), in seconds.
+// "00:00:00:00" stops after the first batch, as Lightning's Trainer(max_time="00:00:00:00") does; a
+// plain 0 is refused: it reads as "no limit" in many tools.
+double duration_seconds(const std::string& text) {
+  const std::optional<double> seconds = fulgur::parse_duration(text);
+  if (!seconds)
+    throw Error(ErrorKind::config, fmt::format("{}: duration = \"{}\" is not understood; write \"DD:HH:MM:SS\" "
+                                               "(e.g. \"00:12:00:00\" for twelve hours) or seconds (e.g. \"3600\")",
+                                               kOwner, text));
+  if (*seconds == 0 && text.find(':') == std::string::npos)
+    throw Error(ErrorKind::config,
+                fmt::format("{}: duration = \"{}\" is ambiguous: a plain 0 means \"no limit\" in many "
+                            "tools; leave the limit out for none, or write \"00:00:00:00\" "
+                            "(DD:HH:MM:SS) to stop after the first batch",
+                            kOwner, text));
+  return *seconds;
 }
 
 // Python's str(timedelta) for whole seconds: "0:05:03", "1 day, 2:00:00".
@@ -71,7 +57,7 @@ std::string timedelta_text(double seconds) {
 class Timer final : public fulgur::Callback {
  public:
   explicit Timer(const fulgur::Options& options)
-      : duration_(parse_duration(options.get_string("duration"))),
+      : duration_(duration_seconds(options.get_string("duration"))),
         interval_(options.get_string("interval")),
         verbose_(options.get_bool("verbose")) {
     if (interval_ != "step" && interval_ != "epoch")

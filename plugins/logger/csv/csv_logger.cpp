@@ -11,7 +11,6 @@
 #include <fulgur/plugin.h>
 
 #include <fmt/format.h>
-#include <spdlog/spdlog.h>
 
 #include <algorithm>
 #include <cctype>
@@ -164,7 +163,7 @@ class CsvLogger final : public fulgur::Logger {
     try {
       flush_rows();
     } catch (const std::exception& e) {
-      spdlog::error("logger 'csv': {}", e.what());
+      fulgur::log::error(fmt::format("logger 'csv': {}", e.what()));
     }
   }
 
@@ -232,7 +231,8 @@ class CsvLogger final : public fulgur::Logger {
     const fs::path metrics = fs::path(log_dir_) / kMetricsFile;
     if (fs::exists(metrics, error)) {
       // Lightning does the same with an explicit version that was used before.
-      spdlog::warn("logger 'csv': '{}' already holds logs; its metrics.csv is replaced by this run's", log_dir_);
+      fulgur::log::warn(
+          fmt::format("logger 'csv': '{}' already holds logs; its metrics.csv is replaced by this run's", log_dir_));
       ::unlink(metrics.c_str());
     }
   }

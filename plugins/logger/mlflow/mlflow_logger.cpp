@@ -17,7 +17,6 @@
 #include <fulgur/plugin.h>
 
 #include <fmt/format.h>
-#include <spdlog/spdlog.h>
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
@@ -97,8 +96,8 @@ std::string param_value(const std::string& toml) {
   if (value.size() >= 2 && value.front() == '"' && value.back() == '"' && value.find('\\') == std::string::npos)
     value = value.substr(1, value.size() - 2);
   if (value.size() > kMaxParamValueLength) {
-    spdlog::warn("{}: a hyperparameter value of {} characters is cut to MLflow's limit of {}", kOwner, value.size(),
-                 kMaxParamValueLength);
+    fulgur::log::warn(fmt::format("{}: a hyperparameter value of {} characters is cut to MLflow's limit of {}", kOwner,
+                                  value.size(), kMaxParamValueLength));
     value.resize(kMaxParamValueLength);
   }
   return value;
@@ -197,7 +196,7 @@ class MlflowLogger final : public fulgur::Logger {
       // One try when the server is already known to be away: exit should not wait out the back-off twice.
       if (!send_pending(/*final=*/!server_away_)) report_undelivered("did not take every value");
     } catch (const std::exception& e) {
-      spdlog::error("{}", e.what());
+      fulgur::log::error(e.what());
       report_undelivered("refused values");
     }
   }
@@ -219,7 +218,8 @@ class MlflowLogger final : public fulgur::Logger {
     log_dir_ = (fs::path(setup.root_dir) / "mlruns" / experiment_id / run_id_).string();
     fulgur::plugin_support::ensure_writable_directory(kOwner, log_dir_, "the log directory",
                                                       "[trainer] default_root_dir");
-    spdlog::info("{}: run {} in experiment '{}' ({}) at {}", kOwner, run_id_, experiment_name_, experiment_id, uri_);
+    fulgur::log::info(fmt::format("{}: run {} in experiment '{}' ({}) at {}", kOwner, run_id_, experiment_name_,
+                                  experiment_id, uri_));
   }
 
   void log_metrics(const fulgur::MetricMap& metrics, int64_t step) override {
@@ -246,15 +246,16 @@ class MlflowLogger final : public fulgur::Logger {
     try {
       delivered = send_pending(/*final=*/true);
     } catch (const fulgur::Error& e) {
-      spdlog::error("{}", e.what());  // the server refused data; what is left goes to the file below
+      fulgur::log::error(e.what());  // the server refused data; what is left goes to the file below
     }
     // A server that just outlasted every retry gets one more try for the status, and no uploads:
     // exit should not wait out the whole back-off once per request.
     const bool reachable = delivered || !server_away_;
     if (log_model_checkpoints_ && reachable) upload_checkpoints();
     if (log_model_checkpoints_ && !reachable)
-      spdlog::error("{}: the tracking server at {} is unreachable; the checkpoints were not uploaded and stay in {}",
-                    kOwner, uri_, checkpoint_directory().string());
+      fulgur::log::error(
+          fmt::format("{}: the tracking server at {} is unreachable; the checkpoints were not uploaded and stay in {}",
+                      kOwner, uri_, checkpoint_directory().string()));
     const char* state = mlflow_status(status);
     const json update = {{"run_id", run_id_}, {"status", state}, {"end_time", now_ms()}};
     const fulgur::mlflow::HttpResponse answer = api_->post("runs/update", update, reachable ? retry_.attempts() : 1);
@@ -277,7 +278,7 @@ class MlflowLogger final : public fulgur::Logger {
     const fulgur::mlflow::HttpResponse created =
         api_->post("experiments/create", {{"name", experiment_name_}}, retry_.attempts());
     if (created.ok()) {
-      spdlog::info("{}: created experiment '{}' at {}", kOwner, experiment_name_, uri_);
+      fulgur::log::info(fmt::format("{}: created experiment '{}' at {}", kOwner, experiment_name_, uri_));
       return string_at(parse_body(created, uri_, "experiments/create"), {"experiment_id"}, uri_, "experiments/create");
     }
     // Another process created it between the two requests: read it again.
@@ -354,15 +355,16 @@ class MlflowLogger final : public fulgur::Logger {
                               fmt::format("{}: the tracking server at {} refused runs/log-batch for run {}: {}", kOwner,
                                           uri_, run_id_, server_message(response)));
         if (!server_away_ && !final)
-          spdlog::warn(
-              "{}: the tracking server at {} is unreachable ({}) after {} attempt(s); {} metric value(s) "
-              "are kept and sent again with the next batch",
-              kOwner, uri_, response.describe(), attempts, pending_metrics_.size());
+          fulgur::log::warn(
+              fmt::format("{}: the tracking server at {} is unreachable ({}) after {} attempt(s); {} metric value(s) "
+                          "are kept and sent again with the next batch",
+                          kOwner, uri_, response.describe(), attempts, pending_metrics_.size()));
         server_away_ = true;
         return false;
       }
       if (server_away_)
-        spdlog::info("{}: the tracking server at {} is back; buffered values are being sent", kOwner, uri_);
+        fulgur::log::info(
+            fmt::format("{}: the tracking server at {} is back; buffered values are being sent", kOwner, uri_));
       server_away_ = false;
       pending_params_.erase(pending_params_.begin(), pending_params_.begin() + static_cast<std::ptrdiff_t>(params));
       pending_metrics_.erase(pending_metrics_.begin(), pending_metrics_.begin() + static_cast<std::ptrdiff_t>(metrics));
@@ -389,8 +391,9 @@ class MlflowLogger final : public fulgur::Logger {
       if (entry.is_regular_file(error) && entry.path().extension() == ".ckpt") files.push_back(entry.path());
     std::sort(files.begin(), files.end());
     if (files.empty()) {
-      spdlog::warn("{}: log_model_checkpoints = true but '{}' holds no .ckpt file to upload{}", kOwner, dir.string(),
-                   checkpoint_dir_.empty() ? " (set checkpoint_dir to model_checkpoint's dirpath if it has one)" : "");
+      fulgur::log::warn(fmt::format(
+          "{}: log_model_checkpoints = true but '{}' holds no .ckpt file to upload{}", kOwner, dir.string(),
+          checkpoint_dir_.empty() ? " (set checkpoint_dir to model_checkpoint's dirpath if it has one)" : ""));
       return;
     }
     for (const fs::path& file : files) {
@@ -399,20 +402,21 @@ class MlflowLogger final : public fulgur::Logger {
           fmt::format("{}/{}/{}", artifact_root_, kCheckpointArtifactDir, fulgur::mlflow::url_encode(name));
       const fulgur::mlflow::HttpResponse response = api_->put_artifact(path, file.string(), retry_.attempts());
       if (response.ok())
-        spdlog::info("{}: uploaded {} to run {} as {}/{}", kOwner, file.string(), run_id_, kCheckpointArtifactDir,
-                     name);
+        fulgur::log::info(fmt::format("{}: uploaded {} to run {} as {}/{}", kOwner, file.string(), run_id_,
+                                      kCheckpointArtifactDir, name));
       else
-        spdlog::error("{}: uploading checkpoint {} to the tracking server at {} failed: {}; the file stays on disk",
-                      kOwner, file.string(), uri_, server_message(response));
+        fulgur::log::error(
+            fmt::format("{}: uploading checkpoint {} to the tracking server at {} failed: {}; the file stays on disk",
+                        kOwner, file.string(), uri_, server_message(response)));
     }
   }
 
   void report_undelivered(const std::string& what) {
     const std::string file = write_unsent();
-    spdlog::error(
+    fulgur::log::error(fmt::format(
         "{}: the tracking server at {} {}; {} metric value(s) and {} hyperparameter(s) of run {} were not delivered "
         "and are saved in {}. The run's checkpoints are on disk as usual.",
-        kOwner, uri_, what, pending_metrics_.size(), pending_params_.size(), run_id_, file);
+        kOwner, uri_, what, pending_metrics_.size(), pending_params_.size(), run_id_, file));
   }
 
   // What the server did not get, in runs/log-batch's own shape (plus the status it was not told),
@@ -426,7 +430,7 @@ class MlflowLogger final : public fulgur::Logger {
     try {
       fulgur::atomic_write_text(path, body.dump(1) + "\n");
     } catch (const fulgur::Error& e) {
-      spdlog::error("{}: {}", kOwner, e.what());
+      fulgur::log::error(fmt::format("{}: {}", kOwner, e.what()));
     }
     return path;
   }

@@ -1,7 +1,8 @@
 #include "tracking_api.h"
 
+#include <fulgur/log.h>
+
 #include <fmt/format.h>
-#include <spdlog/spdlog.h>
 
 #include <chrono>
 #include <cmath>
@@ -38,7 +39,8 @@ HttpResponse TrackingApi::with_retries(std::string_view what, int64_t attempts,
     }
     response = request();
     if (response.ok()) {
-      if (outage_reported_) spdlog::info("logger 'mlflow': the tracking server at {} answers again", uri_);
+      if (outage_reported_)
+        fulgur::log::info(fmt::format("logger 'mlflow': the tracking server at {} answers again", uri_));
       outage_reported_ = false;
       return response;
     }
@@ -46,8 +48,9 @@ HttpResponse TrackingApi::with_retries(std::string_view what, int64_t attempts,
     // One warning per outage, not one per try: a server that is down for a minute must not
     // flood the log.
     if (!outage_reported_ && attempt + 1 < attempts)
-      spdlog::warn("logger 'mlflow': {} at {} failed ({}); retrying up to {} more time(s), first in {} s", what, uri_,
-                   response.describe(), attempts - attempt - 1, retry_.backoff_s);
+      fulgur::log::warn(
+          fmt::format("logger 'mlflow': {} at {} failed ({}); retrying up to {} more time(s), first in {} s", what,
+                      uri_, response.describe(), attempts - attempt - 1, retry_.backoff_s));
     if (attempt + 1 < attempts) outage_reported_ = true;
   }
   return response;

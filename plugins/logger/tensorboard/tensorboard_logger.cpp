@@ -11,7 +11,6 @@
 #include <fulgur/plugin.h>
 
 #include <fmt/format.h>
-#include <spdlog/spdlog.h>
 
 #include <chrono>
 #include <filesystem>
@@ -84,7 +83,7 @@ class TensorBoardLogger final : public fulgur::Logger {
     try {
       file_.close();
     } catch (const std::exception& e) {
-      spdlog::error("{}", e.what());
+      fulgur::log::error(e.what());
     }
   }
 

@@ -15,7 +15,6 @@
 #include <c10/core/DefaultDtype.h>
 #include <fmt/format.h>
 #include <fmt/ranges.h>
-#include <spdlog/spdlog.h>
 #include <torch/nn/module.h>
 #include <torch/optim/optimizer.h>
 
@@ -121,7 +120,7 @@ inline c10::impl::GenericDict empty_state() {
 }
 
 // Stateless plugins: accept None or an empty dict; warn (not fail) on a scaler state saved by
-// another plugin, as 32-true does.
+// another plugin.
 inline void load_stateless(std::string_view plugin, const c10::IValue& state) {
   if (state.isNone()) return;
   if (!state.isGenericDict())
@@ -132,10 +131,10 @@ inline void load_stateless(std::string_view plugin, const c10::IValue& state) {
   if (dict.empty()) return;
   std::vector<std::string> keys;
   for (const auto& entry : dict) keys.push_back(entry.key().isString() ? entry.key().toStringRef() : "?");
-  spdlog::warn(
-      "precision '{}' ignores the precision state in the checkpoint (keys: {}); it was saved by "
-      "another precision plugin",
-      plugin, fmt::join(keys, ", "));
+  fulgur::log::warn(
+      fmt::format("precision '{}' ignores the precision state in the checkpoint (keys: {}); it was saved by "
+                  "another precision plugin",
+                  plugin, fmt::join(keys, ", ")));
 }
 
 }  // namespace fulgur::precision_support

@@ -55,10 +55,10 @@ class Fp16MixedPrecision final : public fulgur::WithExtensions<fulgur::Precision
     autocast_dtype_ = cuda ? at::kHalf : at::kBFloat16;
     if (!cuda && !warned_fallback_) {
       warned_fallback_ = true;
-      spdlog::warn(
-          "16-mixed on {} runs bf16 autocast (float16 autocast is only used on CUDA, as in Lightning); use "
-          "precision = \"bf16-mixed\" to silence this. Loss scaling stays on",
-          c10::DeviceTypeName(device_type_));
+      fulgur::log::warn(
+          fmt::format("16-mixed on {} runs bf16 autocast (float16 autocast is only used on CUDA, as in Lightning); use "
+                      "precision = \"bf16-mixed\" to silence this. Loss scaling stays on",
+                      c10::DeviceTypeName(device_type_)));
     }
     move_state_to(device);
   }
@@ -155,10 +155,10 @@ class Fp16MixedPrecision final : public fulgur::WithExtensions<fulgur::Precision
       throw checkpoint_error(fmt::format("the checkpoint's precision state is a {}, expected a dict", state.tagKind()));
     const c10::impl::GenericDict dict = state.toGenericDict();
     if (dict.empty()) {
-      spdlog::info(
-          "precision '16-mixed': the checkpoint has no loss-scaler state (saved without loss scaling); "
-          "starting from init_scale {}",
-          init_scale_);
+      fulgur::log::info(
+          fmt::format("precision '16-mixed': the checkpoint has no loss-scaler state (saved without loss scaling); "
+                      "starting from init_scale {}",
+                      init_scale_));
       return;
     }
     if (!dict.contains("scale") || !dict.contains("growth_tracker"))

@@ -17,7 +17,6 @@
 #include <torch/csrc/autograd/profiler_kineto.h>
 
 #include <fmt/format.h>
-#include <spdlog/spdlog.h>
 
 #include <array>
 #include <cctype>
@@ -110,7 +109,7 @@ class PyTorchProfiler final : public fulgur::Profiler {
     try {
       stop_profiler(/*keep=*/false);
     } catch (const std::exception& e) {
-      spdlog::error("{}: {}", kOwner, e.what());
+      fulgur::log::error(fmt::format("{}: {}", kOwner, e.what()));
     }
   }
 
@@ -141,7 +140,7 @@ class PyTorchProfiler final : public fulgur::Profiler {
 
   void stop(std::string_view action) override {
     if (depth_ == 0) {
-      spdlog::warn("{}: action '{}' was stopped without having been started", kOwner, action);
+      fulgur::log::warn(fmt::format("{}: action '{}' was stopped without having been started", kOwner, action));
       return;
     }
     --depth_;
@@ -153,7 +152,7 @@ class PyTorchProfiler final : public fulgur::Profiler {
         const bool cycle_ends = steps_ % cycle_length() == 0;
         enter(phase_for(steps_), cycle_ends);
       } catch (const std::exception& e) {
-        spdlog::error("{}: {}", kOwner, e.what());
+        fulgur::log::error(fmt::format("{}: {}", kOwner, e.what()));
       }
     }
   }
@@ -176,7 +175,7 @@ class PyTorchProfiler final : public fulgur::Profiler {
     stop_profiler(/*keep=*/true);  // a cycle cut short by the end of the stage is still written
     stage_ = stage;
     const std::string report = summary();
-    spdlog::info("{}", report);
+    fulgur::log::info(report);
     const std::string path =
         (fs::path(dir_) / fmt::format("{}-{}{}.txt", fulgur::to_string(stage), filename_, rank_suffix_)).string();
     fulgur::atomic_write_text(path, report);
@@ -226,7 +225,7 @@ class PyTorchProfiler final : public fulgur::Profiler {
       throw Error(ErrorKind::io, fmt::format("{}: writing the trace '{}' failed: {}", kOwner, path, e.what()));
     }
     ++cycles_written_;
-    spdlog::info("{}: trace of {} step(s) written to {}", kOwner, active_, path);
+    fulgur::log::info(fmt::format("{}: trace of {} step(s) written to {}", kOwner, active_, path));
   }
 
   // Fails at setup, not after the first recorded cycle, when the traces could not be written.

@@ -8,7 +8,6 @@
 #include <fulgur/plugin.h>
 
 #include <fmt/format.h>
-#include <spdlog/spdlog.h>
 
 #include <algorithm>
 #include <array>
@@ -65,7 +64,7 @@ class SimpleProfiler final : public fulgur::Profiler {
     Action* action = find(name);
     // Not an exception: stop() runs in ProfileScope's destructor, where a throw terminates.
     if (action == nullptr || !action->running) {
-      spdlog::warn("profiler 'simple': action '{}' was stopped without having been started", name);
+      fulgur::log::warn(fmt::format("profiler 'simple': action '{}' was stopped without having been started", name));
       return;
     }
     action->running = false;
@@ -108,7 +107,7 @@ class SimpleProfiler final : public fulgur::Profiler {
     stage_ = stage;
     const std::string report = summary();
     if (filename_.empty()) {
-      spdlog::info("{}", report);
+      fulgur::log::info(report);
       return;
     }
     const std::filesystem::path directory = !dirpath_.empty() ? dirpath_ : !log_dir_.empty() ? log_dir_ : ".";

@@ -6,8 +6,12 @@
 
 #include <fulgur/options.h>
 
+#include <fulgur/export.h>
+
 #include <array>
 #include <cstddef>
+#include <span>
+#include <string_view>
 
 namespace fulgur {
 
@@ -47,5 +51,18 @@ template <class... O>
 constexpr auto option_schema(O... options) {
   return std::array<OptionSpec, sizeof...(O)>{options...};
 }
+
+/// A class built in code with options it was handed (no registry in between), checked against its
+/// hparams_schema as `fulgur fit` checks a plugin's table: every key of `schema` present, given
+/// values kept as they are, the others from their defaults, so that checkpoints and loggers see
+/// the values actually used (Lightning's save_hyperparameters). A key the schema lacks, or a
+/// missing required one, throws fulgur::Error(config) naming the owner (`given.owner()`, else
+/// `fallback_owner`, e.g. "[model]"), with a suggestion. Types are checked by the getters.
+///
+///   explicit Net(const fulgur::Options& hp) : Module() {
+///     hparams = fulgur::with_defaults(hp, hparams_schema, "[model]");
+///   }
+FULGUR_SDK_API Options with_defaults(const Options& given, std::span<const OptionSpec> schema,
+                                     std::string_view fallback_owner);
 
 }  // namespace fulgur

@@ -8,6 +8,7 @@
 
 #include <cstdint>
 #include <map>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <variant>
@@ -75,5 +76,11 @@ class FULGUR_SDK_API Options {
 /// TOML-style rendering of a value (`true`, `3`, `0.5`, `"max"`, `["a", "b"]`), used for reports
 /// and hyperparameter logging.
 FULGUR_SDK_API std::string format_option_value(const OptionValue& value);
+
+/// A duration option's text in seconds: "DD:HH:MM:SS", with fewer fields counting from the right
+/// ("HH:MM:SS", "MM:SS"), or plain seconds ("3600", "90.5"); every field a finite number >= 0.
+/// nullopt for any other text, so that the caller's message can name its own option. Lightning
+/// writes Trainer(max_time=...) and Timer(duration=...) this way.
+FULGUR_SDK_API std::optional<double> parse_duration(std::string_view text);
 
 }  // namespace fulgur
