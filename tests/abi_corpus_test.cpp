@@ -78,7 +78,7 @@ TEST_CASE("SDK 1.0 corpus: its model and datamodule train in this host's Trainer
   const std::shared_ptr<fulgur::Module> model(created.get(), [keep = created](fulgur::Module*) {});
   const auto data = corpus_plugin<fulgur::DataModule>(PluginKind::datamodule, "corpus_line_data");
   TempDir dir;
-  fulgur::Trainer trainer(fulgur::TrainerOptions()
+  fulgur::Trainer trainer(fulgur::ConfigBuilder()
                               .default_root_dir(dir.path())
                               .max_epochs(2)
                               .seed(3)

@@ -118,8 +118,8 @@ struct RegressionData : fulgur::DataModule {
   }
 };
 
-fulgur::TrainerOptions quiet(const fs::path& root) {
-  return fulgur::TrainerOptions()
+fulgur::ConfigBuilder quiet(const fs::path& root) {
+  return fulgur::ConfigBuilder()
       .set("default_root_dir", root.string())
       .set("max_epochs", int64_t{1})
       .set("enable_progress_bar", false)

@@ -3,11 +3,11 @@
 // same values must come out when the batches are split over two simulated ranks and the states
 // are synchronised at compute().
 #include <fulgur/checkpoint_io.h>
+#include <fulgur/config_builder.h>
 #include <fulgur/error.h>
 #include <fulgur/metrics.h>
 #include <fulgur/testing/plugin_kit.h>
 #include <fulgur/trainer.h>
-#include <fulgur/trainer_options.h>
 
 #include <torch/torch.h>
 
@@ -252,7 +252,7 @@ struct AccuracyModule : fulgur::testing::BoringModule {
 
 TEST_CASE("metrics: Module::log(name, metric) computes at epoch end and resets, like a torchmetrics object") {
   TempDir dir;
-  fulgur::Trainer trainer(fulgur::TrainerOptions()
+  fulgur::Trainer trainer(fulgur::ConfigBuilder()
                               .set("default_root_dir", dir.path().string())
                               .set("enable_progress_bar", false)
                               .set("enable_model_summary", false)

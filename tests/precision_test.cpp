@@ -878,17 +878,17 @@ precision = "16-mixed"
 // true dtypes: the setup-time kernel check
 
 TEST_CASE("16-true fails at setup on a device without float16 matmul, naming the precision and what to use") {
-  // The plugins run precision_support::require_matmul_support on the module's device. This CPU
+  // The plugins run mixed_precision::require_matmul_support on the module's device. This CPU
   // has float16 matmul, so drive the same function with a device type this LibTorch build has no
   // kernels for at all (XLA): the probe fails for real and the message must say what to do.
-  CHECK(precision_support::matmul_failure(c10::Device(c10::DeviceType::CPU), at::kHalf).empty());
-  CHECK_NOTHROW(precision_support::require_matmul_support("16-true", c10::Device(c10::DeviceType::CPU), at::kHalf,
-                                                          "\"bf16-true\""));
+  CHECK(mixed_precision::matmul_failure(c10::Device(c10::DeviceType::CPU), at::kHalf).empty());
+  CHECK_NOTHROW(mixed_precision::require_matmul_support("16-true", c10::Device(c10::DeviceType::CPU), at::kHalf,
+                                                        "\"bf16-true\""));
   const c10::Device missing(c10::DeviceType::XLA, 0);
-  CHECK_FALSE(precision_support::matmul_failure(missing, at::kHalf).empty());
+  CHECK_FALSE(mixed_precision::matmul_failure(missing, at::kHalf).empty());
   const Error e = error_from([&] {
-    precision_support::require_matmul_support("16-true", missing, at::kHalf,
-                                              "\"bf16-true\" or \"bf16-mixed\" (or \"32-true\")");
+    mixed_precision::require_matmul_support("16-true", missing, at::kHalf,
+                                            "\"bf16-true\" or \"bf16-mixed\" (or \"32-true\")");
   });
   CHECK(e.kind() == ErrorKind::config);
   const std::string message = e.what();

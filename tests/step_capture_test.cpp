@@ -25,7 +25,7 @@
 #include <fstream>
 #include <string>
 
-#include "../core/src/capture/capturable_adam.h"
+#include "../core/src/capture/fused_adam_step.h"
 
 namespace {
 
@@ -67,8 +67,8 @@ void check_fused_equals_libtorch(bool amsgrad, double weight_decay) {
   };
   Optimizer expected(groups(reference), Options(1e-3));
   Optimizer actual(groups(fused), Options(1e-3));
-  REQUIRE(fulgur::CapturableAdam::refusal(actual).empty());
-  fulgur::CapturableAdam capturable(actual);
+  REQUIRE(fulgur::FusedAdamStep::refusal(actual).empty());
+  fulgur::FusedAdamStep capturable(actual);
   capturable.sync_from_host();
   using State = std::conditional_t<std::is_same_v<Optimizer, torch::optim::AdamW>, torch::optim::AdamWParamState,
                                    torch::optim::AdamParamState>;
@@ -187,7 +187,7 @@ TEST_CASE("cuda_graphs: the capturable Adam and AdamW steps equal libtorch's own
     }
   torch::nn::Linear m(torch::nn::LinearOptions(2, 2));
   torch::optim::SGD sgd(m->parameters(), torch::optim::SGDOptions(0.1));
-  FULGUR_CHECK_CONTAINS(fulgur::CapturableAdam::refusal(sgd), "not torch::optim::Adam or AdamW");
+  FULGUR_CHECK_CONTAINS(fulgur::FusedAdamStep::refusal(sgd), "not torch::optim::Adam or AdamW");
 }
 
 TEST_CASE("16-mixed's device decision: the fused step skips where found_inf is 1 and counts only steps taken") {
@@ -198,7 +198,7 @@ TEST_CASE("16-mixed's device decision: the fused step skips where found_inf is 1
     torch::nn::Linear fused = copy_of(reference);
     torch::optim::AdamW expected(reference->parameters(), torch::optim::AdamWOptions(3e-2).amsgrad(amsgrad));
     torch::optim::AdamW actual(fused->parameters(), torch::optim::AdamWOptions(3e-2).amsgrad(amsgrad));
-    fulgur::CapturableAdam capturable(actual);
+    fulgur::FusedAdamStep capturable(actual);
     capturable.before_step(/*recorded=*/false);
     const std::vector<bool> skipped = {false, true, false, false, true, true, false};
     for (size_t step = 0; step < skipped.size(); ++step) {
@@ -248,7 +248,7 @@ TEST_CASE("16-mixed's device decision: the fused step skips where found_inf is 1
 TEST_CASE("the fused step creates state only for parameters with gradients, as Adam's own step()") {
   torch::nn::Linear m(torch::nn::LinearOptions(3, 2));
   torch::optim::Adam adam(m->parameters(), torch::optim::AdamOptions(1e-2));
-  fulgur::CapturableAdam fused(adam);
+  fulgur::FusedAdamStep fused(adam);
   m->weight.mutable_grad() = at::randn(m->weight.sizes());  // the bias is frozen, for now
   for (int step = 0; step < 3; ++step) {
     fused.before_step(/*recorded=*/false);
@@ -275,7 +275,7 @@ TEST_CASE("the fused step creates state only for parameters with gradients, as A
     using torch::optim::Adam::Adam;
   };
   MyAdam mine(m->parameters(), torch::optim::AdamOptions(1e-2));
-  FULGUR_CHECK_CONTAINS(fulgur::CapturableAdam::refusal(mine), "but a class derived from one");
+  FULGUR_CHECK_CONTAINS(fulgur::FusedAdamStep::refusal(mine), "but a class derived from one");
 }
 
 TEST_CASE("cuda_graphs = \"on\": the example warms up, captures once, replays every later step and logs each one") {

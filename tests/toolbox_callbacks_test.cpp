@@ -37,8 +37,8 @@ std::shared_ptr<fulgur::Callback> make(const std::string& name, const Overrides&
   return kit::create_plugin<fulgur::Callback>(PluginKind::callback, name, overrides);
 }
 
-fulgur::TrainerOptions quiet_options(const std::string& root, int64_t max_epochs) {
-  return fulgur::TrainerOptions()
+fulgur::ConfigBuilder quiet_options(const std::string& root, int64_t max_epochs) {
+  return fulgur::ConfigBuilder()
       .set("default_root_dir", root)
       .set("max_epochs", max_epochs)
       .set("enable_progress_bar", false)

@@ -17,7 +17,7 @@
 #include <torch/optim/optimizer.h>
 
 #include "loops/loop_scopes.h"
-#include "trainer_impl.h"
+#include "trainer_engine.h"
 
 namespace fulgur {
 
@@ -146,9 +146,9 @@ class Swap {
 
 }  // namespace
 
-int64_t Trainer::Impl::train_batch_size() const { return data_ ? data_->batch_size() : -1; }
+int64_t TrainerEngine::train_batch_size() const { return data_ ? data_->batch_size() : -1; }
 
-void Trainer::Impl::check_batch_size_change(std::string_view what) const {
+void TrainerEngine::check_batch_size_change(std::string_view what) const {
   if (!data_ || stage_ != Stage::fit)
     throw Error(ErrorKind::config, fmt::format("{}: only during fit (from setup() or on_fit_start)", what));
   if (fit_loop_.running())
@@ -162,13 +162,13 @@ void Trainer::Impl::check_batch_size_change(std::string_view what) const {
                                                what));
 }
 
-void Trainer::Impl::set_train_batch_size(int64_t n) {
+void TrainerEngine::set_train_batch_size(int64_t n) {
   check_batch_size_change("set_train_batch_size");
   if (n < 1) throw Error(ErrorKind::config, fmt::format("set_train_batch_size({}): the batch size must be >= 1", n));
   data_->set_batch_size(n);
 }
 
-BatchSizeTrial Trainer::Impl::run_batch_size_trial(int64_t batch_size, int64_t steps) {
+BatchSizeTrial TrainerEngine::run_batch_size_trial(int64_t batch_size, int64_t steps) {
   check_batch_size_change("run_batch_size_trial");
   if (batch_size < 1 || steps < 1)
     throw Error(ErrorKind::config, fmt::format("run_batch_size_trial({}, {}): the batch size and the number of steps "
@@ -213,7 +213,7 @@ BatchSizeTrial Trainer::Impl::run_batch_size_trial(int64_t batch_size, int64_t s
   return result;
 }
 
-void Trainer::Impl::run_trial_batch(Batch batch, int64_t batch_idx) {
+void TrainerEngine::run_trial_batch(Batch batch, int64_t batch_idx) {
   Strategy& strategy = *plugins_.strategy;
   Precision& precision = *plugins_.precision;
   batch = transfer(std::move(batch));
@@ -228,8 +228,9 @@ void Trainer::Impl::run_trial_batch(Batch batch, int64_t batch_idx) {
   optimizer.zero_grad(/*set_to_none=*/true);
   strategy.backward(output.loss, precision, /*sync_gradients=*/true);
   precision.unscale_gradients(optimizer);
-  if (settings_.gradient_clip_val > 0)
-    strategy.clip_gradients(optimizer, precision, settings_.gradient_clip_val, settings_.gradient_clip_algorithm);
+  if (trainer_config_.gradient_clip_val > 0)
+    strategy.clip_gradients(optimizer, precision, trainer_config_.gradient_clip_val,
+                            trainer_config_.gradient_clip_algorithm);
   strategy.optimizer_step(optimizer, precision);
 }
 

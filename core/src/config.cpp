@@ -201,7 +201,7 @@ Options typed_options(const std::vector<RawOption>& raw, const std::vector<Optio
   return options;
 }
 
-// Options set in code (TrainerOptions): the same checks as a TOML table, without locations.
+// Options set in code (ConfigBuilder): the same checks as a TOML table, without locations.
 Options typed_given_options(const Options& given, const std::vector<OptionSchema>& schema, const std::string& owner) {
   Options options(owner);
   for (const auto& [key, value] : given.values()) {

@@ -21,13 +21,14 @@
 
 #include "distributed/local_launcher.h"
 #include "distributed/process_group.h"
-#include "trainer_impl.h"
+#include "trainer_engine.h"
 
 namespace fulgur {
 
 // ---- construction -------------------------------------------------------------------------------
 
-Trainer::Impl::Impl(Config config) : config_(std::move(config)), settings_(TrainerSettings::from_config(config_)) {
+TrainerEngine::TrainerEngine(Config config)
+    : config_(std::move(config)), trainer_config_(ResolvedTrainerConfig::from_config(config_)) {
   const Options& t = config_.trainer;
   if (!config_.log_level.empty()) spdlog::set_level(spdlog::level::from_str(config_.log_level));
 
@@ -43,7 +44,7 @@ Trainer::Impl::Impl(Config config) : config_(std::move(config)), settings_(Train
     setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8", /*overwrite=*/0);
   }
 
-  plugins_ = connect_plugins(config_, settings_.fast_dev_run > 0);
+  plugins_ = connect_plugins(config_, trainer_config_.fast_dev_run > 0);
   profiler_ptr_ = plugins_.profiler.get();
   std::vector<Logger*> loggers;
   for (auto& l : plugins_.loggers) loggers.push_back(l.get());
@@ -52,7 +53,7 @@ Trainer::Impl::Impl(Config config) : config_(std::move(config)), settings_(Train
   plugins_.callbacks.clear();
 }
 
-Trainer::Impl::~Impl() {
+TrainerEngine::~TrainerEngine() {
   // The strategy releases its process group and device once, when the Trainer goes away.
   if (environment_ready_ && plugins_.strategy) {
     try {
@@ -63,18 +64,18 @@ Trainer::Impl::~Impl() {
   }
 }
 
-void Trainer::Impl::add_callback(std::shared_ptr<Callback> callback, std::string name) {
+void TrainerEngine::add_callback(std::shared_ptr<Callback> callback, std::string name) {
   hooks_.add(std::move(callback), PluginIdentity{"callback", std::move(name), {}});
 }
 
 // ---- TrainerContext capabilities ---------------------------------------------------------------
 
-int64_t Trainer::Impl::dataloader_idx() const {
+int64_t TrainerEngine::dataloader_idx() const {
   if (stage_ == Stage::fit) return fit_loop_.epoch_loop().val_loop().dataloader_idx();
   return stage_ == Stage::test ? test_loop_.dataloader_idx() : validate_loop_.dataloader_idx();
 }
 
-int64_t Trainer::Impl::num_batches(Stage stage) const {
+int64_t TrainerEngine::num_batches(Stage stage) const {
   switch (stage) {
     case Stage::fit:
       return fit_loop_.epoch_loop().num_batches();
@@ -88,47 +89,47 @@ int64_t Trainer::Impl::num_batches(Stage stage) const {
   }
 }
 
-const ClusterInfo& Trainer::Impl::cluster() const {
+const ClusterInfo& TrainerEngine::cluster() const {
   static const ClusterInfo kSingle;
   return environment_ready_ ? plugins_.strategy->cluster() : kSingle;
 }
 
-c10::Device Trainer::Impl::device() const {
+c10::Device TrainerEngine::device() const {
   return environment_ready_ ? plugins_.strategy->root_device() : c10::Device(c10::DeviceType::CPU);
 }
 
-std::string Trainer::Impl::broadcast(const std::string& value, int64_t src) {
+std::string TrainerEngine::broadcast(const std::string& value, int64_t src) {
   return environment_ready_ ? plugins_.strategy->broadcast_string(value, src) : value;
 }
 
-at::Tensor Trainer::Impl::reduce(const at::Tensor& tensor, ReduceOp op) {
+at::Tensor TrainerEngine::reduce(const at::Tensor& tensor, ReduceOp op) {
   if (!environment_ready_ || plugins_.strategy->cluster().world_size <= 1) return tensor.detach().clone();
   return plugins_.strategy->reduce(tensor, op);
 }
 
-std::vector<at::Tensor> Trainer::Impl::all_gather(const at::Tensor& tensor) {
+std::vector<at::Tensor> TrainerEngine::all_gather(const at::Tensor& tensor) {
   if (!environment_ready_) return {tensor.detach().clone()};
   return plugins_.strategy->all_gather(tensor);
 }
 
-void Trainer::Impl::barrier(std::string_view name) {
+void TrainerEngine::barrier(std::string_view name) {
   if (environment_ready_) plugins_.strategy->barrier(name);
 }
 
-bool Trainer::Impl::agree(bool decision, bool all) {
+bool TrainerEngine::agree(bool decision, bool all) {
   if (!environment_ready_ || plugins_.strategy->cluster().world_size <= 1) return decision;
   return plugins_.strategy->reduce_boolean_decision(decision, all);
 }
 
-void Trainer::Impl::synchronize_device() {
+void TrainerEngine::synchronize_device() {
   if (environment_ready_) plugins_.accelerator->synchronize(plugins_.strategy->root_device());
 }
 
-MetricMap Trainer::Impl::device_stats() const { return plugins_.accelerator->device_stats(device()); }
-std::string Trainer::Impl::device_name() const { return plugins_.accelerator->device_name(device()); }
-c10::ScalarType Trainer::Impl::compute_dtype() const { return plugins_.precision->compute_dtype(); }
+MetricMap TrainerEngine::device_stats() const { return plugins_.accelerator->device_stats(device()); }
+std::string TrainerEngine::device_name() const { return plugins_.accelerator->device_name(device()); }
+c10::ScalarType TrainerEngine::compute_dtype() const { return plugins_.precision->compute_dtype(); }
 
-void Trainer::Impl::set_accumulate_grad_batches(int64_t n) {
+void TrainerEngine::set_accumulate_grad_batches(int64_t n) {
   if (n < 1) throw Error(ErrorKind::config, fmt::format("accumulate_grad_batches = {}: must be >= 1", n));
   if (module_ && !module_->automatic_optimization && n != 1)
     throw Error(ErrorKind::config, fmt::format("accumulate_grad_batches = {} is not supported with manual optimization "
@@ -138,23 +139,23 @@ void Trainer::Impl::set_accumulate_grad_batches(int64_t n) {
     throw Error(ErrorKind::config,
                 "accumulate_grad_batches can change between batches (e.g. in on_train_epoch_start), not inside a "
                 "training batch");
-  settings_.accumulate_grad_batches = n;
+  trainer_config_.accumulate_grad_batches = n;
 }
 
-void Trainer::Impl::request_stop(std::string_view reason) {
+void TrainerEngine::request_stop(std::string_view reason) {
   should_stop_ = true;
   stop_reason_ = std::string(reason);
   if (!reason.empty()) spdlog::info("{}", reason);
 }
 
-torch::nn::Module& Trainer::Impl::model() {
+torch::nn::Module& TrainerEngine::model() {
   if (!module_) throw Error(ErrorKind::runtime, "no model is attached: the Trainer is not running a stage");
   return *module_;
 }
 
 // ---- environment and loggers -------------------------------------------------------------------
 
-void Trainer::Impl::setup_environment_once() {
+void TrainerEngine::setup_environment_once() {
   if (environment_ready_) return;
   try {
     plugins_.strategy->setup_environment(make_strategy_environment());
@@ -165,7 +166,7 @@ void Trainer::Impl::setup_environment_once() {
   environment_ready_ = true;
 }
 
-StrategyEnvironment Trainer::Impl::make_strategy_environment() {
+StrategyEnvironment TrainerEngine::make_strategy_environment() {
   const std::string spec = config_.trainer.get_string("devices");
   const int64_t num_nodes = config_.trainer.get_int("num_nodes");
   ClusterEnvironment cluster = detect_cluster_environment();
@@ -237,7 +238,7 @@ StrategyEnvironment Trainer::Impl::make_strategy_environment() {
 
 // ---- the stage funnel --------------------------------------------------------------------------
 
-void Trainer::Impl::attach(Module& module, DataModule& data, Stage stage) {
+void TrainerEngine::attach(Module& module, DataModule& data, Stage stage) {
   module_ = &module;
   data_ = &data;
   stage_ = stage;
@@ -252,10 +253,10 @@ void Trainer::Impl::attach(Module& module, DataModule& data, Stage stage) {
   };
   module.bind(&binding_);
   setup_environment_once();
-  if (settings_.detect_anomaly) torch::autograd::AnomalyMode::set_enabled(true);
+  if (trainer_config_.detect_anomaly) torch::autograd::AnomalyMode::set_enabled(true);
 }
 
-void Trainer::Impl::build_model(Module& module) {
+void TrainerEngine::build_model(Module& module) {
   Strategy& strategy = *plugins_.strategy;
   // Device first: the precision plugins pick autocast and kernels from the module's device. Then
   // the precision's conversion (a "-true" precision casts every parameter to new storage), and only
@@ -276,7 +277,7 @@ void Trainer::Impl::build_model(Module& module) {
   strategy.setup_module(module);
 }
 
-void Trainer::Impl::setup_optimizers(Module& module) {
+void TrainerEngine::setup_optimizers(Module& module) {
   optimizer_configs_ = hooks_.module("configure_optimizers", [&] { return module.configure_optimizers(); });
   std::vector<std::shared_ptr<torch::optim::Optimizer>> optimizers;
   for (auto& cfg : optimizer_configs_) {
@@ -304,7 +305,7 @@ void Trainer::Impl::setup_optimizers(Module& module) {
   binding_.optimizers = optimizer_ptrs_;
 }
 
-void Trainer::Impl::run_stage(Stage stage, Module& module, DataModule& data, const std::function<void()>& body) {
+void TrainerEngine::run_stage(Stage stage, Module& module, DataModule& data, const std::function<void()>& body) {
   attach(module, data, stage);
   RunStatus status = RunStatus::success;
   try {
@@ -342,7 +343,7 @@ void Trainer::Impl::run_stage(Stage stage, Module& module, DataModule& data, con
   finish_stage(stage, status);
 }
 
-void Trainer::Impl::finish_stage(Stage stage, RunStatus status) {
+void TrainerEngine::finish_stage(Stage stage, RunStatus status) {
   // Every step runs even when one fails; the first failure is rethrown at the end.
   std::exception_ptr first;
   auto step = [&](auto&& fn) {
@@ -371,14 +372,14 @@ void Trainer::Impl::finish_stage(Stage stage, RunStatus status) {
   if (first && status == RunStatus::success) std::rethrow_exception(first);
 }
 
-void Trainer::Impl::sync_optimizer_host_state() {
+void TrainerEngine::sync_optimizer_host_state() {
   if (fused_adam_) fused_adam_->sync_host_steps();
 }
 
 // ---- fit / validate / test / predict -----------------------------------------------------------
 
-void Trainer::Impl::fit(Module& module, DataModule& data, const std::string& ckpt_path) {
-  // The argument wins; otherwise [trainer] ckpt_path (TOML or TrainerOptions) applies to fit.
+void TrainerEngine::fit(Module& module, DataModule& data, const std::string& ckpt_path) {
+  // The argument wins; otherwise [trainer] ckpt_path (TOML or ConfigBuilder) applies to fit.
   const std::string requested =
       restart_ckpt_path(ckpt_path.empty() ? config_.trainer.get_string("ckpt_path") : ckpt_path);
   run_stage(Stage::fit, module, data, [&] {
@@ -405,7 +406,7 @@ void Trainer::Impl::fit(Module& module, DataModule& data, const std::string& ckp
   });
 }
 
-std::vector<MetricMap> Trainer::Impl::evaluate(Stage stage, Module& module, DataModule& data,
+std::vector<MetricMap> TrainerEngine::evaluate(Stage stage, Module& module, DataModule& data,
                                                const std::string& ckpt_path) {
   EvaluationLoop& loop = stage == Stage::test ? test_loop_ : validate_loop_;
   MetricMap results;
@@ -440,7 +441,7 @@ std::vector<MetricMap> Trainer::Impl::evaluate(Stage stage, Module& module, Data
   return per_loader;
 }
 
-std::vector<at::Tensor> Trainer::Impl::predict(Module& module, DataModule& data, const std::string& ckpt_path) {
+std::vector<at::Tensor> TrainerEngine::predict(Module& module, DataModule& data, const std::string& ckpt_path) {
   std::vector<at::Tensor> predictions;
   run_stage(Stage::predict, module, data, [&] {
     if (!ckpt_path.empty())
@@ -454,24 +455,24 @@ std::vector<at::Tensor> Trainer::Impl::predict(Module& module, DataModule& data,
   return predictions;
 }
 
-void Trainer::Impl::check_manual_optimization(const Module& module) const {
+void TrainerEngine::check_manual_optimization(const Module& module) const {
   if (module.automatic_optimization) return;
   // The Trainer does not know when the gradients are final; training_step does.
-  if (settings_.gradient_clip_val > 0)
+  if (trainer_config_.gradient_clip_val > 0)
     throw Error(ErrorKind::config,
                 fmt::format("[trainer] gradient_clip_val = {} is not supported with manual optimization "
                             "(automatic_optimization = false); call clip_gradients(optimizer, value) in "
                             "training_step before optimizer.step()",
-                            settings_.gradient_clip_val));
-  if (settings_.accumulate_grad_batches != 1)
+                            trainer_config_.gradient_clip_val));
+  if (trainer_config_.accumulate_grad_batches != 1)
     throw Error(ErrorKind::config,
                 fmt::format("[trainer] accumulate_grad_batches = {} is not supported with manual optimization "
                             "(automatic_optimization = false); step the optimizer every N batches in "
                             "training_step instead",
-                            settings_.accumulate_grad_batches));
+                            trainer_config_.accumulate_grad_batches));
 }
 
-std::vector<std::unique_ptr<BatchLoader>> Trainer::Impl::stage_loaders(Stage stage, std::vector<int64_t>& limits) {
+std::vector<std::unique_ptr<BatchLoader>> TrainerEngine::stage_loaders(Stage stage, std::vector<int64_t>& limits) {
   std::vector<std::unique_ptr<BatchLoader>> loaders;
   if (stage == Stage::test)
     loaders = data_->test_loaders();
@@ -485,9 +486,9 @@ std::vector<std::unique_ptr<BatchLoader>> Trainer::Impl::stage_loaders(Stage sta
                 stage == Stage::predict
                     ? std::string("the DataModule returned no predict_loader()")
                     : fmt::format("the DataModule returned no {}_loader() for Trainer::{}", name, to_string(stage)));
-  const OptionValue& limit = stage == Stage::test      ? settings_.limit_test_batches
-                             : stage == Stage::predict ? settings_.limit_predict_batches
-                                                       : settings_.limit_val_batches;
+  const OptionValue& limit = stage == Stage::test      ? trainer_config_.limit_test_batches
+                             : stage == Stage::predict ? trainer_config_.limit_predict_batches
+                                                       : trainer_config_.limit_val_batches;
   limits.clear();
   for (auto& loader : loaders) {
     if (!loader)
@@ -495,7 +496,8 @@ std::vector<std::unique_ptr<BatchLoader>> Trainer::Impl::stage_loaders(Stage sta
                   fmt::format("the DataModule returned a null loader in {}_loaders()", name));
     loader->set_replica(plugins_.strategy->data_parallel_rank(), plugins_.strategy->data_parallel_size());
     int64_t n = apply_batch_limit(limit, loader->num_batches());
-    if (settings_.fast_dev_run > 0) n = n < 0 ? settings_.fast_dev_run : std::min(n, settings_.fast_dev_run);
+    if (trainer_config_.fast_dev_run > 0)
+      n = n < 0 ? trainer_config_.fast_dev_run : std::min(n, trainer_config_.fast_dev_run);
     limits.push_back(n);
   }
   return loaders;
@@ -503,7 +505,7 @@ std::vector<std::unique_ptr<BatchLoader>> Trainer::Impl::stage_loaders(Stage sta
 
 // ---- shared by the loops ------------------------------------------------------------------------
 
-Batch Trainer::Impl::transfer(Batch batch) {
+Batch TrainerEngine::transfer(Batch batch) {
   ProfileScope scope(plugins_.profiler.get(), "transfer_batch_to_device");
   batch =
       hooks_.module("on_before_batch_transfer", [&] { return module_->on_before_batch_transfer(std::move(batch)); });
@@ -515,7 +517,7 @@ Batch Trainer::Impl::transfer(Batch batch) {
   return batch;
 }
 
-void Trainer::Impl::step_schedulers(SchedulerInterval interval, bool skip_monitored) {
+void TrainerEngine::step_schedulers(SchedulerInterval interval, bool skip_monitored) {
   const RunPosition& position = fit_loop_.position();
   const int64_t count = interval == SchedulerInterval::step ? position.global_step : position.epoch + 1;
   for (auto& cfg : optimizer_configs_) {
@@ -540,42 +542,42 @@ void Trainer::Impl::step_schedulers(SchedulerInterval interval, bool skip_monito
 
 // ---- Trainer facade -----------------------------------------------------------------------------
 
-Trainer::Trainer(Config config) : impl_(std::make_unique<Impl>(std::move(config))) {}
-Trainer::Trainer(const TrainerOptions& options) : Trainer(options.to_config()) {}
+Trainer::Trainer(Config config) : engine_(std::make_unique<TrainerEngine>(std::move(config))) {}
+Trainer::Trainer(const ConfigBuilder& options) : Trainer(options.to_config()) {}
 Trainer Trainer::from_toml(const std::filesystem::path& file) { return Trainer(load_config(file)); }
 Trainer::~Trainer() = default;
 Trainer::Trainer(Trainer&&) noexcept = default;
 Trainer& Trainer::operator=(Trainer&&) noexcept = default;
 
 Trainer& Trainer::add_callback(std::shared_ptr<Callback> callback, std::string name) {
-  impl_->add_callback(std::move(callback), std::move(name));
+  engine_->add_callback(std::move(callback), std::move(name));
   return *this;
 }
 void Trainer::fit(Module& module, DataModule& data, const std::string& ckpt_path) {
-  impl_->fit(module, data, ckpt_path);
+  engine_->fit(module, data, ckpt_path);
 }
 std::vector<MetricMap> Trainer::validate(Module& module, DataModule& data, const std::string& ckpt_path) {
-  return impl_->evaluate(Stage::validate, module, data, ckpt_path);
+  return engine_->evaluate(Stage::validate, module, data, ckpt_path);
 }
 std::vector<MetricMap> Trainer::test(Module& module, DataModule& data, const std::string& ckpt_path) {
-  return impl_->evaluate(Stage::test, module, data, ckpt_path);
+  return engine_->evaluate(Stage::test, module, data, ckpt_path);
 }
 std::vector<at::Tensor> Trainer::predict(Module& module, DataModule& data, const std::string& ckpt_path) {
-  return impl_->predict(module, data, ckpt_path);
+  return engine_->predict(module, data, ckpt_path);
 }
 void Trainer::save_checkpoint(const std::string& path, bool weights_only) {
-  impl_->save_checkpoint(path, weights_only);
+  engine_->save_checkpoint(path, weights_only);
 }
-int64_t Trainer::current_epoch() const { return impl_->current_epoch(); }
-int64_t Trainer::global_step() const { return impl_->global_step(); }
-const MetricMap& Trainer::callback_metrics() const { return impl_->callback_metrics(); }
-const MetricMap& Trainer::logged_metrics() const { return impl_->logged_metrics(); }
-bool Trainer::should_stop() const { return impl_->should_stop(); }
-const Config& Trainer::config() const { return impl_->config(); }
-std::string Trainer::log_dir() const { return impl_->log_dir(); }
-int64_t Trainer::global_rank() const { return impl_->global_rank(); }
-TrainerContext& Trainer::context() { return *impl_; }
-Strategy& Trainer::strategy() { return impl_->strategy(); }
-Precision& Trainer::precision() { return impl_->precision(); }
+int64_t Trainer::current_epoch() const { return engine_->current_epoch(); }
+int64_t Trainer::global_step() const { return engine_->global_step(); }
+const MetricMap& Trainer::callback_metrics() const { return engine_->callback_metrics(); }
+const MetricMap& Trainer::logged_metrics() const { return engine_->logged_metrics(); }
+bool Trainer::should_stop() const { return engine_->should_stop(); }
+const Config& Trainer::config() const { return engine_->config(); }
+std::string Trainer::log_dir() const { return engine_->log_dir(); }
+int64_t Trainer::global_rank() const { return engine_->global_rank(); }
+TrainerContext& Trainer::context() { return *engine_; }
+Strategy& Trainer::strategy() { return engine_->strategy(); }
+Precision& Trainer::precision() { return engine_->precision(); }
 
 }  // namespace fulgur

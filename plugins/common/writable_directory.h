@@ -16,7 +16,7 @@
 #include <fcntl.h>
 #include <unistd.h>
 
-namespace fulgur::plugin_support {
+namespace fulgur::filesystem_checks {
 
 // Creates `dir` and proves it writable with a probe file. `what` names the directory in the
 // message ("the log directory"), `option` the plugin option that moves it ("save_dir").
@@ -38,4 +38,4 @@ inline void ensure_writable_directory(std::string_view owner, const std::string&
   ::unlink(probe.c_str());
 }
 
-}  // namespace fulgur::plugin_support
+}  // namespace fulgur::filesystem_checks

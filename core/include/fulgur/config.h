@@ -52,7 +52,7 @@ struct PluginSelection {
   SourceLocation where;        // where the name was given
   std::vector<RawOption> raw;  // the other keys of its table
   Options options;             // filled by validate_plugins(): typed, defaults applied
-  Options given;               // options set in code (TrainerOptions), checked like `raw`
+  Options given;               // options set in code (ConfigBuilder), checked like `raw`
   bool from_code = false;
 };
 

@@ -3,7 +3,7 @@
 #pragma once
 
 #include <fulgur/config.h>
-#include <fulgur/trainer_options.h>
+#include <fulgur/config_builder.h>
 #include <fulgur/types.h>
 
 #include <filesystem>
@@ -20,12 +20,14 @@ class Precision;
 class Strategy;
 class TrainerContext;
 
+class TrainerEngine;  // the engine behind this facade (core/src/trainer_engine.h)
+
 class Trainer {
  public:
   // Resolves every plugin the config selects, checks their options, then loads and creates them.
   explicit Trainer(Config config);
-  // The Trainer configured in code (TrainerOptions); the same checks as a TOML file.
-  explicit Trainer(const TrainerOptions& options);
+  // The Trainer configured in code (ConfigBuilder); the same checks as a TOML file.
+  explicit Trainer(const ConfigBuilder& options);
   static Trainer from_toml(const std::filesystem::path& file);
   ~Trainer();
   Trainer(Trainer&&) noexcept;
@@ -63,10 +65,8 @@ class Trainer {
   Strategy& strategy();
   Precision& precision();
 
-  class Impl;
-
  private:
-  std::unique_ptr<Impl> impl_;
+  std::unique_ptr<TrainerEngine> engine_;
 };
 
 }  // namespace fulgur

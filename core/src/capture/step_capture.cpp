@@ -10,9 +10,9 @@
 #include <spdlog/spdlog.h>
 #include <torch/optim/optimizer.h>
 
-#include "../trainer_impl.h"
-#include "capturable_adam.h"
+#include "../trainer_engine.h"
 #include "device_step.h"
+#include "fused_adam_step.h"
 
 namespace fulgur {
 
@@ -43,10 +43,10 @@ std::string reason_of(const std::exception& e) {
 
 }  // namespace
 
-StepCapture::StepCapture(Trainer::Impl& trainer) : t_(trainer), mode_(trainer.settings_.cuda_graphs) {}
+StepCapture::StepCapture(TrainerEngine& trainer) : t_(trainer), mode_(trainer.trainer_config_.cuda_graphs) {}
 StepCapture::~StepCapture() = default;
 
-CapturableAdam& StepCapture::adam() { return *t_.fused_adam_; }
+FusedAdamStep& StepCapture::adam() { return *t_.fused_adam_; }
 
 void StepCapture::prepare() {
   active_ = false;
@@ -59,7 +59,7 @@ void StepCapture::prepare() {
   recorded_logs_.clear();
   if (mode_ == StepCaptureMode::off) return;
 
-  const TrainerSettings& s = t_.settings_;
+  const ResolvedTrainerConfig& s = t_.trainer_config_;
   std::string why;
   if (!t_.module_->automatic_optimization)
     why = "manual optimization steps its optimizers from training_step; only automatic optimization is captured";
@@ -71,7 +71,7 @@ void StepCapture::prepare() {
   else if (t_.optimizer_ptrs_.size() != 1)
     why = fmt::format("configure_optimizers returned {} optimizers; a captured step steps exactly one",
                       t_.optimizer_ptrs_.size());
-  else if (std::string r = CapturableAdam::refusal(*t_.optimizer_ptrs_.front()); !r.empty())
+  else if (std::string r = FusedAdamStep::refusal(*t_.optimizer_ptrs_.front()); !r.empty())
     why = r;
   else if (std::string r = strategy_capture_refusal(t_.plugins_); !r.empty())
     why = r;
@@ -92,7 +92,7 @@ void StepCapture::prepare() {
   active_ = true;  // refuse() turns it off again under "try"
   if (!why.empty()) refuse(why, /*give_up=*/true);
   if (active_) {
-    if (!t_.fused_adam_) t_.fused_adam_ = std::make_unique<CapturableAdam>(*t_.optimizer_ptrs_.front());
+    if (!t_.fused_adam_) t_.fused_adam_ = std::make_unique<FusedAdamStep>(*t_.optimizer_ptrs_.front());
     spdlog::info("cuda_graphs = \"{}\": the training step is captured after {} warm-up steps and replayed",
                  mode_ == StepCaptureMode::on ? "on" : "try", kWarmupSteps);
   }
@@ -142,7 +142,7 @@ void StepCapture::copy_into_static(const Batch& batch) {
 
 // The step as the Trainer's ordinary path runs it (training_step under the precision's context,
 // zero_grad, backward through strategy and precision, unscale and clipping, the Module's hooks),
-// except that the optimizer is stepped by CapturableAdam.
+// except that the optimizer is stepped by FusedAdamStep.
 StepOutput StepCapture::eager_step(Batch& batch, int64_t batch_idx, bool grads_to_none) {
   Module& module = *t_.module_;
   Strategy& strategy = *t_.plugins_.strategy;
@@ -167,8 +167,9 @@ StepOutput StepCapture::eager_step(Batch& batch, int64_t batch_idx, bool grads_t
   t_.hooks_.module("on_after_backward", [&] { module.on_after_backward(); });
   precision.unscale_gradients(optimizer);
   t_.hooks_.module("on_before_optimizer_step", [&] { module.on_before_optimizer_step(optimizer); });
-  if (t_.settings_.gradient_clip_val > 0)
-    strategy.clip_gradients(optimizer, precision, t_.settings_.gradient_clip_val, t_.settings_.gradient_clip_algorithm);
+  if (t_.trainer_config_.gradient_clip_val > 0)
+    strategy.clip_gradients(optimizer, precision, t_.trainer_config_.gradient_clip_val,
+                            t_.trainer_config_.gradient_clip_algorithm);
   // 16-mixed: the step is skipped on the device where the gradients were not finite, and the
   // loss scale updated there (inside the recording, so every replay does both).
   adam().step_decided_by(t_.plugins_.precision_device_step, device_found_inf(t_.plugins_, optimizer));

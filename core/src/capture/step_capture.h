@@ -16,7 +16,7 @@
 // uncaptured with one warning. The optimizer's host state (step counts, its state tensors) stays
 // what its own step() would have left, so checkpoints and uncaptured steps need nothing special;
 // under 16-mixed, whose skips are decided on the device, the step counts are copied back from the
-// device where something reads them (Trainer::Impl::sync_optimizer_host_state).
+// device where something reads them (TrainerEngine::sync_optimizer_host_state).
 #pragma once
 
 #include <fulgur/accelerator.h>
@@ -29,15 +29,15 @@
 #include <vector>
 
 #include "../binding.h"
-#include "../trainer_settings.h"
+#include "../resolved_trainer_config.h"
 
 namespace fulgur {
 
-class CapturableAdam;
+class FusedAdamStep;
 
 class StepCapture {
  public:
-  explicit StepCapture(Trainer::Impl& trainer);
+  explicit StepCapture(TrainerEngine& trainer);
   ~StepCapture();
 
   // At fit start, with the model and optimizers set up. Throws the refusal under "on".
@@ -52,7 +52,7 @@ class StepCapture {
 
  private:
   StepOutput eager_step(Batch& batch, int64_t batch_idx, bool grads_to_none);
-  CapturableAdam& adam();  // the Trainer's, set by prepare()
+  FusedAdamStep& adam();  // the Trainer's, set by prepare()
   // Under "on": throws `reason` as the run's error. Under "try": warns once and returns.
   void refuse(const std::string& reason, bool give_up);
   // Why `batch` cannot replay a step recorded for `reference` ("" when it can).
@@ -61,7 +61,7 @@ class StepCapture {
   void copy_into_static(const Batch& batch);
   void log_recorded();
 
-  Trainer::Impl& t_;
+  TrainerEngine& t_;
   StepCaptureMode mode_;
   bool active_ = false;
   bool warned_ = false;

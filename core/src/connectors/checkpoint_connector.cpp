@@ -16,7 +16,7 @@
 #include <torch/optim/optimizer.h>
 
 #include "../ivalue_dict.h"
-#include "../trainer_impl.h"
+#include "../trainer_engine.h"
 
 namespace fulgur {
 
@@ -53,7 +53,7 @@ c10::impl::GenericDict options_dict(const Options& options) {
 }  // namespace
 
 c10::IValue CheckpointConnector::dump_metadata(bool weights_only) {
-  Trainer::Impl& t = trainer_;
+  TrainerEngine& t = trainer_;
   const RunPosition& position = t.fit_loop_.position();
   auto ckpt = string_dict();
   ckpt.insert("epoch", position.epoch);
@@ -111,7 +111,7 @@ c10::IValue CheckpointConnector::dump_metadata(bool weights_only) {
 }
 
 void CheckpointConnector::save(const std::string& path, bool weights_only) {
-  Trainer::Impl& t = trainer_;
+  TrainerEngine& t = trainer_;
   if (!t.module_) throw Error(ErrorKind::runtime, "save_checkpoint: no model is attached (call it during fit)");
   ProfileScope scope(t.plugins_.profiler.get(), "save_checkpoint");
   Strategy& strategy = *t.plugins_.strategy;
@@ -127,7 +127,7 @@ void CheckpointConnector::save(const std::string& path, bool weights_only) {
 }
 
 std::string CheckpointConnector::resolve(const std::string& ckpt_path, Stage stage) {
-  Trainer::Impl& t = trainer_;
+  TrainerEngine& t = trainer_;
   if (ckpt_path != "last" && ckpt_path != "best") {
     if (!t.plugins_.strategy->is_checkpoint(ckpt_path))
       throw Error(ErrorKind::checkpoint,
@@ -140,7 +140,7 @@ std::string CheckpointConnector::resolve(const std::string& ckpt_path, Stage sta
   // itself a provider); the first that knows one answers. For "last", a checkpoint written on a
   // signal (signal_connector.h) competes with it: the newer file wins, as in Lightning.
   const std::string interrupted =
-      ckpt_path == "last" ? t.broadcast(existing_interrupt_checkpoint(t.config_, t.settings_.default_root_dir), 0)
+      ckpt_path == "last" ? t.broadcast(existing_interrupt_checkpoint(t.config_, t.trainer_config_.default_root_dir), 0)
                           : std::string();
   std::vector<std::string> looked;
   for (auto& slot : t.hooks_.slots()) {
@@ -175,7 +175,7 @@ std::string CheckpointConnector::resolve(const std::string& ckpt_path, Stage sta
 }
 
 CheckpointConnector::ReadCheckpoint CheckpointConnector::read(const std::string& path, bool with_optimizer_states) {
-  Trainer::Impl& t = trainer_;
+  TrainerEngine& t = trainer_;
   ReadCheckpoint checkpoint;
   checkpoint.path = path;
   checkpoint.model_state = std::make_shared<c10::IValue>();
@@ -188,12 +188,12 @@ CheckpointConnector::ReadCheckpoint CheckpointConnector::read(const std::string&
 }
 
 void CheckpointConnector::restore_model(const ReadCheckpoint& checkpoint) {
-  Trainer::Impl& t = trainer_;
+  TrainerEngine& t = trainer_;
   t.plugins_.strategy->load_module_state_dict(*t.module_, *checkpoint.model_state, /*strict=*/true, checkpoint.path);
 }
 
 void CheckpointConnector::restore_callbacks(const ReadCheckpoint& checkpoint) {
-  Trainer::Impl& t = trainer_;
+  TrainerEngine& t = trainer_;
   const c10::IValue& metadata = *checkpoint.metadata;
   t.hooks_.call(Hook::load_checkpoint, [&](Callback& c) { c.on_load_checkpoint(t, metadata); });
   auto states = get(metadata.toGenericDict(), "callbacks");
@@ -213,7 +213,7 @@ void CheckpointConnector::restore_callbacks(const ReadCheckpoint& checkpoint) {
 }
 
 void CheckpointConnector::restore_training_state(const ReadCheckpoint& checkpoint) {
-  Trainer::Impl& t = trainer_;
+  TrainerEngine& t = trainer_;
   const std::string& path = checkpoint.path;
   const auto& ckpt = checkpoint.metadata->toGenericDict();
   const char* weights_only_hint =

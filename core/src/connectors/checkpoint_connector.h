@@ -16,7 +16,7 @@ namespace fulgur {
 
 class CheckpointConnector {
  public:
-  explicit CheckpointConnector(Trainer::Impl& trainer) : trainer_(trainer) {}
+  explicit CheckpointConnector(TrainerEngine& trainer) : trainer_(trainer) {}
 
   // A checkpoint as the strategy read it, in parts.
   struct ReadCheckpoint {
@@ -41,7 +41,7 @@ class CheckpointConnector {
   // Every top-level key but the model and optimizer states.
   c10::IValue dump_metadata(bool weights_only);
 
-  Trainer::Impl& trainer_;
+  TrainerEngine& trainer_;
 };
 
 }  // namespace fulgur

@@ -7,7 +7,7 @@
 
 #include <map>
 
-#include "../trainer_impl.h"
+#include "../trainer_engine.h"
 
 namespace fulgur {
 
@@ -24,16 +24,16 @@ void LoggerConnector::connect(std::vector<Logger*> loggers, const std::vector<Pl
 
 void LoggerConnector::setup_once() {
   if (ready_) return;
-  Trainer::Impl& t = trainer_;
+  TrainerEngine& t = trainer_;
   LoggerSetup setup;
-  setup.root_dir = t.settings_.default_root_dir;
+  setup.root_dir = t.trainer_config_.default_root_dir;
   setup.global_rank = t.plugins_.strategy->cluster().global_rank;
   for_each_logger("setup", [&](Logger& l) { l.setup(setup); });
   ready_ = true;
   // Every rank names the run by rank 0's directory (the loggers of other ranks write nothing, and
   // their own version numbering may differ).
   log_dir_ = t.plugins_.strategy->broadcast_string(
-      loggers_.empty() ? t.settings_.default_root_dir : loggers_.front()->log_dir(), 0);
+      loggers_.empty() ? t.trainer_config_.default_root_dir : loggers_.front()->log_dir(), 0);
   // Hyperparameters of model, data and trainer, flattened with their table as prefix. Model and
   // data come from the objects (attach() fills them from [model] / [data] unless set in code), so
   // hyperparameters a Module sets itself are logged too; the selected accelerator, strategy,
@@ -56,7 +56,9 @@ void LoggerConnector::setup_once() {
   for_each_logger("log_hyperparams", [&](Logger& l) { l.log_hyperparams(params); });
 }
 
-const std::string& LoggerConnector::log_dir() const { return ready_ ? log_dir_ : trainer_.settings_.default_root_dir; }
+const std::string& LoggerConnector::log_dir() const {
+  return ready_ ? log_dir_ : trainer_.trainer_config_.default_root_dir;
+}
 
 const MetricMap& LoggerConnector::callback_metrics() const {
   for (const auto& [k, v] : const_cast<MetricStore&>(train_metrics_).collect_step(false, false, false)) {

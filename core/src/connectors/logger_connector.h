@@ -18,7 +18,7 @@ namespace fulgur {
 
 class LoggerConnector {
  public:
-  explicit LoggerConnector(Trainer::Impl& trainer) : trainer_(trainer) {}
+  explicit LoggerConnector(TrainerEngine& trainer) : trainer_(trainer) {}
 
   // The configured loggers, with who they are for error attribution.
   void connect(std::vector<Logger*> loggers, const std::vector<PluginIdentity>* identities);
@@ -62,7 +62,7 @@ class LoggerConnector {
   void for_each_logger(const char* method, Fn&& fn);
   void send_row(MetricMap row, int64_t step);
 
-  Trainer::Impl& trainer_;
+  TrainerEngine& trainer_;
   std::vector<Logger*> loggers_;
   const std::vector<PluginIdentity>* identities_ = nullptr;
   bool ready_ = false;

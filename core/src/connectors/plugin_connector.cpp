@@ -9,7 +9,8 @@
 
 #include <algorithm>
 
-#include "../trainer_impl.h"
+#include "../resolved_trainer_config.h"
+#include "plugin_connector.h"
 
 namespace fulgur {
 

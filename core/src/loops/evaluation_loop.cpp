@@ -7,7 +7,7 @@
 #include <algorithm>
 
 #include "../ivalue_dict.h"
-#include "../trainer_impl.h"
+#include "../trainer_engine.h"
 #include "loop_scopes.h"
 
 namespace fulgur {
@@ -30,14 +30,14 @@ int64_t EvaluationLoop::num_batches() const {
 }
 
 MetricMap EvaluationLoop::run(bool sanity, int64_t max_batches) {
-  Trainer::Impl& t = trainer_;
+  TrainerEngine& t = trainer_;
   Profiler* profiler = t.plugins_.profiler.get();
   HookDispatcher& hooks = t.hooks_;
   Module& module = *t.module_;
   MetricStore& store = t.logging_.eval_metrics();
   const bool test = stage_ == Stage::test;
   ProfileScope loop_scope(profiler, test ? "run_test_evaluation" : "run_validation_evaluation");
-  EvalMode eval_mode(module, t.settings_.inference_mode);
+  EvalMode eval_mode(module, t.trainer_config_.inference_mode);
   batches_done_ = 0;
   dataloader_idx_ = 0;
   hooks.call(test ? Hook::test_start : Hook::validation_start,

@@ -15,7 +15,7 @@ namespace fulgur {
 class EvaluationLoop {
  public:
   // `stage` is Stage::validate or Stage::test.
-  EvaluationLoop(Trainer::Impl& trainer, Stage stage) : trainer_(trainer), stage_(stage) {}
+  EvaluationLoop(TrainerEngine& trainer, Stage stage) : trainer_(trainer), stage_(stage) {}
 
   // The loaders of a pass and their batch limits (-1: until the loader is exhausted).
   void set_loaders(std::vector<BatchLoader*> loaders, std::vector<int64_t> limits);
@@ -36,7 +36,7 @@ class EvaluationLoop {
   void load_state_dict(const c10::IValue& state, const std::string& path);
 
  private:
-  Trainer::Impl& trainer_;
+  TrainerEngine& trainer_;
   Stage stage_;
   std::vector<BatchLoader*> loaders_;
   std::vector<int64_t> limits_;

@@ -6,7 +6,7 @@
 #include <fmt/format.h>
 
 #include "../ivalue_dict.h"
-#include "../trainer_impl.h"
+#include "../trainer_engine.h"
 #include "loop_scopes.h"
 
 namespace fulgur {
@@ -28,13 +28,13 @@ void set_cpu_rng_state(const at::Tensor& state) {
 }  // namespace
 
 void FitLoop::run() {
-  Trainer::Impl& t = trainer_;
+  TrainerEngine& t = trainer_;
   running_ = true;
   struct Finished {
     bool& running;
     ~Finished() { running = false; }
   } finished{running_};
-  const SignalScope signals(t.config_, t.settings_.default_root_dir);  // SIGTERM & co.: safe points below
+  const SignalScope signals(t.config_, t.trainer_config_.default_root_dir);  // SIGTERM & co.: safe points below
   setup_data();
   run_sanity_check();
 
@@ -44,19 +44,19 @@ void FitLoop::run() {
     LogContext log(t.binding_, &t.logging_.train_metrics(), true, true);
     t.hooks_.module("on_train_start", [&] { t.module_->on_train_start(); });
   }
-  const int64_t reload = t.settings_.reload_dataloaders_every_n_epochs;
+  const int64_t reload = t.trainer_config_.reload_dataloaders_every_n_epochs;
   while (!done()) {
     const int64_t steps_before = position_.global_step;
     if (reload > 0 && position_.epoch - loaders_epoch_ >= reload) setup_data();
     epoch_loop_.run(*train_loader_);
     if (interrupt_due(t)) interrupt_at_safe_point(t);
     // A loader that yields nothing would spin forever under max_steps alone.
-    if (t.settings_.max_epochs < 0 && position_.global_step == steps_before && epoch_loop_.last_epoch_was_empty() &&
-        epoch_loop_.num_batches() != 0)
+    if (t.trainer_config_.max_epochs < 0 && position_.global_step == steps_before &&
+        epoch_loop_.last_epoch_was_empty() && epoch_loop_.num_batches() != 0)
       throw Error(ErrorKind::invalid_argument,
                   fmt::format("the train loader yielded no batch in epoch {}; with max_epochs = {} and max_steps = {} "
                               "training cannot progress (check the dataset, batch_size and drop_last)",
-                              position_.epoch - 1, t.settings_.max_epochs, t.settings_.max_steps));
+                              position_.epoch - 1, t.trainer_config_.max_epochs, t.trainer_config_.max_steps));
   }
   t.sync_optimizer_host_state();  // on_train_end and on_fit_end may read the optimizer's state
   t.hooks_.call(Hook::train_end, [&](Callback& c) { c.on_train_end(t); });
@@ -64,8 +64,8 @@ void FitLoop::run() {
 }
 
 void FitLoop::setup_data() {
-  Trainer::Impl& t = trainer_;
-  const TrainerSettings& s = t.settings_;
+  TrainerEngine& t = trainer_;
+  const ResolvedTrainerConfig& s = t.trainer_config_;
   Strategy& strategy = *t.plugins_.strategy;
   train_loader_ = t.data_->train_loader();
   if (!train_loader_) throw Error(ErrorKind::invalid_argument, "the DataModule returned no train_loader()");
@@ -112,8 +112,8 @@ void FitLoop::setup_data() {
 // A few validation batches before training so that a broken validation_step fails in seconds,
 // not after an epoch. Its metrics are thrown away.
 void FitLoop::run_sanity_check() {
-  Trainer::Impl& t = trainer_;
-  const int64_t steps = t.settings_.num_sanity_val_steps;
+  TrainerEngine& t = trainer_;
+  const int64_t steps = t.trainer_config_.num_sanity_val_steps;
   EvaluationLoop& val_loop = epoch_loop_.val_loop();
   if (steps == 0 || !val_loop.has_batches()) return;
   t.sanity_checking_ = true;
@@ -129,7 +129,7 @@ void FitLoop::run_sanity_check() {
 }
 
 bool FitLoop::done() {
-  const TrainerSettings& s = trainer_.settings_;
+  const ResolvedTrainerConfig& s = trainer_.trainer_config_;
   if (s.max_steps >= 0 && position_.global_step >= s.max_steps) return true;
   if (s.max_epochs >= 0 && position_.epoch >= s.max_epochs) return true;
   // A requested stop (max_time's Timer requests one) is honoured once min_epochs and min_steps

@@ -18,7 +18,7 @@ namespace fulgur {
 
 class FitLoop {
  public:
-  explicit FitLoop(Trainer::Impl& trainer) : trainer_(trainer), epoch_loop_(trainer, *this, position_) {}
+  explicit FitLoop(TrainerEngine& trainer) : trainer_(trainer), epoch_loop_(trainer, *this, position_) {}
 
   // From the loaders to on_fit_end's predecessor on_train_end: sets up the train and validation
   // loaders, runs the sanity check, then epochs until done().
@@ -49,7 +49,7 @@ class FitLoop {
   void setup_data();
   void run_sanity_check();
 
-  Trainer::Impl& trainer_;
+  TrainerEngine& trainer_;
   RunPosition position_;
   TrainingEpochLoop epoch_loop_;
   std::unique_ptr<BatchLoader> train_loader_;

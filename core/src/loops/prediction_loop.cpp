@@ -3,17 +3,17 @@
 #include <fulgur/profiler.h>
 
 #include "../ivalue_dict.h"
-#include "../trainer_impl.h"
+#include "../trainer_engine.h"
 #include "loop_scopes.h"
 
 namespace fulgur {
 
 std::vector<at::Tensor> PredictionLoop::run(BatchLoader& loader) {
-  Trainer::Impl& t = trainer_;
+  TrainerEngine& t = trainer_;
   HookDispatcher& hooks = t.hooks_;
   Module& module = *t.module_;
   std::vector<at::Tensor> predictions;
-  EvalMode eval_mode(module, t.settings_.inference_mode);
+  EvalMode eval_mode(module, t.trainer_config_.inference_mode);
   LogContext log(t.binding_, nullptr, false, false);
   batches_done_ = 0;
   hooks.call(Hook::predict_start, [&](Callback& c) { c.on_predict_start(t); });

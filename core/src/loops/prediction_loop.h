@@ -13,7 +13,7 @@ namespace fulgur {
 
 class PredictionLoop {
  public:
-  explicit PredictionLoop(Trainer::Impl& trainer) : trainer_(trainer) {}
+  explicit PredictionLoop(TrainerEngine& trainer) : trainer_(trainer) {}
 
   // predict_step over at most num_batches() batches of `loader` (-1: until it is exhausted).
   std::vector<at::Tensor> run(BatchLoader& loader);
@@ -25,7 +25,7 @@ class PredictionLoop {
   void load_state_dict(const c10::IValue& state, const std::string& path);
 
  private:
-  Trainer::Impl& trainer_;
+  TrainerEngine& trainer_;
   int64_t num_batches_ = -1;
   int64_t batches_done_ = 0;
   int64_t completed_passes_ = 0;

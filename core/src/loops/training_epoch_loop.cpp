@@ -9,14 +9,14 @@
 
 #include "../capture/device_step.h"
 #include "../ivalue_dict.h"
-#include "../trainer_impl.h"
+#include "../trainer_engine.h"
 #include "fit_loop.h"
 #include "loop_scopes.h"
 
 namespace fulgur {
 
 void TrainingEpochLoop::run(BatchLoader& train) {
-  Trainer::Impl& t = trainer_;
+  TrainerEngine& t = trainer_;
   HookDispatcher& hooks = t.hooks_;
   Module& module = *t.module_;
   MetricStore& store = t.logging_.train_metrics();
@@ -32,7 +32,7 @@ void TrainingEpochLoop::run(BatchLoader& train) {
   batches_done_ = skip;
   epoch_was_empty_ = skip == 0;
   const bool validate_this_epoch =
-      val_loop_.has_batches() && (position_.epoch + 1) % t.settings_.check_val_every_n_epoch == 0;
+      val_loop_.has_batches() && (position_.epoch + 1) % t.trainer_config_.check_val_every_n_epoch == 0;
   // A loader of unknown length (num_batches() == -1) trains until it is exhausted: the batch
   // after the current one is fetched ahead so that is_last_batch is known before the step.
   // With several ranks and no known length, the ranks agree after every fetch whether all of
@@ -105,15 +105,15 @@ void TrainingEpochLoop::run(BatchLoader& train) {
 
 // Lightning's LightningOptimizer.step -> strategy.optimizer_step -> precision.optimizer_step.
 bool TrainingEpochLoop::step_optimizer(torch::optim::Optimizer& optimizer) {
-  Trainer::Impl& t = trainer_;
+  TrainerEngine& t = trainer_;
   Precision& precision = *t.plugins_.precision;
   // True gradients for callbacks and clipping (16-mixed unscales here).
   precision.unscale_gradients(optimizer);
   t.hooks_.call(Hook::before_optimizer_step, [&](Callback& c) { c.on_before_optimizer_step(t, optimizer); });
   t.hooks_.module("on_before_optimizer_step", [&] { t.module_->on_before_optimizer_step(optimizer); });
-  if (t.settings_.gradient_clip_val > 0)
-    t.plugins_.strategy->clip_gradients(optimizer, precision, t.settings_.gradient_clip_val,
-                                        t.settings_.gradient_clip_algorithm);
+  if (t.trainer_config_.gradient_clip_val > 0)
+    t.plugins_.strategy->clip_gradients(optimizer, precision, t.trainer_config_.gradient_clip_val,
+                                        t.trainer_config_.gradient_clip_algorithm);
   ProfileScope scope(t.plugins_.profiler.get(), "optimizer_step");
   if (!t.fused_adam_ || &optimizer != t.optimizer_ptrs_.front())
     return t.plugins_.strategy->optimizer_step(optimizer, precision);
@@ -134,16 +134,16 @@ bool TrainingEpochLoop::step_optimizer(torch::optim::Optimizer& optimizer) {
 }
 
 void TrainingEpochLoop::prepare_optimizer_steps() {
-  Trainer::Impl& t = trainer_;
+  TrainerEngine& t = trainer_;
   t.fused_adam_.reset();
   if (t.module_->automatic_optimization && t.optimizer_ptrs_.size() == 1 && delegates_optimizer_step(t.plugins_) &&
-      CapturableAdam::refusal(*t.optimizer_ptrs_.front()).empty())
-    t.fused_adam_ = std::make_unique<CapturableAdam>(*t.optimizer_ptrs_.front());
+      FusedAdamStep::refusal(*t.optimizer_ptrs_.front()).empty())
+    t.fused_adam_ = std::make_unique<FusedAdamStep>(*t.optimizer_ptrs_.front());
   capture_.prepare();
 }
 
 void TrainingEpochLoop::manual_backward(const at::Tensor& loss) {
-  Trainer::Impl& t = trainer_;
+  TrainerEngine& t = trainer_;
   t.hooks_.call(Hook::before_backward, [&](Callback& c) { c.on_before_backward(t, loss); });
   t.hooks_.module("on_before_backward", [&] { t.module_->on_before_backward(loss); });
   t.plugins_.strategy->backward(loss, *t.plugins_.precision, /*sync_gradients=*/true);
@@ -152,19 +152,20 @@ void TrainingEpochLoop::manual_backward(const at::Tensor& loss) {
 }
 
 void TrainingEpochLoop::run_batch(Batch& batch, int64_t batch_idx, bool staged) {
-  Trainer::Impl& t = trainer_;
+  TrainerEngine& t = trainer_;
   HookDispatcher& hooks = t.hooks_;
   Module& module = *t.module_;
   Strategy& strategy = *t.plugins_.strategy;
   Profiler* profiler = t.plugins_.profiler.get();
-  const int64_t accumulate = t.settings_.accumulate_grad_batches;
+  const int64_t accumulate = t.trainer_config_.accumulate_grad_batches;
   ProfileScope batch_scope(profiler, "run_training_batch");
   const bool boundary = (batch_idx + 1) % accumulate == 0 || is_last_batch_;
   const bool steps = !module.automatic_optimization || boundary;
   // The row this batch's metrics go to: the optimizer steps before it (Lightning's
   // _batches_that_stepped), due every log_every_n_steps steps and on the last batch.
   row_step_ = position_.global_step;
-  step_row_due_ = (position_.global_step + (steps ? 1 : 0)) % t.settings_.log_every_n_steps == 0 || is_last_batch_;
+  step_row_due_ =
+      (position_.global_step + (steps ? 1 : 0)) % t.trainer_config_.log_every_n_steps == 0 || is_last_batch_;
   if (staged)
     t.plugins_.staged_transfers->finish_transfer(t.device(), batch);  // transferred while the last step ran
   else

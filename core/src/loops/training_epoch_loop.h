@@ -23,7 +23,7 @@ class FitLoop;
 class TrainingEpochLoop {
  public:
   // `position` is the fit loop's: this loop counts global steps, the fit loop epochs.
-  TrainingEpochLoop(Trainer::Impl& trainer, FitLoop& fit, RunPosition& position)
+  TrainingEpochLoop(TrainerEngine& trainer, FitLoop& fit, RunPosition& position)
       : trainer_(trainer), fit_(fit), position_(position), val_loop_(trainer, Stage::validate), capture_(trainer) {}
 
   // At fit start, with model and optimizers set up: whether the optimizer is stepped by fused
@@ -76,7 +76,7 @@ class TrainingEpochLoop {
   std::optional<StepOutput> run_captured(Batch& batch, int64_t batch_idx);
   bool batches_done(int64_t batch_idx) const { return num_batches_ >= 0 && batch_idx >= num_batches_; }
 
-  Trainer::Impl& trainer_;
+  TrainerEngine& trainer_;
   FitLoop& fit_;
   RunPosition& position_;
   EvaluationLoop val_loop_;

@@ -15,8 +15,8 @@
 // is re-created before the optimizer's saved state is loaded into it.
 #include <fulgur/plugin.h>
 
-#include "../common/callback_support.h"
-#include "../common/weights_support.h"
+#include "../common/callback_conventions.h"
+#include "../common/model_weights.h"
 
 #include <fmt/format.h>
 #include <torch/optim/optimizer.h>
@@ -29,8 +29,8 @@
 
 namespace {
 
-namespace support = fulgur::callback_support;
-namespace weights = fulgur::weights_support;
+namespace support = fulgur::callback_conventions;
+namespace weights = fulgur::model_weights;
 using fulgur::Error;
 using fulgur::ErrorKind;
 

@@ -15,7 +15,7 @@
 // leave the others in the gradient all-reduce: Lightning refuses distributed runs too).
 #include <fulgur/plugin.h>
 
-#include "../common/callback_support.h"
+#include "../common/callback_conventions.h"
 #include "batch_size_search.h"
 #include "trial_memory.h"
 
@@ -29,7 +29,7 @@
 
 namespace {
 
-namespace support = fulgur::callback_support;
+namespace support = fulgur::callback_conventions;
 namespace bsf = fulgur::batch_size_finder;
 using fulgur::Error;
 using fulgur::ErrorKind;

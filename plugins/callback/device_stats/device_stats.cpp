@@ -10,12 +10,12 @@
 
 #include <string>
 
-#include "../common/monitor_support.h"
+#include "../common/direct_logging.h"
 #include "proc_stats.h"
 
 namespace {
 
-namespace monitor = fulgur::monitor_support;
+namespace monitor = fulgur::direct_logging;
 
 constexpr char kOwner[] = "callback 'device_stats'";
 

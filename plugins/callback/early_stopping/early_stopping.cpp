@@ -4,7 +4,7 @@
 // a threshold, or when it stops being finite.
 #include <fulgur/plugin.h>
 
-#include "../common/callback_support.h"
+#include "../common/callback_conventions.h"
 
 #include <fmt/format.h>
 
@@ -14,7 +14,7 @@
 
 namespace {
 
-namespace support = fulgur::callback_support;
+namespace support = fulgur::callback_conventions;
 using fulgur::Error;
 using fulgur::ErrorKind;
 using support::MonitorMode;

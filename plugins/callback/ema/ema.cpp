@@ -8,8 +8,8 @@
 // on resume; the checkpoint's state_dict holds the training weights.
 #include <fulgur/plugin.h>
 
-#include "../common/callback_support.h"
-#include "../common/weights_support.h"
+#include "../common/callback_conventions.h"
+#include "../common/model_weights.h"
 
 #include <fmt/format.h>
 
@@ -18,8 +18,8 @@
 
 namespace {
 
-namespace support = fulgur::callback_support;
-namespace weights = fulgur::weights_support;
+namespace support = fulgur::callback_conventions;
+namespace weights = fulgur::model_weights;
 using fulgur::Error;
 using fulgur::ErrorKind;
 

@@ -10,8 +10,8 @@
 // optimizer's saved state is loaded.
 #include <fulgur/plugin.h>
 
-#include "../common/callback_support.h"
-#include "../common/weights_support.h"
+#include "../common/callback_conventions.h"
+#include "../common/model_weights.h"
 
 #include <fmt/format.h>
 #include <torch/optim/optimizer.h>
@@ -25,8 +25,8 @@
 
 namespace {
 
-namespace support = fulgur::callback_support;
-namespace weights = fulgur::weights_support;
+namespace support = fulgur::callback_conventions;
+namespace weights = fulgur::model_weights;
 using fulgur::Error;
 using fulgur::ErrorKind;
 

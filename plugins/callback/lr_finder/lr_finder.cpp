@@ -19,7 +19,7 @@
 #include <fulgur/plugin.h>
 #include <fulgur/state_dict.h>
 
-#include "../common/callback_support.h"
+#include "../common/callback_conventions.h"
 #include "loss_plot.h"
 #include "lr_sweep.h"
 
@@ -38,7 +38,7 @@
 
 namespace {
 
-namespace support = fulgur::callback_support;
+namespace support = fulgur::callback_conventions;
 namespace lf = fulgur::lr_finder;
 using fulgur::Error;
 using fulgur::ErrorKind;

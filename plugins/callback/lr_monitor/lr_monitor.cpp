@@ -22,11 +22,11 @@
 #include <typeinfo>
 #include <vector>
 
-#include "../common/monitor_support.h"
+#include "../common/direct_logging.h"
 
 namespace {
 
-namespace monitor = fulgur::monitor_support;
+namespace monitor = fulgur::direct_logging;
 using fulgur::Error;
 using fulgur::ErrorKind;
 namespace optim = torch::optim;

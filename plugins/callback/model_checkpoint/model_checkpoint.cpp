@@ -7,7 +7,7 @@
 #include <fulgur/distributed_checkpoint.h>
 #include <fulgur/plugin.h>
 
-#include "../common/callback_support.h"
+#include "../common/callback_conventions.h"
 
 #include <fmt/format.h>
 
@@ -33,7 +33,7 @@
 namespace {
 
 namespace fs = std::filesystem;
-namespace support = fulgur::callback_support;
+namespace support = fulgur::callback_conventions;
 using fulgur::Error;
 using fulgur::ErrorKind;
 using support::MonitorMode;

@@ -18,7 +18,7 @@
 // Not offered: random pruning, the lottery ticket reset and resample_parameters.
 #include <fulgur/plugin.h>
 
-#include "../common/callback_support.h"
+#include "../common/callback_conventions.h"
 
 #include <ATen/core/grad_mode.h>
 #include <ATen/ops/cat.h>
@@ -41,7 +41,7 @@
 
 namespace {
 
-namespace support = fulgur::callback_support;
+namespace support = fulgur::callback_conventions;
 using fulgur::Error;
 using fulgur::ErrorKind;
 

@@ -12,7 +12,7 @@
 #include <fulgur/checkpoint_io.h>
 #include <fulgur/plugin.h>
 
-#include "../common/callback_support.h"
+#include "../common/callback_conventions.h"
 
 #include <ATen/core/List.h>
 #include <fmt/format.h>
@@ -25,7 +25,7 @@
 
 namespace {
 
-namespace support = fulgur::callback_support;
+namespace support = fulgur::callback_conventions;
 using fulgur::Error;
 using fulgur::ErrorKind;
 

@@ -16,7 +16,7 @@
 // With several processes the loss is averaged over the ranks first, so all decide alike.
 #include <fulgur/plugin.h>
 
-#include "../common/callback_support.h"
+#include "../common/callback_conventions.h"
 
 #include <ATen/core/grad_mode.h>
 #include <fmt/format.h>
@@ -33,7 +33,7 @@
 
 namespace {
 
-namespace support = fulgur::callback_support;
+namespace support = fulgur::callback_conventions;
 using fulgur::Error;
 using fulgur::ErrorKind;
 using support::MonitorMode;

@@ -12,8 +12,8 @@
 // statistics.
 #include <fulgur/plugin.h>
 
-#include "../common/callback_support.h"
-#include "../common/weights_support.h"
+#include "../common/callback_conventions.h"
+#include "../common/model_weights.h"
 
 #include <fmt/format.h>
 #include <torch/optim/optimizer.h>
@@ -27,8 +27,8 @@
 
 namespace {
 
-namespace support = fulgur::callback_support;
-namespace weights = fulgur::weights_support;
+namespace support = fulgur::callback_conventions;
+namespace weights = fulgur::model_weights;
 using fulgur::Error;
 using fulgur::ErrorKind;
 

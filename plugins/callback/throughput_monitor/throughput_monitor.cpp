@@ -18,13 +18,13 @@
 #include <chrono>
 #include <string>
 
-#include "../common/monitor_support.h"
+#include "../common/direct_logging.h"
 #include "flop_counter.h"
 #include "peak_flops.h"
 
 namespace {
 
-namespace monitor = fulgur::monitor_support;
+namespace monitor = fulgur::direct_logging;
 using fulgur::Error;
 using fulgur::ErrorKind;
 using Clock = std::chrono::steady_clock;

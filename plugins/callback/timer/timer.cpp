@@ -13,11 +13,11 @@
 #include <optional>
 #include <string>
 
-#include "../common/callback_support.h"
+#include "../common/callback_conventions.h"
 
 namespace {
 
-namespace support = fulgur::callback_support;
+namespace support = fulgur::callback_conventions;
 using fulgur::Error;
 using fulgur::ErrorKind;
 using fulgur::Stage;

@@ -29,7 +29,7 @@
 #include <fcntl.h>
 #include <unistd.h>
 
-#include "../common/logger_support.h"
+#include "../common/run_directory.h"
 
 namespace fs = std::filesystem;
 
@@ -172,7 +172,7 @@ class CsvLogger final : public fulgur::Logger {
     if (log_dir_.empty()) {
       const fs::path root = fs::path(save_dir_.empty() ? setup.root_dir : save_dir_) / name_;
       // Every rank computes the same path; only rank zero creates it.
-      const int64_t version = version_ >= 0 ? version_ : fulgur::logger_support::next_free_version(root);
+      const int64_t version = version_ >= 0 ? version_ : fulgur::run_directory::next_free_version(root);
       log_dir_ = (root / fmt::format("version_{}", version)).string();
     }
     if (!writes_) return;

@@ -216,8 +216,8 @@ class MlflowLogger final : public fulgur::Logger {
     const std::string experiment_id = find_or_create_experiment();
     create_run(experiment_id);
     log_dir_ = (fs::path(setup.root_dir) / "mlruns" / experiment_id / run_id_).string();
-    fulgur::plugin_support::ensure_writable_directory(kOwner, log_dir_, "the log directory",
-                                                      "[trainer] default_root_dir");
+    fulgur::filesystem_checks::ensure_writable_directory(kOwner, log_dir_, "the log directory",
+                                                         "[trainer] default_root_dir");
     fulgur::log::info(fmt::format("{}: run {} in experiment '{}' ({}) at {}", kOwner, run_id_, experiment_name_,
                                   experiment_id, uri_));
   }

@@ -20,14 +20,14 @@
 #include <utility>
 #include <vector>
 
-#include "../common/logger_support.h"
+#include "../common/run_directory.h"
 #include "event_file.h"
 #include "summaries.h"
 
 namespace {
 
 namespace fs = std::filesystem;
-namespace support = fulgur::logger_support;
+namespace support = fulgur::run_directory;
 using fulgur::tensorboard::EventBuilder;
 using fulgur::tensorboard::EventFile;
 

@@ -2,11 +2,11 @@
 // optimizer state stay float32; the forward pass runs under autocast to bfloat16 on the device
 // the module lives on (CPU or CUDA, read at convert_module). No loss scaling: bfloat16 has
 // float32's exponent range. Loss, gradients, clipping and the step are the Precision defaults.
-#include "../common/precision_support.h"
+#include "../common/mixed_precision.h"
 
 namespace {
 
-namespace ps = fulgur::precision_support;
+namespace ps = fulgur::mixed_precision;
 
 class Bf16MixedPrecision final : public fulgur::WithExtensions<fulgur::Precision, fulgur::DeviceStepPrecision> {
  public:

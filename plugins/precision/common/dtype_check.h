@@ -16,7 +16,7 @@
 #include <string>
 #include <string_view>
 
-namespace fulgur::precision_support {
+namespace fulgur::mixed_precision {
 
 // Runs a 2x2 matmul in `dtype` on `device`; returns LibTorch's error text, empty when it works.
 // Some CPU builds have no float16 matmul ("addmm_impl_cpu_" not implemented for 'Half'), some
@@ -45,4 +45,4 @@ inline void require_matmul_support(std::string_view precision, c10::Device devic
                                              precision, device.str(), c10::toString(dtype), reason, alternatives));
 }
 
-}  // namespace fulgur::precision_support
+}  // namespace fulgur::mixed_precision

@@ -13,7 +13,7 @@
 // CPU: like Lightning, which switches 16-mixed to bf16 on CPU, the forward pass autocasts to
 // bfloat16 (with a warning); the loss scaler stays on (harmless with bf16's range, and it keeps
 // the scaler's behaviour testable without a GPU).
-#include "../common/precision_support.h"
+#include "../common/mixed_precision.h"
 
 #include <ATen/ops/_amp_foreach_non_finite_check_and_unscale.h>
 #include <ATen/ops/_amp_update_scale.h>
@@ -27,7 +27,7 @@
 
 namespace {
 
-namespace ps = fulgur::precision_support;
+namespace ps = fulgur::mixed_precision;
 
 class Fp16MixedPrecision final : public fulgur::WithExtensions<fulgur::Precision, fulgur::DeviceStepPrecision> {
  public:

@@ -1,10 +1,10 @@
 // Built-in precision `32-true`: float32 parameters and compute, libtorch's default. Every function
 // is the Precision default (identity on the forward path, so the default costs nothing per step).
-#include "../common/precision_support.h"
+#include "../common/mixed_precision.h"
 
 namespace {
 
-namespace ps = fulgur::precision_support;
+namespace ps = fulgur::mixed_precision;
 
 class Fp32Precision final : public fulgur::WithExtensions<fulgur::Precision, fulgur::DeviceStepPrecision> {
  public:

@@ -120,7 +120,7 @@ class PyTorchProfiler final : public fulgur::Profiler {
     stage_ = stage;
     step_action_ = step_action(stage);
     dir_ = !dirpath_.empty() ? dirpath_ : !log_dir.empty() ? log_dir : ".";
-    fulgur::plugin_support::ensure_writable_directory(kOwner, dir_, "the trace directory", "dirpath");
+    fulgur::filesystem_checks::ensure_writable_directory(kOwner, dir_, "the trace directory", "dirpath");
     steps_ = 0;
     cycle_ = 0;
     cycles_written_ = 0;

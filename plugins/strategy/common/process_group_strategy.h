@@ -16,7 +16,7 @@
 #include <memory>
 #include <string>
 
-namespace fulgur::strategy_support {
+namespace fulgur::process_group {
 
 class ProcessGroupStrategy : public WithExtensions<Strategy, DeviceStepStrategy> {
  public:
@@ -130,4 +130,4 @@ class ProcessGroupStrategy : public WithExtensions<Strategy, DeviceStepStrategy>
   std::shared_ptr<Communicator> communicator_;
 };
 
-}  // namespace fulgur::strategy_support
+}  // namespace fulgur::process_group

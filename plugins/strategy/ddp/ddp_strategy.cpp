@@ -18,7 +18,7 @@
 
 namespace {
 
-class DdpStrategy final : public fulgur::strategy_support::ProcessGroupStrategy {
+class DdpStrategy final : public fulgur::process_group::ProcessGroupStrategy {
  public:
   explicit DdpStrategy(const fulgur::Options& options)
       : ProcessGroupStrategy("ddp", options), broadcast_buffers_(options.get_bool("broadcast_buffers")) {

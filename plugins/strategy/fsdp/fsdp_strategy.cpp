@@ -71,7 +71,7 @@ using fulgur::Error;
 using fulgur::ErrorKind;
 using fulgur::fsdp::ShardedParameter;
 
-class FsdpStrategy final : public fulgur::strategy_support::ProcessGroupStrategy, public fulgur::BlockHooks {
+class FsdpStrategy final : public fulgur::process_group::ProcessGroupStrategy, public fulgur::BlockHooks {
  public:
   explicit FsdpStrategy(const fulgur::Options& options)
       : ProcessGroupStrategy("fsdp", options),

@@ -13,6 +13,7 @@
 
 #include <fulgur/accelerator.h>
 #include <fulgur/callback.h>
+#include <fulgur/config_builder.h>
 #include <fulgur/data_module.h>
 #include <fulgur/logger.h>
 #include <fulgur/module.h>
@@ -22,7 +23,6 @@
 #include <fulgur/strategy.h>
 #include <fulgur/testing.h>
 #include <fulgur/trainer.h>
-#include <fulgur/trainer_options.h>
 
 #include <ATen/ops/arange.h>
 #include <ATen/ops/randn.h>
@@ -180,7 +180,7 @@ inline void check_callback_conformance(const std::shared_ptr<Callback>& callback
   if (!callback->state_key().empty()) callback->load_state_dict(state);
 
   const std::string root = detail::temp_directory();
-  Trainer trainer(TrainerOptions()
+  Trainer trainer(ConfigBuilder()
                       .set("default_root_dir", root)
                       .set("max_epochs", int64_t{2})
                       .set("enable_progress_bar", false)

@@ -1,4 +1,4 @@
-#include "capturable_adam.h"
+#include "fused_adam_step.h"
 
 #include <fulgur/error.h>
 #include <fulgur/precision.h>
@@ -67,7 +67,7 @@ State& state_for(torch::optim::Optimizer& optimizer, const at::Tensor& p, bool a
 
 // One param group: its parameters by dtype (the fused kernels take one dtype per call), each with
 // its state tensors and a device step count; the host state objects, to keep their steps equal.
-struct CapturableAdam::Group {
+struct FusedAdamStep::Group {
   AdamHyperparameters hp;
   at::Tensor lr;          // float32 on the parameters' device: the fused kernels read it at every launch
   double lr_written = 0;  // the host value lr holds (a fill is a kernel launch: only on change)
@@ -82,7 +82,7 @@ struct CapturableAdam::Group {
 
 namespace {
 
-using Parameter = CapturableAdam::Group::Parameter;
+using Parameter = FusedAdamStep::Group::Parameter;
 
 // Parameter `p`'s entry over its (created if missing) state.
 template <class State>
@@ -149,7 +149,7 @@ void adopt(torch::optim::Optimizer& optimizer, Parameter& e, bool amsgrad) {
 
 }  // namespace
 
-std::string CapturableAdam::refusal(torch::optim::Optimizer& optimizer) {
+std::string FusedAdamStep::refusal(torch::optim::Optimizer& optimizer) {
   // The exact classes: a subclass may override step(), which the fused kernels would bypass.
   const std::type_info& type = typeid(optimizer);
   if (type != typeid(torch::optim::Adam) && type != typeid(torch::optim::AdamW))
@@ -167,12 +167,12 @@ std::string CapturableAdam::refusal(torch::optim::Optimizer& optimizer) {
   return {};
 }
 
-CapturableAdam::CapturableAdam(torch::optim::Optimizer& optimizer)
+FusedAdamStep::FusedAdamStep(torch::optim::Optimizer& optimizer)
     : optimizer_(optimizer), decoupled_weight_decay_(dynamic_cast<torch::optim::AdamW*>(&optimizer) != nullptr) {}
 
-CapturableAdam::~CapturableAdam() = default;
+FusedAdamStep::~FusedAdamStep() = default;
 
-void CapturableAdam::sync_from_host(bool every_parameter) {
+void FusedAdamStep::sync_from_host(bool every_parameter) {
   sync_host_steps();  // the device counts are the current ones where steps read found_inf
   synced_ = true;
   groups_.clear();
@@ -203,7 +203,7 @@ void CapturableAdam::sync_from_host(bool every_parameter) {
   }
 }
 
-void CapturableAdam::before_step(bool recorded) {
+void FusedAdamStep::before_step(bool recorded) {
   if (!synced_) sync_from_host(/*every_parameter=*/recorded);
   adopt_replaced_state();  // a callback or a checkpoint load may have replaced it
   if (recorded) {
@@ -223,7 +223,7 @@ void CapturableAdam::before_step(bool recorded) {
   refresh_lr();  // schedulers move the host lr; the device copy is read at the launch
 }
 
-void CapturableAdam::refresh_lr() {
+void FusedAdamStep::refresh_lr() {
   auto& groups = optimizer_.param_groups();
   for (size_t i = 0; i < groups_.size() && i < groups.size(); ++i) {
     const double lr = groups[i].options().get_lr();
@@ -233,7 +233,7 @@ void CapturableAdam::refresh_lr() {
   }
 }
 
-void CapturableAdam::check_hyperparameters() const {
+void FusedAdamStep::check_hyperparameters() const {
   auto& groups = optimizer_.param_groups();
   if (groups.size() != groups_.size())
     throw Error(ErrorKind::config, fmt::format("cuda_graphs: the optimizer has {} param groups, the captured step "
@@ -250,7 +250,7 @@ void CapturableAdam::check_hyperparameters() const {
   }
 }
 
-void CapturableAdam::adopt_replaced_state() {
+void FusedAdamStep::adopt_replaced_state() {
   for (auto& g : groups_)
     for (auto& [key, entries] : g->by_dtype)
       for (auto& e : entries) {
@@ -261,7 +261,7 @@ void CapturableAdam::adopt_replaced_state() {
       }
 }
 
-void CapturableAdam::step(const at::Tensor& found_inf) {
+void FusedAdamStep::step(const at::Tensor& found_inf) {
   last_.clear();
   last_read_found_inf_ = found_inf.defined();
   if (last_read_found_inf_ && !announced_found_inf_) {
@@ -304,7 +304,7 @@ void CapturableAdam::step(const at::Tensor& found_inf) {
   }
 }
 
-void CapturableAdam::step_decided_by(DeviceStepPrecision* precision, const at::Tensor& found_inf) {
+void FusedAdamStep::step_decided_by(DeviceStepPrecision* precision, const at::Tensor& found_inf) {
   try {
     step(found_inf);
   } catch (...) {
@@ -314,7 +314,7 @@ void CapturableAdam::step_decided_by(DeviceStepPrecision* precision, const at::T
   if (found_inf.defined() && precision) precision->update_after_device_step(optimizer_, found_inf);
 }
 
-void CapturableAdam::advance_host_steps(bool replayed) {
+void FusedAdamStep::advance_host_steps(bool replayed) {
   // Where the step read found_inf only the device knows whether it was taken: the host counts
   // advance as if it was (what a callback reading them mid-fit is least surprised by) and are
   // corrected by sync_host_steps().
@@ -328,7 +328,7 @@ void CapturableAdam::advance_host_steps(bool replayed) {
   }
 }
 
-void CapturableAdam::sync_host_steps() {
+void FusedAdamStep::sync_host_steps() {
   if (!host_steps_stale_) return;
   host_steps_stale_ = false;
   auto& states = optimizer_.state();

@@ -1,7 +1,9 @@
-// Internal: the Trainer, split the way Lightning splits its trainer:
+// Internal: TrainerEngine, the engine behind the public Trainer facade: it implements the
+// TrainerContext plugins see, owns the plugins, loops and connectors, and runs the stage funnel.
+// It is split the way Lightning splits its trainer:
 //   trainer.cpp                 construction, the TrainerContext capabilities, the stage funnel,
 //                               and fit / validate / test / predict as short scripts over these:
-//   trainer_settings.*          the [trainer] table, checked and resolved
+//   resolved_trainer_config.*   the Config's [trainer] table, checked and resolved
 //   connectors/plugin_*         which plugins run (config -> registry -> objects, the default set)
 //   connectors/logger_*         metric stores, rows to loggers, logger lifecycle
 //   connectors/checkpoint_*     checkpoint assembly and restore, through the strategy's parts
@@ -21,7 +23,7 @@
 #include <vector>
 
 #include "binding.h"
-#include "capture/capturable_adam.h"
+#include "capture/fused_adam_step.h"
 #include "connectors/checkpoint_connector.h"
 #include "connectors/logger_connector.h"
 #include "connectors/plugin_connector.h"
@@ -30,22 +32,22 @@
 #include "loops/evaluation_loop.h"
 #include "loops/fit_loop.h"
 #include "loops/prediction_loop.h"
-#include "trainer_settings.h"
+#include "resolved_trainer_config.h"
 
 namespace fulgur {
 
-class Trainer::Impl final : public TrainerContext {
+class TrainerEngine final : public TrainerContext {
  public:
-  explicit Impl(Config config);
-  ~Impl() override;
+  explicit TrainerEngine(Config config);
+  ~TrainerEngine() override;
 
   // ---- TrainerContext -------------------------------------------------------------------------
   Stage stage() const override { return stage_; }
   bool sanity_checking() const override { return sanity_checking_; }
   int64_t current_epoch() const override { return fit_loop_.position().epoch; }
   int64_t global_step() const override { return fit_loop_.position().global_step; }
-  int64_t max_epochs() const override { return settings_.max_epochs; }
-  int64_t max_steps() const override { return settings_.max_steps; }
+  int64_t max_epochs() const override { return trainer_config_.max_epochs; }
+  int64_t max_steps() const override { return trainer_config_.max_steps; }
   int64_t num_batches(Stage stage) const override;
   bool is_last_batch() const override { return fit_loop_.epoch_loop().is_last_batch(); }
   int64_t dataloader_idx() const override;
@@ -67,9 +69,9 @@ class Trainer::Impl final : public TrainerContext {
   c10::ScalarType compute_dtype() const override;
   bool should_stop() const override { return should_stop_; }
   void request_stop(std::string_view reason) override;
-  int64_t accumulate_grad_batches() const override { return settings_.accumulate_grad_batches; }
+  int64_t accumulate_grad_batches() const override { return trainer_config_.accumulate_grad_batches; }
   void set_accumulate_grad_batches(int64_t n) override;
-  const std::string& default_root_dir() const override { return settings_.default_root_dir; }
+  const std::string& default_root_dir() const override { return trainer_config_.default_root_dir; }
   std::string log_dir() const override { return logging_.log_dir(); }
   void save_checkpoint(const std::string& path, bool weights_only) override { checkpoints_.save(path, weights_only); }
   int64_t train_batch_size() const override;
@@ -95,7 +97,7 @@ class Trainer::Impl final : public TrainerContext {
   Strategy& strategy() { return *plugins_.strategy; }
 
  private:
-  // The loops and connectors are the Trainer's parts: they read its settings and plugins and
+  // The loops and connectors are the Trainer's parts: they read its resolved [trainer] values and plugins and
   // drive its hooks, as Lightning's loops hold their trainer.
   friend class FitLoop;
   friend class TrainingEpochLoop;
@@ -135,7 +137,7 @@ class Trainer::Impl final : public TrainerContext {
   void sync_optimizer_host_state();
 
   Config config_;
-  TrainerSettings settings_;
+  ResolvedTrainerConfig trainer_config_;
   PluginSet plugins_;
   const Profiler* profiler_ptr_ = nullptr;
 
@@ -156,7 +158,7 @@ class Trainer::Impl final : public TrainerContext {
   std::vector<torch::optim::Optimizer*> optimizer_ptrs_;
   // During fit, the single Adam/AdamW of automatic optimization stepped by fused kernels: by
   // captured steps (cuda_graphs) and where the precision decides steps on the device (16-mixed).
-  std::unique_ptr<CapturableAdam> fused_adam_;
+  std::unique_ptr<FusedAdamStep> fused_adam_;
   Stage stage_ = Stage::fit;
   bool sanity_checking_ = false;
   bool should_stop_ = false;

@@ -1,4 +1,4 @@
-#include "trainer_settings.h"
+#include "resolved_trainer_config.h"
 
 #include "connectors/signal_connector.h"
 
@@ -82,10 +82,10 @@ void validate_trainer_values(const Config& config) {
                 fmt::format("[logging] level = \"{}\": use trace, debug, info, warn, error, critical or off", level));
 }
 
-TrainerSettings TrainerSettings::from_config(const Config& config) {
+ResolvedTrainerConfig ResolvedTrainerConfig::from_config(const Config& config) {
   validate_trainer_values(config);
   const Options& t = config.trainer;
-  TrainerSettings s;
+  ResolvedTrainerConfig s;
   s.default_root_dir = t.get_string("default_root_dir");
   s.max_epochs = t.get_int("max_epochs");
   s.max_steps = t.get_int("max_steps");

@@ -23,7 +23,7 @@
 #include <string_view>
 #include <vector>
 
-namespace fulgur::callback_support {
+namespace fulgur::callback_conventions {
 
 enum class MonitorMode { min, max };
 
@@ -183,4 +183,4 @@ inline std::optional<std::string> get_optional_string(std::string_view owner, co
   return v->toStringRef();
 }
 
-}  // namespace fulgur::callback_support
+}  // namespace fulgur::callback_conventions

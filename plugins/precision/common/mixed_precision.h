@@ -21,7 +21,7 @@
 #include <string>
 #include <vector>
 
-namespace fulgur::precision_support {
+namespace fulgur::mixed_precision {
 
 // Gradients of every parameter the optimizer updates; parameters without a gradient (frozen, or
 // unused in this step) are skipped, as torch.nn.utils.clip_grad_* do.
@@ -137,4 +137,4 @@ inline void load_stateless(std::string_view plugin, const c10::IValue& state) {
                   plugin, fmt::join(keys, ", ")));
 }
 
-}  // namespace fulgur::precision_support
+}  // namespace fulgur::mixed_precision

@@ -28,7 +28,7 @@
 #include <utility>
 #include <vector>
 
-namespace fulgur::weights_support {
+namespace fulgur::model_weights {
 
 // One tensor of the model under its dotted Python name ("features.0.weight").
 struct NamedTensor {
@@ -240,4 +240,4 @@ inline void require_one_process_to_change_trainable(const TrainerContext& traine
                             owner, world_size));
 }
 
-}  // namespace fulgur::weights_support
+}  // namespace fulgur::model_weights

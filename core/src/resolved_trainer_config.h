@@ -1,4 +1,6 @@
-// Internal: the [trainer] table, checked and resolved once into the values the loops read.
+// Internal: ResolvedTrainerConfig, the Config's [trainer] table checked and resolved once into the
+// typed values the loops read (one concept, "the configuration", spelled Config throughout:
+// Config is the run's, ConfigBuilder writes one in code, this is its [trainer] part resolved).
 #pragma once
 
 #include <fulgur/config.h>
@@ -19,10 +21,10 @@ void validate_trainer_values(const Config& config);
 // [trainer] cuda_graphs: whether training steps are captured and replayed (capture/step_capture.h).
 enum class StepCaptureMode { off, on, try_ };
 
-struct TrainerSettings {
+struct ResolvedTrainerConfig {
   // Checks `config` (validate_trainer_values) and resolves it: Lightning's defaults (max_epochs
   // 1000 when neither limit is set) and fast_dev_run's overrides applied.
-  static TrainerSettings from_config(const Config& config);
+  static ResolvedTrainerConfig from_config(const Config& config);
 
   std::string default_root_dir;
   int64_t max_epochs = -1, max_steps = -1, min_epochs = 0, min_steps = 0;

@@ -1,6 +1,6 @@
+#include <fulgur/config_builder.h>
 #include <fulgur/error.h>
 #include <fulgur/suggest.h>
-#include <fulgur/trainer_options.h>
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -15,7 +15,7 @@ const OptionSchema& schema_entry(const std::string& key) {
     if (s.key == key) return s;
     keys.push_back(s.key);
   }
-  std::string message = fmt::format("TrainerOptions: unknown [trainer] key '{}'", key);
+  std::string message = fmt::format("ConfigBuilder: unknown [trainer] key '{}'", key);
   if (std::string s = closest_match(key, keys); !s.empty()) message += fmt::format("; did you mean '{}'?", s);
   throw Error(ErrorKind::config, message);
 }
@@ -42,7 +42,7 @@ PluginSelection selection(PluginKind kind, std::string name, Options options) {
   PluginSelection sel;
   sel.kind = kind;
   sel.name = std::move(name);
-  sel.where = {"TrainerOptions", 0, 0};
+  sel.where = {"ConfigBuilder", 0, 0};
   sel.given = std::move(options);
   sel.from_code = true;
   return sel;
@@ -50,7 +50,7 @@ PluginSelection selection(PluginKind kind, std::string name, Options options) {
 
 }  // namespace
 
-TrainerOptions::TrainerOptions() {
+ConfigBuilder::ConfigBuilder() {
   config_.trainer = Options("[trainer]");
   for (const OptionSchema& s : trainer_option_schema()) config_.trainer.set(s.key, *s.default_value);
   config_.accelerator = selection(PluginKind::accelerator, config_.trainer.get_string("accelerator"), {});
@@ -58,11 +58,11 @@ TrainerOptions::TrainerOptions() {
   config_.precision = selection(PluginKind::precision, config_.trainer.get_string("precision"), {});
 }
 
-TrainerOptions& TrainerOptions::set(const std::string& key, OptionValue value) {
+ConfigBuilder& ConfigBuilder::set(const std::string& key, OptionValue value) {
   const OptionSchema& s = schema_entry(key);
   if (!type_matches(s.type, value))
-    throw Error(ErrorKind::config, fmt::format("TrainerOptions: [trainer] {} must be {}, got {}", key,
-                                               to_string(s.type), format_option_value(value)));
+    throw Error(ErrorKind::config, fmt::format("ConfigBuilder: [trainer] {} must be {}, got {}", key, to_string(s.type),
+                                               format_option_value(value)));
   config_.trainer.set(key, std::move(value));
   if (key == "accelerator") config_.accelerator.name = config_.trainer.get_string(key);
   if (key == "strategy") config_.strategy.name = config_.trainer.get_string(key);
@@ -70,46 +70,46 @@ TrainerOptions& TrainerOptions::set(const std::string& key, OptionValue value) {
   return *this;
 }
 
-TrainerOptions& TrainerOptions::accelerator(std::string name, Options options) {
+ConfigBuilder& ConfigBuilder::accelerator(std::string name, Options options) {
   set("accelerator", name);
   config_.accelerator = selection(PluginKind::accelerator, std::move(name), std::move(options));
   return *this;
 }
-TrainerOptions& TrainerOptions::strategy(std::string name, Options options) {
+ConfigBuilder& ConfigBuilder::strategy(std::string name, Options options) {
   set("strategy", name);
   config_.strategy = selection(PluginKind::strategy, std::move(name), std::move(options));
   return *this;
 }
-TrainerOptions& TrainerOptions::precision(std::string name, Options options) {
+ConfigBuilder& ConfigBuilder::precision(std::string name, Options options) {
   set("precision", name);
   config_.precision = selection(PluginKind::precision, std::move(name), std::move(options));
   return *this;
 }
-TrainerOptions& TrainerOptions::profiler(std::string name, Options options) {
+ConfigBuilder& ConfigBuilder::profiler(std::string name, Options options) {
   config_.profiler = selection(PluginKind::profiler, std::move(name), std::move(options));
   return *this;
 }
-TrainerOptions& TrainerOptions::logger(std::string name, Options options) {
+ConfigBuilder& ConfigBuilder::logger(std::string name, Options options) {
   config_.loggers.push_back(selection(PluginKind::logger, std::move(name), std::move(options)));
   return *this;
 }
-TrainerOptions& TrainerOptions::callback(std::string name, Options options) {
+ConfigBuilder& ConfigBuilder::callback(std::string name, Options options) {
   config_.callbacks.push_back(selection(PluginKind::callback, std::move(name), std::move(options)));
   return *this;
 }
-TrainerOptions& TrainerOptions::plugin_path(std::filesystem::path directory) {
+ConfigBuilder& ConfigBuilder::plugin_path(std::filesystem::path directory) {
   config_.plugin_paths.push_back(std::filesystem::absolute(directory));
   return *this;
 }
-TrainerOptions& TrainerOptions::model_hparams(Options hparams) {
+ConfigBuilder& ConfigBuilder::model_hparams(Options hparams) {
   config_.model = std::move(hparams);
   return *this;
 }
-TrainerOptions& TrainerOptions::data_hparams(Options hparams) {
+ConfigBuilder& ConfigBuilder::data_hparams(Options hparams) {
   config_.data = std::move(hparams);
   return *this;
 }
-TrainerOptions& TrainerOptions::log_level(std::string level) {
+ConfigBuilder& ConfigBuilder::log_level(std::string level) {
   config_.log_level = std::move(level);
   return *this;
 }

@@ -1,5 +1,5 @@
 // Helpers shared by the monitoring callbacks that write straight to the loggers (lr_monitor,
-// throughput_monitor, device_stats), as Lightning's do. Header-only, like callback_support.h.
+// throughput_monitor, device_stats), as Lightning's do. Header-only, like callback_conventions.h.
 // When a value is due and which step it is written under are the Trainer's to decide
 // (TrainerContext::step_logging_due, TrainerContext::log_metrics), so they never drift from its rows.
 #pragma once
@@ -11,7 +11,7 @@
 
 #include <string_view>
 
-namespace fulgur::monitor_support {
+namespace fulgur::direct_logging {
 
 // Lightning refuses these callbacks without a logger: they would compute values nobody sees.
 inline void require_logger(TrainerContext& trainer, std::string_view owner) {
@@ -22,4 +22,4 @@ inline void require_logger(TrainerContext& trainer, std::string_view owner) {
                             owner));
 }
 
-}  // namespace fulgur::monitor_support
+}  // namespace fulgur::direct_logging

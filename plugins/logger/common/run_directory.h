@@ -24,7 +24,7 @@
 #include <fcntl.h>
 #include <unistd.h>
 
-namespace fulgur::logger_support {
+namespace fulgur::run_directory {
 
 namespace fs = std::filesystem;
 
@@ -59,7 +59,7 @@ inline int64_t next_free_version(const fs::path& root) {
 
 // A log directory that cannot be written fails when the run starts, not at the first flush.
 inline void ensure_writable_directory(std::string_view owner, const std::string& dir) {
-  plugin_support::ensure_writable_directory(owner, dir, "the log directory", "save_dir");
+  filesystem_checks::ensure_writable_directory(owner, dir, "the log directory", "save_dir");
 }
 
 // Hyperparameter values arrive as TOML value text; nearly all of it is valid YAML as is. The
@@ -96,4 +96,4 @@ inline void write_hparams_yaml(const std::string& dir, const std::map<std::strin
   atomic_write_text((fs::path(dir) / "hparams.yaml").string(), content);
 }
 
-}  // namespace fulgur::logger_support
+}  // namespace fulgur::run_directory

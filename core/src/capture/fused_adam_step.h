@@ -27,14 +27,14 @@ namespace fulgur {
 
 class DeviceStepPrecision;
 
-class CapturableAdam {
+class FusedAdamStep {
  public:
   // Why `optimizer` cannot be stepped here ("" when it can): only Adam and AdamW have fused
   // kernels with device-side step counts.
   static std::string refusal(torch::optim::Optimizer& optimizer);
   // `optimizer` must pass refusal(); it must outlive this object.
-  explicit CapturableAdam(torch::optim::Optimizer& optimizer);
-  ~CapturableAdam();
+  explicit FusedAdamStep(torch::optim::Optimizer& optimizer);
+  ~FusedAdamStep();
 
   // Creates missing state (zeros, step 0, as the optimizer's first step would) and the device
   // step counts from the host ones. Call before the first step() and after anything else stepped
