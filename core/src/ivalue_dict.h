@@ -1,22 +1,15 @@
-// Internal: the few IValue dict helpers that checkpoint assembly and the loops' state dicts share.
+// Internal: the IValue dict helpers the loops' state dicts and checkpoint assembly use. They live in
+// the SDK (fulgur/detail/ivalue_dict.h), which reads checkpoints with the same checks.
 #pragma once
 
-#include <ATen/core/Dict.h>
-#include <ATen/core/ivalue.h>
-
-#include <optional>
-#include <string>
+#include <fulgur/detail/ivalue_dict.h>
 
 namespace fulgur {
 
-// A dict with string keys and values of any type (what torch.save writes for a Python dict).
-c10::impl::GenericDict string_dict();
-c10::impl::GenericList any_list();
-// `v` as a dict; throws fulgur::Error(checkpoint) naming `what` and the file otherwise.
-c10::impl::GenericDict as_dict(const c10::IValue& v, const std::string& what, const std::string& path);
-std::optional<c10::IValue> get(const c10::impl::GenericDict& d, const std::string& key);
-// The value under `key`; throws fulgur::Error(checkpoint) naming the file, the key and `hint`.
-c10::IValue require_key(const c10::impl::GenericDict& d, const std::string& key, const std::string& path,
-                        const std::string& hint);
+using detail::any_list;
+using detail::as_dict;
+using detail::get;
+using detail::require_key;
+using detail::string_dict;
 
 }  // namespace fulgur

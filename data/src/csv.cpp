@@ -1,3 +1,4 @@
+#include <fulgur/csv.h>
 #include <fulgur/data/csv.h>
 #include <fulgur/error.h>
 
@@ -15,34 +16,11 @@ namespace fulgur::data {
 
 namespace {
 
-// One record; RFC 4180 quoting ("a, b", "" for a quote) within a line. Returns false for an
-// unterminated quote.
+// One record of one line (fulgur::read_csv_record: RFC 4180 quoting within the line); false for an
+// unterminated quote, which makes that row corrupt rather than swallowing the lines after it.
 bool split_record(const std::string& line, char delim, std::vector<std::string>& fields) {
-  fields.clear();
-  std::string field;
-  bool quoted = false;
-  for (size_t i = 0; i < line.size(); ++i) {
-    const char c = line[i];
-    if (quoted) {
-      if (c == '"' && i + 1 < line.size() && line[i + 1] == '"') {
-        field += '"';
-        ++i;
-      } else if (c == '"') {
-        quoted = false;
-      } else {
-        field += c;
-      }
-    } else if (c == '"' && field.empty()) {
-      quoted = true;
-    } else if (c == delim) {
-      fields.push_back(std::move(field));
-      field.clear();
-    } else {
-      field += c;
-    }
-  }
-  fields.push_back(std::move(field));
-  return !quoted;
+  size_t pos = 0;
+  return fulgur::read_csv_record(line, pos, delim, fields);
 }
 
 std::string trim(const std::string& s) {

@@ -1,6 +1,7 @@
 // Default model/optimizer state handling (the Strategy base class uses these): Python-layout
 // state dicts, strict loading with a report of every mismatched key, and the Lightning-layout
 // join/split of checkpoint parts.
+#include <fulgur/detail/ivalue_dict.h>
 #include <fulgur/error.h>
 #include <fulgur/state_dict.h>
 #include <fulgur/strategy.h>
@@ -26,31 +27,12 @@ namespace fulgur {
 
 namespace {
 
-c10::impl::GenericDict string_dict() { return c10::impl::GenericDict(c10::StringType::get(), c10::AnyType::get()); }
-c10::impl::GenericDict int_dict() { return c10::impl::GenericDict(c10::IntType::get(), c10::AnyType::get()); }
-c10::impl::GenericList any_list() { return c10::impl::GenericList(c10::AnyType::get()); }
-
-c10::impl::GenericDict as_dict(const c10::IValue& v, const std::string& what, const std::string& path) {
-  if (!v.isGenericDict())
-    throw Error(ErrorKind::checkpoint,
-                fmt::format("checkpoint {}: '{}' is not a dict; the file is not a Fulgur/Lightning "
-                            "checkpoint",
-                            path, what));
-  return v.toGenericDict();
-}
-
-std::optional<c10::IValue> get(const c10::impl::GenericDict& d, const std::string& key) {
-  auto it = d.find(key);
-  if (it == d.end()) return std::nullopt;
-  return it->value();
-}
-
-c10::IValue require_key(const c10::impl::GenericDict& d, const std::string& key, const std::string& path,
-                        const std::string& hint) {
-  auto v = get(d, key);
-  if (!v) throw Error(ErrorKind::checkpoint, fmt::format("checkpoint {}: key '{}' is missing; {}", path, key, hint));
-  return *v;
-}
+using detail::any_list;
+using detail::as_dict;
+using detail::get;
+using detail::int_dict;
+using detail::require_key;
+using detail::string_dict;
 
 int64_t scalar_int(const c10::IValue& v) {
   if (v.isInt()) return v.toInt();

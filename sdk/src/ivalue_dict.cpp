@@ -1,12 +1,12 @@
-#include "ivalue_dict.h"
-
+#include <fulgur/detail/ivalue_dict.h>
 #include <fulgur/error.h>
 
 #include <fmt/format.h>
 
-namespace fulgur {
+namespace fulgur::detail {
 
 c10::impl::GenericDict string_dict() { return c10::impl::GenericDict(c10::StringType::get(), c10::AnyType::get()); }
+c10::impl::GenericDict int_dict() { return c10::impl::GenericDict(c10::IntType::get(), c10::AnyType::get()); }
 c10::impl::GenericList any_list() { return c10::impl::GenericList(c10::AnyType::get()); }
 
 c10::impl::GenericDict as_dict(const c10::IValue& v, const std::string& what, const std::string& path) {
@@ -30,4 +30,4 @@ c10::IValue require_key(const c10::impl::GenericDict& d, const std::string& key,
   return *v;
 }
 
-}  // namespace fulgur
+}  // namespace fulgur::detail
