@@ -374,10 +374,15 @@ TEST_CASE("mlflow: bad options and a server that is not there are refused before
       {uri + "batch_size = 0\n", "batch_size = 0 is outside 1..1000"},
       {uri + "batch_size = 1001\n", "batch_size = 1001 is outside 1..1000"},
       {uri + "tags = [\"team\"]\n", "tags entry \"team\" is not \"key=value\""},
-      {uri + "checkpoint_dir = \"ckpts\"\n", "checkpoint_dir is set but log_model_checkpoints = false"},
+      {uri + "checkpoint_dir = \"ckpts\"\n", "checkpoint_dir = \"ckpts\" is set but log_model_checkpoints = false"},
+      {uri + "upload_when = \"often\"\n", "upload_when = \"often\" is neither \"end\" nor \"saved\""},
+      {uri + "upload_when = \"saved\"\n",
+       "upload_when = \"saved\" uploads nothing while log_model_checkpoints = false"},
+      {uri + "log_model_checkpoints = true\nupload_when = \"saved\"\ncheckpoint_dir = \"c\"\n",
+       "checkpoint_dir = \"c\" is read at the end only"},
       {uri + "max_retries = -1\n", "max_retries = -1 is outside 0..30"},
       {uri + "retry_backoff = -0.5\n", "retry_backoff = -0.5 s is outside 0..60"},
-      {uri + "experiment_name = \"\"\n", "experiment_name is empty"}};
+      {uri + "experiment_name = \"\"\n", "experiment_name = \"\" is empty"}};
   for (const auto& [options, message] : refused) {
     const ProcessRun run = config_check(options);
     INFO(options << run.output);
@@ -416,4 +421,50 @@ TEST_CASE("mlflow: bad options and a server that is not there are refused before
                                                 port));
   FULGUR_CHECK_CONTAINS(run.output, "after 2 attempt(s); start the server");
   CHECK(!contains(run.output, "epoch 0:"));
+}
+
+TEST_CASE("mlflow: upload_when = \"saved\" uploads each checkpoint as it is written, \"end\" what the run kept") {
+  if (mlflow_missing()) return;
+  TempDir dir;
+  MlflowServer server(dir, free_port());
+  // model_checkpoint writes outside the logger's run directory and keeps only its newest step file:
+  // 10 steps, a checkpoint every 2, so 5 step files are written and 4 deleted again.
+  auto run_job = [&](const std::string& experiment, const std::string& when) {
+    const fs::path checkpoints = dir / ("ckpts-" + experiment);
+    std::ofstream(dir / "job.toml") << job_toml(
+        dir, 1, 10,
+        fmt::format("tracking_uri = \"{}\"\nexperiment_name = \"{}\"\nlog_model_checkpoints = true\n"
+                    "upload_when = \"{}\"\n",
+                    server.uri(), experiment, when),
+        "[[callbacks]]\nname = \"model_checkpoint\"\ndirpath = \"" + checkpoints.string() +
+            "\"\nevery_n_train_steps = 2\nsave_top_k = 1\nsave_last = false\n");
+    const ProcessRun run = job::run_example(dir / "job.toml", dir.path(), {{"MLFLOW_TRACKING_URI", ""}});
+    INFO(run.output);
+    REQUIRE(run.exit_code == 0);
+    CHECK(job::files_in(checkpoints) == std::vector<std::string>{"epoch=0-step=10.ckpt"});
+    return run.output;
+  };
+  // "saved": the step files model_checkpoint deleted later were uploaded when they were written.
+  const std::string saved = run_job("as-saved", "saved");
+  FULGUR_CHECK_CONTAINS(saved, "uploaded " + (dir / "ckpts-as-saved" / "epoch=0-step=2.ckpt").string());
+  run_job("at-end", "end");
+
+  const fs::path script = dir / "artifacts.py";
+  std::ofstream(script) << R"(
+import sys
+from mlflow.tracking import MlflowClient
+client = MlflowClient(tracking_uri=sys.argv[1])
+def uploaded(experiment):
+    exp = client.get_experiment_by_name(experiment)
+    (run,) = client.search_runs([exp.experiment_id])
+    return sorted(a.path for a in client.list_artifacts(run.info.run_id, "checkpoints"))
+every = ["checkpoints/epoch=0-step=%d.ckpt" % s for s in (10, 2, 4, 6, 8)]
+assert uploaded("as-saved") == sorted(every), uploaded("as-saved")
+assert uploaded("at-end") == ["checkpoints/epoch=0-step=10.ckpt"], uploaded("at-end")
+print("python-ok")
+)";
+  const ProcessRun check =
+      fulgur::test::run_process({FULGUR_TEST_PYTHON, script.string(), server.uri()}, {}, dir.path());
+  INFO(check.output);
+  CHECK(contains(check.output, "python-ok"));
 }

@@ -7,8 +7,11 @@ namespace {
 // CallbackBase<T> reads the hooks from the overrides: the Trainer calls only on_train_epoch_end.
 class DivergenceGuard final : public fulgur::CallbackBase<DivergenceGuard> {
  public:
-  explicit DivergenceGuard(const fulgur::Options& options)
-      : monitor_(options.get_string("monitor")), limit_(options.get_float("limit")) {
+  // The options, declared once: FULGUR_PLUGIN takes their schema, the constructor gets them typed.
+  FULGUR_OPTIONS(Options, (string, monitor, "Epoch-level metric to watch", "train_loss"),
+                 (floating, limit, "Stop when the metric exceeds this value"));  // no default: required
+
+  explicit DivergenceGuard(const Options& options) : monitor_(options.monitor), limit_(options.limit) {
     if (!(limit_ > 0)) throw fulgur::Error(fulgur::ErrorKind::config, "divergence_guard: limit must be positive");
   }
 
@@ -27,6 +30,5 @@ class DivergenceGuard final : public fulgur::CallbackBase<DivergenceGuard> {
 
 }  // namespace
 
-FULGUR_PLUGIN(DivergenceGuard, "divergence_guard", "1.0.0", "Stops training when a metric is NaN or above a limit",
-              FULGUR_OPTION(string, monitor, "Epoch-level metric to watch", "train_loss"),
-              FULGUR_REQUIRED_OPTION(floating, limit, "Stop when the metric exceeds this value"))
+// No option list: the schema is DivergenceGuard::Options::schema.
+FULGUR_PLUGIN(DivergenceGuard, "divergence_guard", "1.0.0", "Stops training when a metric is NaN or above a limit")

@@ -7,11 +7,9 @@
 
 class LineData : public fulgur::DataModule {
  public:
-  static constexpr auto hparams_schema =
-      fulgur::option_schema(FULGUR_OPTION(integer, samples, "Points on the line", 256),
-                            FULGUR_OPTION(integer, batch_size, "Points per batch", 32));
+  FULGUR_OPTIONS(Options, (integer, samples, "Points on the line", 256), (integer, batch_size, "Points per batch", 32));
 
-  explicit LineData(const fulgur::Options& hp) : samples_(hp.get_int("samples")), batch_(hp.get_int("batch_size")) {}
+  explicit LineData(const Options& hp) : samples_(hp.samples), batch_(hp.batch_size) {}
   std::unique_ptr<fulgur::BatchLoader> train_loader() override { return loader(/*shuffle=*/true); }
   std::unique_ptr<fulgur::BatchLoader> val_loader() override { return loader(/*shuffle=*/false); }
 

@@ -8,9 +8,11 @@
 
 class LineModel : public fulgur::Module {
  public:
-  static constexpr auto hparams_schema = fulgur::option_schema(FULGUR_OPTION(floating, lr, "SGD learning rate", 0.1));
+  // The [model] hyperparameters, declared once: FULGUR_PLUGIN takes their schema, the constructor
+  // gets them typed.
+  FULGUR_OPTIONS(Options, (floating, lr, "SGD learning rate", 0.1));
 
-  explicit LineModel(const fulgur::Options& hp) : lr_(hp.get_float("lr")) {
+  explicit LineModel(const Options& hp) : lr_(hp.lr) {
     if (!(lr_ > 0)) throw std::invalid_argument("line_model: lr must be positive");
     fc = register_module("fc", torch::nn::Linear(1, 1));
   }

@@ -74,6 +74,10 @@ FULGUR_ABI_PROBE(staged_transfers, fulgur::StagedTransfers)
 FULGUR_ABI_PROBE(device_step_strategy, fulgur::DeviceStepStrategy)
 FULGUR_ABI_PROBE(device_step_precision, fulgur::DeviceStepPrecision)
 
+// SDK 1.1: loggers that observe checkpoints (fulgur/logger.h).
+FULGUR_ABI_PROBE(checkpoint_observer, fulgur::CheckpointObserver)
+FULGUR_ABI_PROBE(saved_checkpoint, fulgur::SavedCheckpoint)
+
 // The Trainer as callbacks see it.
 FULGUR_ABI_PROBE(trainer_context, fulgur::TrainerContext)
 FULGUR_ABI_PROBE(batch_size_trial, fulgur::BatchSizeTrial)

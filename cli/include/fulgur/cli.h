@@ -13,20 +13,23 @@
 //
 //   int main(int argc, char** argv) { return fulgur::cli_main<MyModel, MyData>(argc, argv); }
 //
-// where each class is constructible from `const fulgur::Options&` and may declare its
-// hyperparameters as `static constexpr auto hparams_schema = fulgur::option_schema(...)`
-// (fulgur/option_spec.h): [model] / [data] are then checked and defaulted against it exactly as a
-// plugin's table is; without it they are free-form.
+// where each class declares its hyperparameters as a typed FULGUR_OPTIONS struct `Options`
+// (fulgur/plugin_options.h) and takes it in its constructor, or is constructible from
+// `const fulgur::Options&` and may declare `static constexpr auto hparams_schema =
+// fulgur::option_schema(...)` (fulgur/option_spec.h): [model] / [data] are then checked and
+// defaulted against that schema exactly as a plugin's table is; without one they are free-form.
 #pragma once
 
 #include <fulgur/option_spec.h>
 #include <fulgur/options.h>
+#include <fulgur/plugin_options.h>
 #include <fulgur/registry/metadata.h>
 
 #include <functional>
 #include <memory>
 #include <optional>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 namespace fulgur {
@@ -57,11 +60,27 @@ std::vector<OptionSchema> schema_from_specs(const OptionSpec* specs, size_t coun
 
 namespace detail {
 template <class T>
+concept HasTypedHparams = requires {
+  typename T::Options;
+}
+&&std::is_base_of_v<PluginOptions, typename T::Options>;
+
+template <class T>
 std::optional<std::vector<OptionSchema>> hparams_schema_of() {
-  if constexpr (requires { T::hparams_schema; })
+  if constexpr (HasTypedHparams<T>)
+    return schema_from_specs(T::Options::schema.data(), T::Options::schema.size());
+  else if constexpr (requires { T::hparams_schema; })
     return schema_from_specs(T::hparams_schema.data(), T::hparams_schema.size());
   else
     return std::nullopt;
+}
+// T from the checked [model] / [data] table: its typed Options filled in, or the table itself.
+template <class T, class Interface>
+std::shared_ptr<Interface> make_from_hparams(const Options& hp) {
+  if constexpr (HasTypedHparams<T>)
+    return std::make_shared<T>(T::Options::from(hp));
+  else
+    return std::make_shared<T>(hp);
 }
 }  // namespace detail
 
@@ -69,8 +88,8 @@ template <class ModelT, class DataT>
 int cli_main(int argc, char** argv) {
   CliApp app;
   app.program = argc > 0 && argv[0] ? argv[0] : "fulgur";
-  app.make_model = [](const Options& hp) -> std::shared_ptr<Module> { return std::make_shared<ModelT>(hp); };
-  app.make_data = [](const Options& hp) -> std::shared_ptr<DataModule> { return std::make_shared<DataT>(hp); };
+  app.make_model = [](const Options& hp) { return detail::make_from_hparams<ModelT, Module>(hp); };
+  app.make_data = [](const Options& hp) { return detail::make_from_hparams<DataT, DataModule>(hp); };
   app.model_schema = detail::hparams_schema_of<ModelT>();
   app.data_schema = detail::hparams_schema_of<DataT>();
   return run_cli(argc, argv, app);

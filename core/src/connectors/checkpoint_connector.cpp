@@ -124,6 +124,9 @@ void CheckpointConnector::save(const std::string& path, bool weights_only) {
   }
   c10::IValue metadata = dump_metadata(weights_only);
   strategy.save_checkpoint(CheckpointParts{&model_state, &optimizer_states, &metadata}, path);
+  // Complete on every rank once the strategy returns (its writes end in a barrier where several
+  // ranks write): loggers that observe checkpoints may read or upload it now.
+  t.logging_.after_save_checkpoint(SavedCheckpoint{path, t.global_step(), t.current_epoch(), weights_only});
 }
 
 std::string CheckpointConnector::resolve(const std::string& ckpt_path, Stage stage) {

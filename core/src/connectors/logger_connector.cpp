@@ -146,4 +146,10 @@ void LoggerConnector::finalize(RunStatus status) {
   for_each_logger("finalize", [&](Logger& l) { l.finalize(status); });
 }
 
+void LoggerConnector::after_save_checkpoint(const SavedCheckpoint& checkpoint) {
+  for_each_logger("after_save_checkpoint", [&](Logger& l) {
+    if (auto* observer = find_extension<CheckpointObserver>(l)) observer->after_save_checkpoint(checkpoint);
+  });
+}
+
 }  // namespace fulgur

@@ -56,6 +56,9 @@ class LoggerConnector {
   void save();
   // Logger::finalize on every logger.
   void finalize(RunStatus status);
+  // CheckpointObserver::after_save_checkpoint on every logger that offers it (SDK 1.1), once the
+  // checkpoint is complete on every rank.
+  void after_save_checkpoint(const SavedCheckpoint& checkpoint);
 
  private:
   template <class Fn>

@@ -13,7 +13,8 @@ namespace {
 
 class CpuAccelerator final : public fulgur::Accelerator {
  public:
-  explicit CpuAccelerator(const fulgur::Options& options) : threads_(options.get_int("threads")) {}
+  FULGUR_OPTIONS(Options, (integer, threads, "Intra-op threads per process; 0 keeps libtorch's default", 0));
+  explicit CpuAccelerator(const Options& options) : threads_(options.threads) {}
 
   c10::DeviceType device_type() const override { return c10::DeviceType::CPU; }
   bool is_available() const override { return true; }
@@ -66,5 +67,4 @@ class CpuAccelerator final : public fulgur::Accelerator {
 
 }  // namespace
 
-FULGUR_PLUGIN(CpuAccelerator, "cpu", "0.1.0", "The host CPU (intra-op threads from libtorch)",
-              FULGUR_OPTION(integer, threads, "Intra-op threads per process; 0 keeps libtorch's default", 0))
+FULGUR_PLUGIN(CpuAccelerator, "cpu", "0.1.0", "The host CPU (intra-op threads from libtorch)")

@@ -28,14 +28,6 @@ namespace {
 
 namespace cuda = fulgur::cuda_accelerator;
 
-std::string checked_precision(const std::string& value) {
-  if (value == "highest" || value == "high" || value == "medium") return value;
-  throw fulgur::Error(fulgur::ErrorKind::config,
-                      fmt::format("accelerator 'cuda': float32_matmul_precision = \"{}\" is not a precision; use "
-                                  "\"highest\" (full fp32), \"high\" (TF32) or \"medium\" (bf16 passes)",
-                                  value));
-}
-
 // A training step as one CUDA graph. Warm-up and capture run on one side stream (a capture cannot
 // use the default stream, and lazy initialisation such as cuBLAS workspaces is per stream); the
 // side stream waits for the current one before and the current one for it after, so the step
@@ -144,9 +136,15 @@ class CudaStepGraph final : public fulgur::StepGraph {
 class CudaAccelerator final
     : public fulgur::WithExtensions<fulgur::Accelerator, fulgur::StepGraphFactory, fulgur::StagedTransfers> {
  public:
-  explicit CudaAccelerator(const fulgur::Options& options)
-      : benchmark_(options.get_bool("benchmark")),
-        matmul_precision_(checked_precision(options.get_string("float32_matmul_precision"))) {}
+  FULGUR_OPTIONS(Options, (boolean, benchmark, "cuDNN benchmark mode (torch.backends.cudnn.benchmark)", false),
+                 (string, float32_matmul_precision,
+                  "torch.set_float32_matmul_precision: \"highest\", \"high\" (TF32) or \"medium\"", "highest"));
+  explicit CudaAccelerator(const Options& options)
+      : benchmark_(options.benchmark), matmul_precision_(options.float32_matmul_precision) {
+    options.check(matmul_precision_ == "highest" || matmul_precision_ == "high" || matmul_precision_ == "medium",
+                  "float32_matmul_precision",
+                  "is not a precision; use \"highest\" (full fp32), \"high\" (TF32) or \"medium\" (bf16 passes)");
+  }
 
   c10::DeviceType device_type() const override { return c10::DeviceType::CUDA; }
   // device_count() asks the driver once (c10 caches it) and returns 0 without a driver or device.
@@ -251,8 +249,4 @@ class CudaAccelerator final
 
 }  // namespace
 
-FULGUR_PLUGIN(CudaAccelerator, "cuda", "0.1.0", "NVIDIA GPUs through libtorch's CUDA runtime (one process per device)",
-              FULGUR_OPTION(boolean, benchmark, "cuDNN benchmark mode (torch.backends.cudnn.benchmark)", false),
-              FULGUR_OPTION(string, float32_matmul_precision,
-                            "torch.set_float32_matmul_precision: \"highest\", \"high\" (TF32) or \"medium\"",
-                            "highest"))
+FULGUR_PLUGIN(CudaAccelerator, "cuda", "0.1.0", "NVIDIA GPUs through libtorch's CUDA runtime (one process per device)")

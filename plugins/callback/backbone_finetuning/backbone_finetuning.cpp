@@ -43,35 +43,41 @@ double round_to(double value, int64_t digits) {
 
 class BackboneFinetuning final : public fulgur::CallbackBase<BackboneFinetuning> {
  public:
-  explicit BackboneFinetuning(const fulgur::Options& options)
-      : unfreeze_at_(options.get_int("unfreeze_backbone_at_epoch")),
-        backbone_(options.get_string("backbone")),
-        lambda_(options.get_float("lambda_func")),
-        initial_ratio_(options.get_float("backbone_initial_ratio_lr")),
-        initial_lr_(options.get_float("backbone_initial_lr")),
-        should_align_(options.get_bool("should_align")),
-        train_bn_(options.get_bool("train_bn")),
-        verbose_(options.get_bool("verbose")),
-        rounding_(options.get_int("rounding")) {
-    if (unfreeze_at_ < 0)
-      throw Error(ErrorKind::config,
-                  fmt::format("{}: unfreeze_backbone_at_epoch = {} must be >= 0", kOwner, unfreeze_at_));
+  FULGUR_OPTIONS(Options,
+                 (integer, unfreeze_backbone_at_epoch, "Epoch (0-based) at which the backbone is unfrozen", 10),
+                 (string, backbone, "Name of the backbone submodule: the prefix of its parameters' names", "backbone"),
+                 (floating, lambda_func,
+                  "Factor the backbone lr is multiplied by each epoch after unfreezing (Lightning's "
+                  "default lambda returns 1.5)",
+                  1.5),
+                 (floating, backbone_initial_ratio_lr,
+                  "Backbone lr at unfreezing, as a fraction of the first group's lr", 0.1),
+                 (floating, backbone_initial_lr, "Backbone lr at unfreezing; nan: use the ratio", nan),
+                 (boolean, should_align, "Cap the backbone lr at the first group's lr", true),
+                 (boolean, train_bn, "Keep the backbone's BatchNorm parameters trainable while frozen", true),
+                 (boolean, verbose, "Log the learning rates at each change", false),
+                 (integer, rounding, "Decimal digits of the learning rates in the verbose log", 12));
+
+  explicit BackboneFinetuning(const Options& options)
+      : unfreeze_at_(options.unfreeze_backbone_at_epoch),
+        backbone_(options.backbone),
+        lambda_(options.lambda_func),
+        initial_ratio_(options.backbone_initial_ratio_lr),
+        initial_lr_(options.backbone_initial_lr),
+        should_align_(options.should_align),
+        train_bn_(options.train_bn),
+        verbose_(options.verbose),
+        rounding_(options.rounding) {
+    options.check(unfreeze_at_ >= 0, "unfreeze_backbone_at_epoch", "must be >= 0");
     if (backbone_.empty())
       throw Error(ErrorKind::config, fmt::format("{}: backbone is empty; give the name of the backbone submodule "
                                                  "(the prefix of its parameters' names), e.g. \"features\"",
                                                  kOwner));
-    if (!(lambda_ > 0.0))
-      throw Error(ErrorKind::config, fmt::format("{}: lambda_func = {} must be > 0 (the factor the backbone lr is "
-                                                 "multiplied by each epoch)",
-                                                 kOwner, lambda_));
-    if (!(initial_ratio_ > 0.0))
-      throw Error(ErrorKind::config,
-                  fmt::format("{}: backbone_initial_ratio_lr = {} must be > 0", kOwner, initial_ratio_));
-    if (!std::isnan(initial_lr_) && !(initial_lr_ > 0.0))
-      throw Error(ErrorKind::config, fmt::format("{}: backbone_initial_lr = {} must be > 0, or nan to use "
-                                                 "backbone_initial_ratio_lr",
-                                                 kOwner, initial_lr_));
-    if (rounding_ < 0) throw Error(ErrorKind::config, fmt::format("{}: rounding = {} must be >= 0", kOwner, rounding_));
+    options.check(lambda_ > 0.0, "lambda_func", "must be > 0 (the factor the backbone lr is multiplied by each epoch)");
+    options.check(initial_ratio_ > 0.0, "backbone_initial_ratio_lr", "must be > 0");
+    options.check(std::isnan(initial_lr_) || initial_lr_ > 0.0, "backbone_initial_lr",
+                  "must be > 0, or nan to use backbone_initial_ratio_lr");
+    options.check(rounding_ >= 0, "rounding", "must be >= 0");
   }
 
   void on_fit_start(fulgur::TrainerContext& trainer) override {
@@ -198,19 +204,4 @@ class BackboneFinetuning final : public fulgur::CallbackBase<BackboneFinetuning>
 
 FULGUR_PLUGIN(BackboneFinetuning, "backbone_finetuning", "0.1.0",
               "Freezes the backbone, then unfreezes it at an epoch as a new optimizer parameter group with its own, "
-              "growing lr (Lightning's BackboneFinetuning)",
-              FULGUR_OPTION(integer, unfreeze_backbone_at_epoch, "Epoch (0-based) at which the backbone is unfrozen",
-                            10),
-              FULGUR_OPTION(string, backbone, "Name of the backbone submodule: the prefix of its parameters' names",
-                            "backbone"),
-              FULGUR_OPTION(floating, lambda_func,
-                            "Factor the backbone lr is multiplied by each epoch after unfreezing (Lightning's "
-                            "default lambda returns 1.5)",
-                            1.5),
-              FULGUR_OPTION(floating, backbone_initial_ratio_lr,
-                            "Backbone lr at unfreezing, as a fraction of the first group's lr", 0.1),
-              FULGUR_OPTION(floating, backbone_initial_lr, "Backbone lr at unfreezing; nan: use the ratio", nan),
-              FULGUR_OPTION(boolean, should_align, "Cap the backbone lr at the first group's lr", true),
-              FULGUR_OPTION(boolean, train_bn, "Keep the backbone's BatchNorm parameters trainable while frozen", true),
-              FULGUR_OPTION(boolean, verbose, "Log the learning rates at each change", false),
-              FULGUR_OPTION(integer, rounding, "Decimal digits of the learning rates in the verbose log", 12))
+              "growing lr (Lightning's BackboneFinetuning)")

@@ -36,18 +36,16 @@ using fulgur::ErrorKind;
 
 constexpr char kOwner[] = "callback 'batch_size_finder'";
 
-bsf::SearchMode parse_mode(const std::string& mode) {
+bsf::SearchMode parse_mode(const fulgur::PluginOptions& o, const std::string& mode) {
   if (mode == "power") return bsf::SearchMode::power;
   if (mode == "binsearch") return bsf::SearchMode::binsearch;
-  throw Error(ErrorKind::config,
-              fmt::format("{}: mode = \"{}\" is not understood; use \"power\" (double until a size "
-                          "does not fit) or \"binsearch\" (then bisect towards the largest that fits)",
-                          kOwner, mode));
+  o.reject("mode",
+           "is not understood; use \"power\" (double until a size does not fit) or \"binsearch\" (then bisect "
+           "towards the largest that fits)");
 }
 
-int64_t positive(const fulgur::Options& o, const char* key) {
-  const int64_t value = o.get_int(key);
-  if (value < 1) throw Error(ErrorKind::config, fmt::format("{}: {} = {} must be >= 1", kOwner, key, value));
+int64_t positive(const fulgur::PluginOptions& o, const char* key, int64_t value) {
+  o.check(value >= 1, key, "must be >= 1");
   return value;
 }
 
@@ -59,13 +57,23 @@ struct TrialRecord {
 
 class BatchSizeFinder final : public fulgur::CallbackBase<BatchSizeFinder> {
  public:
-  explicit BatchSizeFinder(const fulgur::Options& o)
+  FULGUR_OPTIONS(Options,
+                 (string, mode, "\"power\" (double until a size does not fit) or \"binsearch\" (then bisect)", "power"),
+                 (integer, steps_per_trial, "Training steps run at each size tried", 3),
+                 (integer, init_val, "The first batch size tried", 2),
+                 (integer, max_trials, "At most this many sizes are tried", 25),
+                 (floating, max_memory_mb,
+                  "cpu: tensor memory a trial may hold at once, in MiB (required on cpu); "
+                  "0 on cuda, where the out-of-memory error decides",
+                  0.0));
+
+  explicit BatchSizeFinder(const Options& o)
       : search_options_(bsf::BatchSizeSearchOptions()
-                            .mode(parse_mode(o.get_string("mode")))
-                            .init_val(positive(o, "init_val"))
-                            .max_trials(positive(o, "max_trials"))),
-        steps_per_trial_(positive(o, "steps_per_trial")),
-        max_memory_bytes_(budget_bytes(o.get_float("max_memory_mb"))) {}
+                            .mode(parse_mode(o, o.mode))
+                            .init_val(positive(o, "init_val", o.init_val))
+                            .max_trials(positive(o, "max_trials", o.max_trials))),
+        steps_per_trial_(positive(o, "steps_per_trial", o.steps_per_trial)),
+        max_memory_bytes_(budget_bytes(o, o.max_memory_mb)) {}
 
   void on_fit_start(fulgur::TrainerContext& trainer) override {
     if (found_) {  // restored from a checkpoint: that run's search holds
@@ -129,10 +137,8 @@ class BatchSizeFinder final : public fulgur::CallbackBase<BatchSizeFinder> {
   }
 
  private:
-  static int64_t budget_bytes(double megabytes) {
-    if (!(megabytes >= 0))
-      throw Error(ErrorKind::config,
-                  fmt::format("{}: max_memory_mb = {} must be >= 0 (0: no budget, on cuda)", kOwner, megabytes));
+  static int64_t budget_bytes(const Options& o, double megabytes) {
+    o.check(megabytes >= 0, "max_memory_mb", "must be >= 0 (0: no budget, on cuda)");
     return static_cast<int64_t>(megabytes * 1024.0 * 1024.0);
   }
 
@@ -171,13 +177,4 @@ class BatchSizeFinder final : public fulgur::CallbackBase<BatchSizeFinder> {
 
 FULGUR_PLUGIN(BatchSizeFinder, "batch_size_finder", "0.1.0",
               "Largest training batch size that fits, found before fit trains (Lightning's BatchSizeFinder): "
-              "trial steps per size, undone after; writes batch_size_finder.csv",
-              FULGUR_OPTION(string, mode, "\"power\" (double until a size does not fit) or \"binsearch\" (then bisect)",
-                            "power"),
-              FULGUR_OPTION(integer, steps_per_trial, "Training steps run at each size tried", 3),
-              FULGUR_OPTION(integer, init_val, "The first batch size tried", 2),
-              FULGUR_OPTION(integer, max_trials, "At most this many sizes are tried", 25),
-              FULGUR_OPTION(floating, max_memory_mb,
-                            "cpu: tensor memory a trial may hold at once, in MiB (required on cpu); "
-                            "0 on cuda, where the out-of-memory error decides",
-                            0.0))
+              "trial steps per size, undone after; writes batch_size_finder.csv")

@@ -21,7 +21,8 @@ constexpr char kOwner[] = "callback 'device_stats'";
 
 class DeviceStatsMonitor final : public fulgur::Callback {
  public:
-  explicit DeviceStatsMonitor(const fulgur::Options& options) : cpu_stats_(options.get_bool("cpu_stats")) {}
+  FULGUR_OPTIONS(Options, (boolean, cpu_stats, "Also log CPU utilisation and memory from /proc", true));
+  explicit DeviceStatsMonitor(const Options& options) : cpu_stats_(options.cpu_stats) {}
 
   fulgur::HookSet hooks() const override {
     return fulgur::Hook::train_start | fulgur::Hook::train_batch_start | fulgur::Hook::train_batch_end;
@@ -59,5 +60,4 @@ class DeviceStatsMonitor final : public fulgur::Callback {
 }  // namespace
 
 FULGUR_PLUGIN(DeviceStatsMonitor, "device_stats", "0.1.0",
-              "Logs accelerator, CUDA memory and CPU statistics on logging steps (Lightning's DeviceStatsMonitor)",
-              FULGUR_OPTION(boolean, cpu_stats, "Also log CPU utilisation and memory from /proc", true))
+              "Logs accelerator, CUDA memory and CPU statistics on logging steps (Lightning's DeviceStatsMonitor)")

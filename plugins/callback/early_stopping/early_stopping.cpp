@@ -22,33 +22,47 @@ using support::MonitorMode;
 constexpr char kOwner[] = "callback 'early_stopping'";
 
 // Thresholds are optional; TOML's `nan` (the default) means "not set", as Python's None does.
-std::optional<double> optional_threshold(const fulgur::Options& options, const char* key) {
-  double value = options.get_float(key);
+std::optional<double> optional_threshold(double value) {
   if (std::isnan(value)) return std::nullopt;
   return value;
 }
 
 class EarlyStopping final : public fulgur::Callback {
  public:
-  explicit EarlyStopping(const fulgur::Options& options)
-      : monitor_(options.get_string("monitor")),
-        mode_(support::parse_mode(kOwner, options.get_string("mode"))),
-        patience_(options.get_int("patience")),
+  FULGUR_OPTIONS(Options, (string, monitor, "Logged metric to watch, e.g. \"val/loss\""),
+                 (string, mode, "\"min\" (stop when it stops decreasing) or \"max\"", "min"),
+                 (integer, patience, "Checks without improvement before stopping (checks, not epochs)", 3),
+                 (floating, min_delta, "Smallest change that counts as an improvement", 0.0),
+                 (boolean, check_finite, "Stop when the metric becomes NaN or infinite", true),
+                 (floating, stopping_threshold, "Stop as soon as the metric is better than this; nan: off", nan),
+                 (floating, divergence_threshold, "Stop as soon as the metric is worse than this; nan: off", nan),
+                 (boolean, check_on_train_epoch_end,
+                  "Check at the end of each training epoch instead of after validation (always so without "
+                  "validation)",
+                  false),
+                 (boolean, strict, "A monitor that is not logged is an error (false: skip the check)", true),
+                 (boolean, verbose, "Log improvements and the reason for stopping", false),
+                 (boolean, log_rank_zero_only, "In multi-process runs, log from rank zero only", false));
+
+  explicit EarlyStopping(const Options& options)
+      : monitor_(options.monitor),
+        mode_(support::parse_mode(kOwner, options.mode)),
+        patience_(options.patience),
         // Signed so that "current - min_delta better than best" reads the same in both modes.
-        min_delta_(std::abs(options.get_float("min_delta")) * (mode_ == MonitorMode::max ? 1.0 : -1.0)),
-        check_finite_(options.get_bool("check_finite")),
-        stopping_threshold_(optional_threshold(options, "stopping_threshold")),
-        divergence_threshold_(optional_threshold(options, "divergence_threshold")),
-        check_on_train_epoch_end_(options.get_bool("check_on_train_epoch_end")),
-        strict_(options.get_bool("strict")),
-        verbose_(options.get_bool("verbose")),
-        log_rank_zero_only_(options.get_bool("log_rank_zero_only")),
+        min_delta_(std::abs(options.min_delta) * (mode_ == MonitorMode::max ? 1.0 : -1.0)),
+        check_finite_(options.check_finite),
+        stopping_threshold_(optional_threshold(options.stopping_threshold)),
+        divergence_threshold_(optional_threshold(options.divergence_threshold)),
+        check_on_train_epoch_end_(options.check_on_train_epoch_end),
+        strict_(options.strict),
+        verbose_(options.verbose),
+        log_rank_zero_only_(options.log_rank_zero_only),
         best_score_(support::worst_score(mode_)) {
     if (monitor_.empty())
       throw Error(ErrorKind::config, fmt::format("{}: monitor is empty; name the logged metric to watch, e.g. "
                                                  "monitor = \"val/loss\"",
                                                  kOwner));
-    if (patience_ < 0) throw Error(ErrorKind::config, fmt::format("{}: patience = {} must be >= 0", kOwner, patience_));
+    options.check(patience_ >= 0, "patience", "must be >= 0");
   }
 
   fulgur::HookSet hooks() const override {
@@ -206,20 +220,4 @@ class EarlyStopping final : public fulgur::Callback {
 }  // namespace
 
 FULGUR_PLUGIN(EarlyStopping, "early_stopping", "0.1.0",
-              "Stops training when a monitored metric stops improving, crosses a threshold or is not finite",
-              FULGUR_REQUIRED_OPTION(string, monitor, "Logged metric to watch, e.g. \"val/loss\""),
-              FULGUR_OPTION(string, mode, "\"min\" (stop when it stops decreasing) or \"max\"", "min"),
-              FULGUR_OPTION(integer, patience, "Checks without improvement before stopping (checks, not epochs)", 3),
-              FULGUR_OPTION(floating, min_delta, "Smallest change that counts as an improvement", 0.0),
-              FULGUR_OPTION(boolean, check_finite, "Stop when the metric becomes NaN or infinite", true),
-              FULGUR_OPTION(floating, stopping_threshold, "Stop as soon as the metric is better than this; nan: off",
-                            nan),
-              FULGUR_OPTION(floating, divergence_threshold, "Stop as soon as the metric is worse than this; nan: off",
-                            nan),
-              FULGUR_OPTION(boolean, check_on_train_epoch_end,
-                            "Check at the end of each training epoch instead of after validation (always so without "
-                            "validation)",
-                            false),
-              FULGUR_OPTION(boolean, strict, "A monitor that is not logged is an error (false: skip the check)", true),
-              FULGUR_OPTION(boolean, verbose, "Log improvements and the reason for stopping", false),
-              FULGUR_OPTION(boolean, log_rank_zero_only, "In multi-process runs, log from rank zero only", false))
+              "Stops training when a monitored metric stops improving, crosses a threshold or is not finite")

@@ -25,42 +25,44 @@ using fulgur::ErrorKind;
 
 constexpr char kOwner[] = "callback 'ema'";
 
-std::string checked_device(const std::string& device) {
+std::string checked_device(const fulgur::PluginOptions& options, const std::string& device) {
   if (device.empty()) return device;
   try {
     (void)c10::Device(device);
   } catch (const std::exception&) {
-    throw Error(ErrorKind::config, fmt::format("{}: device = \"{}\" is not a device; use \"\" (where the model is), "
-                                               "\"cpu\" or \"cuda:0\"",
-                                               kOwner, device));
+    options.reject("device", "is not a device; use \"\" (where the model is), \"cpu\" or \"cuda:0\"");
   }
   return device;
 }
 
 class Ema final : public fulgur::CallbackBase<Ema> {
  public:
-  explicit Ema(const fulgur::Options& options)
-      : decay_(options.get_float("decay")),
-        every_n_steps_(options.get_int("update_every_n_steps")),
-        start_step_(options.get_int("update_starting_at_step")),
-        start_epoch_(options.get_int("update_starting_at_epoch")),
-        use_buffers_(options.get_bool("use_buffers")),
-        device_(checked_device(options.get_string("device"))),
-        copy_at_end_(options.get_bool("copy_average_at_end")) {
-    if (!(decay_ >= 0.0 && decay_ <= 1.0))
-      throw Error(ErrorKind::config, fmt::format("{}: decay = {} must lie in [0, 1] (typical: 0.999)", kOwner, decay_));
-    if (every_n_steps_ < 1)
-      throw Error(ErrorKind::config,
-                  fmt::format("{}: update_every_n_steps = {} must be >= 1 (1: after every optimizer step)", kOwner,
-                              every_n_steps_));
-    if (start_step_ < -1)
-      throw Error(ErrorKind::config, fmt::format("{}: update_starting_at_step = {} must be >= 0, or -1 for no "
-                                                 "condition",
-                                                 kOwner, start_step_));
-    if (start_epoch_ < -1)
-      throw Error(ErrorKind::config, fmt::format("{}: update_starting_at_epoch = {} must be >= 0, or -1 for no "
-                                                 "condition",
-                                                 kOwner, start_epoch_));
+  FULGUR_OPTIONS(Options, (floating, decay, "EMA decay: ema = decay * ema + (1 - decay) * weights", 0.999),
+                 (integer, update_every_n_steps, "Update after every n-th optimizer step", 1),
+                 (integer, update_starting_at_step,
+                  "First optimizer step (0-based) that updates the average; -1: no condition", -1),
+                 (integer, update_starting_at_epoch,
+                  "First epoch (0-based) whose steps update the average; -1: no condition", -1),
+                 (boolean, use_buffers,
+                  "Average the buffers (BatchNorm statistics) too; false: only parameters are averaged and "
+                  "swapped, buffers stay the model's",
+                  true),
+                 (string, device, "Where the average lives: \"\" = the model's device, or \"cpu\"", ""),
+                 (boolean, copy_average_at_end,
+                  "Copy the average into the model when training ends (Lightning always does)", true));
+
+  explicit Ema(const Options& options)
+      : decay_(options.decay),
+        every_n_steps_(options.update_every_n_steps),
+        start_step_(options.update_starting_at_step),
+        start_epoch_(options.update_starting_at_epoch),
+        use_buffers_(options.use_buffers),
+        device_(checked_device(options, options.device)),
+        copy_at_end_(options.copy_average_at_end) {
+    options.check(decay_ >= 0.0 && decay_ <= 1.0, "decay", "must lie in [0, 1] (typical: 0.999)");
+    options.check(every_n_steps_ >= 1, "update_every_n_steps", "must be >= 1 (1: after every optimizer step)");
+    options.check(start_step_ >= -1, "update_starting_at_step", "must be >= 0, or -1 for no condition");
+    options.check(start_epoch_ >= -1, "update_starting_at_epoch", "must be >= 0, or -1 for no condition");
   }
 
   void on_fit_start(fulgur::TrainerContext& trainer) override {
@@ -145,17 +147,4 @@ class Ema final : public fulgur::CallbackBase<Ema> {
 
 FULGUR_PLUGIN(Ema, "ema", "0.1.0",
               "Exponential moving average of the weights (Lightning's EMAWeightAveraging), used for validation and "
-              "test and copied into the model at the end",
-              FULGUR_OPTION(floating, decay, "EMA decay: ema = decay * ema + (1 - decay) * weights", 0.999),
-              FULGUR_OPTION(integer, update_every_n_steps, "Update after every n-th optimizer step", 1),
-              FULGUR_OPTION(integer, update_starting_at_step,
-                            "First optimizer step (0-based) that updates the average; -1: no condition", -1),
-              FULGUR_OPTION(integer, update_starting_at_epoch,
-                            "First epoch (0-based) whose steps update the average; -1: no condition", -1),
-              FULGUR_OPTION(boolean, use_buffers,
-                            "Average the buffers (BatchNorm statistics) too; false: only parameters are averaged and "
-                            "swapped, buffers stay the model's",
-                            true),
-              FULGUR_OPTION(string, device, "Where the average lives: \"\" = the model's device, or \"cpu\"", ""),
-              FULGUR_OPTION(boolean, copy_average_at_end,
-                            "Copy the average into the model when training ends (Lightning always does)", true))
+              "test and copied into the model at the end")

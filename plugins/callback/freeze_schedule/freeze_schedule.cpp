@@ -70,8 +70,13 @@ std::vector<Entry> parse_schedule(const std::vector<std::string>& schedule) {
 
 class FreezeSchedule final : public fulgur::CallbackBase<FreezeSchedule> {
  public:
-  explicit FreezeSchedule(const fulgur::Options& options)
-      : entries_(parse_schedule(options.get_string_list("schedule"))), verbose_(options.get_bool("verbose")) {}
+  FULGUR_OPTIONS(Options,
+                 (string_list, schedule,
+                  "Entries \"EPOCH:freeze:PATTERN\" / \"EPOCH:unfreeze:PATTERN\" (shell patterns "
+                  "on dotted parameter names)"),
+                 (boolean, verbose, "Log each freeze and unfreeze", false));
+  explicit FreezeSchedule(const Options& options)
+      : entries_(parse_schedule(options.schedule)), verbose_(options.verbose) {}
 
   void on_fit_start(fulgur::TrainerContext& trainer) override {
     weights::require_one_process_to_change_trainable(trainer, kOwner);
@@ -186,8 +191,4 @@ class FreezeSchedule final : public fulgur::CallbackBase<FreezeSchedule> {
 
 FULGUR_PLUGIN(FreezeSchedule, "freeze_schedule", "0.1.0",
               "Freezes and unfreezes parameters by name pattern at given epochs; unfrozen parameters the optimizer "
-              "lacks join it as a new parameter group",
-              FULGUR_REQUIRED_OPTION(string_list, schedule,
-                                     "Entries \"EPOCH:freeze:PATTERN\" / \"EPOCH:unfreeze:PATTERN\" (shell patterns "
-                                     "on dotted parameter names)"),
-              FULGUR_OPTION(boolean, verbose, "Log each freeze and unfreeze", false))
+              "lacks join it as a new parameter group")

@@ -50,8 +50,10 @@ std::map<int64_t, int64_t> parse_scheduling(const std::vector<std::string>& entr
 
 class GradientAccumulationScheduler final : public fulgur::CallbackBase<GradientAccumulationScheduler> {
  public:
-  explicit GradientAccumulationScheduler(const fulgur::Options& options)
-      : scheduling_(parse_scheduling(options.get_string_list("scheduling"))) {}
+  FULGUR_OPTIONS(Options, (string_list, scheduling,
+                           "Entries \"EPOCH:FACTOR\": from epoch EPOCH (0-based) on, FACTOR batches per "
+                           "optimizer step; 1 before the first entry"));
+  explicit GradientAccumulationScheduler(const Options& options) : scheduling_(parse_scheduling(options.scheduling)) {}
 
   void on_fit_start(fulgur::TrainerContext& trainer) override {
     original_ = trainer.accumulate_grad_batches();
@@ -82,7 +84,4 @@ class GradientAccumulationScheduler final : public fulgur::CallbackBase<Gradient
 }  // namespace
 
 FULGUR_PLUGIN(GradientAccumulationScheduler, "gradient_accumulation_scheduler", "0.1.0",
-              "Changes accumulate_grad_batches by epoch (Lightning's GradientAccumulationScheduler)",
-              FULGUR_REQUIRED_OPTION(string_list, scheduling,
-                                     "Entries \"EPOCH:FACTOR\": from epoch EPOCH (0-based) on, FACTOR batches per "
-                                     "optimizer step; 1 before the first entry"))
+              "Changes accumulate_grad_batches by epoch (Lightning's GradientAccumulationScheduler)")

@@ -45,57 +45,25 @@ using fulgur::ErrorKind;
 
 constexpr char kOwner[] = "callback 'lr_finder'";
 
-lf::SweepMode parse_mode(const std::string& mode) {
-  if (mode == "exponential") return lf::SweepMode::exponential;
-  if (mode == "linear") return lf::SweepMode::linear;
-  throw Error(ErrorKind::config, fmt::format("{}: mode = \"{}\" is not understood; use \"exponential\" (the lr grows "
-                                             "by the same factor each step) or \"linear\"",
-                                             kOwner, mode));
-}
-
-lf::LrSweepOptions checked_options(const fulgur::Options& o) {
-  auto options = lf::LrSweepOptions()
-                     .min_lr(o.get_float("min_lr"))
-                     .max_lr(o.get_float("max_lr"))
-                     .num_training_steps(o.get_int("num_training_steps"))
-                     .mode(parse_mode(o.get_string("mode")))
-                     .early_stop_threshold(o.get_float("early_stop_threshold"))
-                     .beta(o.get_float("beta"))
-                     .skip_begin(o.get_int("skip_begin"))
-                     .skip_end(o.get_int("skip_end"));
-  if (!(options.min_lr_ > 0))
-    throw Error(ErrorKind::config, fmt::format("{}: min_lr = {} must be > 0", kOwner, options.min_lr_));
-  if (!(options.max_lr_ > options.min_lr_))
-    throw Error(ErrorKind::config, fmt::format("{}: max_lr = {} must be greater than min_lr = {}", kOwner,
-                                               options.max_lr_, options.min_lr_));
-  if (options.num_training_steps_ < 2)
-    throw Error(ErrorKind::config, fmt::format("{}: num_training_steps = {} must be >= 2 (the lrs tried)", kOwner,
-                                               options.num_training_steps_));
-  if (!std::isnan(options.early_stop_threshold_) && !(options.early_stop_threshold_ > 1.0))
-    throw Error(ErrorKind::config, fmt::format("{}: early_stop_threshold = {} must be > 1 (the sweep stops when the "
-                                               "smoothed loss exceeds this multiple of the best one), or nan to "
-                                               "never stop early",
-                                               kOwner, options.early_stop_threshold_));
-  if (!(options.beta_ >= 0.0 && options.beta_ < 1.0))
-    throw Error(ErrorKind::config,
-                fmt::format("{}: beta = {} must lie in [0, 1) (0: no smoothing)", kOwner, options.beta_));
-  if (options.skip_begin_ < 0 || options.skip_end_ < 0)
-    throw Error(ErrorKind::config, fmt::format("{}: skip_begin = {} and skip_end = {} must be >= 0", kOwner,
-                                               options.skip_begin_, options.skip_end_));
-  if (options.skip_begin_ + options.skip_end_ + 2 > options.num_training_steps_)
-    throw Error(ErrorKind::config,
-                fmt::format("{}: skip_begin + skip_end = {} leaves fewer than 2 of num_training_steps = {} points "
-                            "for the suggestion; lower them or raise num_training_steps",
-                            kOwner, options.skip_begin_ + options.skip_end_, options.num_training_steps_));
-  return options;
-}
-
 class LrFinder final : public fulgur::CallbackBase<LrFinder> {
  public:
-  explicit LrFinder(const fulgur::Options& options)
+  FULGUR_OPTIONS(Options, (floating, min_lr, "The lr of the first sweep step", 1e-8),
+                 (floating, max_lr, "The lr of the last sweep step", 1.0),
+                 (integer, num_training_steps, "Optimizer steps (lrs tried) in the sweep", 100),
+                 (string, mode, "\"exponential\" or \"linear\" growth of the lr from step to step", "exponential"),
+                 (floating, early_stop_threshold,
+                  "Stop the sweep when the smoothed loss exceeds this multiple of the best one; nan: never", 4.0),
+                 (floating, beta, "Smoothing of the loss (exponential moving average; 0: none)", 0.98),
+                 (integer, skip_begin, "Points left out at the start when choosing the suggestion", 10),
+                 (integer, skip_end, "Points left out at the end when choosing the suggestion", 1),
+                 (boolean, update_attr, "Set every optimizer param group's lr to the suggestion", true),
+                 (boolean, stop_after_sweep, "Stop the run after the sweep (the weights are those from before it)",
+                  false));
+
+  explicit LrFinder(const Options& options)
       : sweep_options_(checked_options(options)),
-        update_attr_(options.get_bool("update_attr")),
-        stop_after_sweep_(options.get_bool("stop_after_sweep")) {}
+        update_attr_(options.update_attr),
+        stop_after_sweep_(options.stop_after_sweep) {}
 
   void on_fit_start(fulgur::TrainerContext&) override {
     sweep_.reset();
@@ -140,6 +108,41 @@ class LrFinder final : public fulgur::CallbackBase<LrFinder> {
   }
 
  private:
+  static lf::SweepMode parse_mode(const Options& o) {
+    if (o.mode == "exponential") return lf::SweepMode::exponential;
+    if (o.mode == "linear") return lf::SweepMode::linear;
+    o.reject("mode",
+             "is not understood; use \"exponential\" (the lr grows by the same factor each step) or \"linear\"");
+  }
+
+  static lf::LrSweepOptions checked_options(const Options& o) {
+    auto options = lf::LrSweepOptions()
+                       .min_lr(o.min_lr)
+                       .max_lr(o.max_lr)
+                       .num_training_steps(o.num_training_steps)
+                       .mode(parse_mode(o))
+                       .early_stop_threshold(o.early_stop_threshold)
+                       .beta(o.beta)
+                       .skip_begin(o.skip_begin)
+                       .skip_end(o.skip_end);
+    o.check(options.min_lr_ > 0, "min_lr", "must be > 0");
+    o.check(options.max_lr_ > options.min_lr_, "max_lr",
+            fmt::format("must be greater than min_lr = {}", options.min_lr_));
+    o.check(options.num_training_steps_ >= 2, "num_training_steps", "must be >= 2 (the lrs tried)");
+    o.check(std::isnan(options.early_stop_threshold_) || options.early_stop_threshold_ > 1.0, "early_stop_threshold",
+            "must be > 1 (the sweep stops when the smoothed loss exceeds this multiple of the best one), or nan to "
+            "never stop early");
+    o.check(options.beta_ >= 0.0 && options.beta_ < 1.0, "beta", "must lie in [0, 1) (0: no smoothing)");
+    o.check(options.skip_begin_ >= 0 && options.skip_end_ >= 0, "skip_begin",
+            fmt::format("and skip_end = {} must be >= 0", options.skip_end_));
+    if (options.skip_begin_ + options.skip_end_ + 2 > options.num_training_steps_)
+      throw Error(ErrorKind::config,
+                  fmt::format("{}: skip_begin + skip_end = {} leaves fewer than 2 of num_training_steps = {} points "
+                              "for the suggestion; lower them or raise num_training_steps",
+                              kOwner, options.skip_begin_ + options.skip_end_, options.num_training_steps_));
+    return options;
+  }
+
   struct Snapshot {
     c10::IValue model;
     std::vector<c10::IValue> optimizers;
@@ -253,18 +256,4 @@ class LrFinder final : public fulgur::CallbackBase<LrFinder> {
 
 FULGUR_PLUGIN(LrFinder, "lr_finder", "0.1.0",
               "Learning-rate range test in the first training steps (Lightning's LearningRateFinder): writes "
-              "lr_find.csv and lr_find.png, restores the weights and applies the suggested lr",
-              FULGUR_OPTION(floating, min_lr, "The lr of the first sweep step", 1e-8),
-              FULGUR_OPTION(floating, max_lr, "The lr of the last sweep step", 1.0),
-              FULGUR_OPTION(integer, num_training_steps, "Optimizer steps (lrs tried) in the sweep", 100),
-              FULGUR_OPTION(string, mode, "\"exponential\" or \"linear\" growth of the lr from step to step",
-                            "exponential"),
-              FULGUR_OPTION(floating, early_stop_threshold,
-                            "Stop the sweep when the smoothed loss exceeds this multiple of the best one; nan: never",
-                            4.0),
-              FULGUR_OPTION(floating, beta, "Smoothing of the loss (exponential moving average; 0: none)", 0.98),
-              FULGUR_OPTION(integer, skip_begin, "Points left out at the start when choosing the suggestion", 10),
-              FULGUR_OPTION(integer, skip_end, "Points left out at the end when choosing the suggestion", 1),
-              FULGUR_OPTION(boolean, update_attr, "Set every optimizer param group's lr to the suggestion", true),
-              FULGUR_OPTION(boolean, stop_after_sweep,
-                            "Stop the run after the sweep (the weights are those from before it)", false))
+              "lr_find.csv and lr_find.png, restores the weights and applies the suggested lr")

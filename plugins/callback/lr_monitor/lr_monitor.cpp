@@ -27,8 +27,6 @@
 namespace {
 
 namespace monitor = fulgur::direct_logging;
-using fulgur::Error;
-using fulgur::ErrorKind;
 namespace optim = torch::optim;
 
 constexpr char kOwner[] = "callback 'lr_monitor'";
@@ -63,14 +61,19 @@ std::optional<double> weight_decay_of(const optim::OptimizerOptions& o) {
 
 class LearningRateMonitor final : public fulgur::Callback {
  public:
-  explicit LearningRateMonitor(const fulgur::Options& options)
-      : interval_(options.get_string("logging_interval")),
-        log_momentum_(options.get_bool("log_momentum")),
-        log_weight_decay_(options.get_bool("log_weight_decay")) {
-    if (interval_ != "step" && interval_ != "epoch")
-      throw Error(ErrorKind::config, fmt::format("{}: logging_interval = \"{}\" is not understood; use \"step\" "
-                                                 "(every log_every_n_steps) or \"epoch\"",
-                                                 kOwner, interval_));
+  FULGUR_OPTIONS(Options,
+                 (string, logging_interval,
+                  "\"step\": on the Trainer's logging steps (log_every_n_steps); \"epoch\": at each epoch "
+                  "start",
+                  "step"),
+                 (boolean, log_momentum, "Also log momentum (beta1 for Adam-like optimizers)", false),
+                 (boolean, log_weight_decay, "Also log weight decay", false));
+  explicit LearningRateMonitor(const Options& options)
+      : interval_(options.logging_interval),
+        log_momentum_(options.log_momentum),
+        log_weight_decay_(options.log_weight_decay) {
+    options.check(interval_ == "step" || interval_ == "epoch", "logging_interval",
+                  "is not understood; use \"step\" (every log_every_n_steps) or \"epoch\"");
   }
 
   fulgur::HookSet hooks() const override {
@@ -130,10 +133,4 @@ class LearningRateMonitor final : public fulgur::Callback {
 }  // namespace
 
 FULGUR_PLUGIN(LearningRateMonitor, "lr_monitor", "0.1.0",
-              "Logs each optimizer's learning rate per parameter group (Lightning's LearningRateMonitor)",
-              FULGUR_OPTION(string, logging_interval,
-                            "\"step\": on the Trainer's logging steps (log_every_n_steps); \"epoch\": at each epoch "
-                            "start",
-                            "step"),
-              FULGUR_OPTION(boolean, log_momentum, "Also log momentum (beta1 for Adam-like optimizers)", false),
-              FULGUR_OPTION(boolean, log_weight_decay, "Also log weight decay", false))
+              "Logs each optimizer's learning rate per parameter group (Lightning's LearningRateMonitor)")

@@ -269,21 +269,44 @@ std::string newest_last_checkpoint(const std::string& directory, bool checkpoint
 
 class ModelCheckpoint final : public fulgur::Callback, public fulgur::CheckpointProvider {
  public:
-  explicit ModelCheckpoint(const fulgur::Options& options)
-      : dirpath_option_(options.get_string("dirpath")),
-        filename_(options.get_string("filename").empty() ? kDefaultFilename : options.get_string("filename")),
-        monitor_(options.get_string("monitor")),
-        mode_(support::parse_mode(kOwner, options.get_string("mode"))),
-        save_top_k_(options.get_int("save_top_k")),
-        save_last_(options.get_bool("save_last")),
-        every_n_train_steps_(options.get_int("every_n_train_steps")),
-        every_n_epochs_(options.get_int("every_n_epochs")),
-        save_on_train_epoch_end_(options.get_bool("save_on_train_epoch_end")),
-        save_weights_only_(options.get_bool("save_weights_only")),
-        auto_insert_metric_name_(options.get_bool("auto_insert_metric_name")),
-        enable_version_counter_(options.get_bool("enable_version_counter")),
-        verbose_(options.get_bool("verbose")) {
-    validate_configuration();
+  FULGUR_OPTIONS(Options,
+                 (string, dirpath, "Directory for checkpoints; empty: <log_dir>/checkpoints (rank zero's)", ""),
+                 (string, filename,
+                  "File name template without .ckpt: {epoch}, {step} and logged metrics, with Python format "
+                  "specs, e.g. \"{epoch}-{val/acc:.4f}\" -> epoch=3-val_acc=0.9123",
+                  "{epoch}-{step}"),
+                 (string, monitor, "Logged metric that ranks checkpoints; empty: keep the latest", ""),
+                 (string, mode, "\"min\" (lower monitor is better) or \"max\"", "min"),
+                 (integer, save_top_k, "How many best checkpoints to keep; -1 all, 0 none", 1),
+                 (boolean, save_last, "Also keep last.ckpt, rewritten at every save point", false),
+                 (integer, every_n_train_steps, "Save every N optimizer steps; 0 off", 0),
+                 (integer, every_n_epochs,
+                  "Save every N epochs; 0 off; -1: 1, or 0 when every_n_train_steps is set (Lightning's default)", -1),
+                 (boolean, save_on_train_epoch_end,
+                  "Save at the end of the training epoch instead of after validation (always so without "
+                  "validation)",
+                  false),
+                 (boolean, save_weights_only, "Write only the model weights (no optimizer, loops, callbacks)", false),
+                 (boolean, auto_insert_metric_name, "Write \"name=\" before each placeholder's value", true),
+                 (boolean, enable_version_counter,
+                  "Append -v1, -v2, ... instead of overwriting a file of the same name", true),
+                 (boolean, verbose, "Log every save decision", false));
+
+  explicit ModelCheckpoint(const Options& options)
+      : dirpath_option_(options.dirpath),
+        filename_(options.filename.empty() ? kDefaultFilename : options.filename),
+        monitor_(options.monitor),
+        mode_(support::parse_mode(kOwner, options.mode)),
+        save_top_k_(options.save_top_k),
+        save_last_(options.save_last),
+        every_n_train_steps_(options.every_n_train_steps),
+        every_n_epochs_(options.every_n_epochs),
+        save_on_train_epoch_end_(options.save_on_train_epoch_end),
+        save_weights_only_(options.save_weights_only),
+        auto_insert_metric_name_(options.auto_insert_metric_name),
+        enable_version_counter_(options.enable_version_counter),
+        verbose_(options.verbose) {
+    validate_configuration(options);
     // Lightning's rule: epoch-triggered saving is on by default, off when saving by steps.
     if (every_n_epochs_ == -1) every_n_epochs_ = every_n_train_steps_ > 0 ? 0 : 1;
     top_k_.kth_value = support::worst_score(mode_);
@@ -446,25 +469,15 @@ class ModelCheckpoint final : public fulgur::Callback, public fulgur::Checkpoint
   }
 
  private:
-  void validate_configuration() const {
-    if (save_top_k_ < -1)
-      throw Error(ErrorKind::config, fmt::format("{}: save_top_k = {} is not valid; use -1 (keep all), 0 (save "
-                                                 "none) or k >= 1 (keep the best k by `monitor`)",
-                                                 kOwner, save_top_k_));
-    if (monitor_.empty() && save_top_k_ > 1)
-      throw Error(ErrorKind::config,
-                  fmt::format("{}: save_top_k = {} needs a `monitor` to rank checkpoints by; set monitor = "
-                              "\"val/loss\" (for example), or use save_top_k = 1 (keep the latest) or -1 (keep all)",
-                              kOwner, save_top_k_));
-    if (every_n_train_steps_ < 0)
-      throw Error(ErrorKind::config,
-                  fmt::format("{}: every_n_train_steps = {} must be >= 0 (0 turns step-triggered saving off)", kOwner,
-                              every_n_train_steps_));
-    if (every_n_epochs_ < -1)
-      throw Error(ErrorKind::config,
-                  fmt::format("{}: every_n_epochs = {} must be >= 0 (0 turns epoch-triggered saving off) or -1 "
-                              "(automatic)",
-                              kOwner, every_n_epochs_));
+  void validate_configuration(const Options& options) const {
+    options.check(save_top_k_ >= -1, "save_top_k",
+                  "is not valid; use -1 (keep all), 0 (save none) or k >= 1 (keep the best k by `monitor`)");
+    options.check(!(monitor_.empty() && save_top_k_ > 1), "save_top_k",
+                  "needs a `monitor` to rank checkpoints by; set monitor = \"val/loss\" (for example), or use "
+                  "save_top_k = 1 (keep the latest) or -1 (keep all)");
+    options.check(every_n_train_steps_ >= 0, "every_n_train_steps", "must be >= 0 (0 turns step-triggered saving off)");
+    options.check(every_n_epochs_ >= -1, "every_n_epochs",
+                  "must be >= 0 (0 turns epoch-triggered saving off) or -1 (automatic)");
     // Render once with placeholder values so a malformed template fails at startup, not after an epoch.
     Candidates sample{{"epoch", {0, true}}, {"step", {0, true}}};
     render_filename(filename_, sample, auto_insert_metric_name_);
@@ -745,27 +758,5 @@ class ModelCheckpoint final : public fulgur::Callback, public fulgur::Checkpoint
 
 }  // namespace
 
-FULGUR_PLUGIN(
-    ModelCheckpoint, "model_checkpoint", "0.1.0",
-    "Saves checkpoints by epoch or step, keeps the best k by a monitored metric and optionally last.ckpt",
-    FULGUR_OPTION(string, dirpath, "Directory for checkpoints; empty: <log_dir>/checkpoints (rank zero's)", ""),
-    FULGUR_OPTION(string, filename,
-                  "File name template without .ckpt: {epoch}, {step} and logged metrics, with Python format "
-                  "specs, e.g. \"{epoch}-{val/acc:.4f}\" -> epoch=3-val_acc=0.9123",
-                  "{epoch}-{step}"),
-    FULGUR_OPTION(string, monitor, "Logged metric that ranks checkpoints; empty: keep the latest", ""),
-    FULGUR_OPTION(string, mode, "\"min\" (lower monitor is better) or \"max\"", "min"),
-    FULGUR_OPTION(integer, save_top_k, "How many best checkpoints to keep; -1 all, 0 none", 1),
-    FULGUR_OPTION(boolean, save_last, "Also keep last.ckpt, rewritten at every save point", false),
-    FULGUR_OPTION(integer, every_n_train_steps, "Save every N optimizer steps; 0 off", 0),
-    FULGUR_OPTION(integer, every_n_epochs,
-                  "Save every N epochs; 0 off; -1: 1, or 0 when every_n_train_steps is set (Lightning's default)", -1),
-    FULGUR_OPTION(boolean, save_on_train_epoch_end,
-                  "Save at the end of the training epoch instead of after validation (always so without "
-                  "validation)",
-                  false),
-    FULGUR_OPTION(boolean, save_weights_only, "Write only the model weights (no optimizer, loops, callbacks)", false),
-    FULGUR_OPTION(boolean, auto_insert_metric_name, "Write \"name=\" before each placeholder's value", true),
-    FULGUR_OPTION(boolean, enable_version_counter,
-                  "Append -v1, -v2, ... instead of overwriting a file of the same name", true),
-    FULGUR_OPTION(boolean, verbose, "Log every save decision", false))
+FULGUR_PLUGIN(ModelCheckpoint, "model_checkpoint", "0.1.0",
+              "Saves checkpoints by epoch or step, keeps the best k by a monitored metric and optionally last.ckpt")

@@ -55,37 +55,48 @@ struct Pruned {
 
 class ModelPruning final : public fulgur::CallbackBase<ModelPruning> {
  public:
-  explicit ModelPruning(const fulgur::Options& options)
-      : amount_(options.get_float("amount")),
-        names_(options.get_string_list("parameter_names")),
-        global_(options.get_bool("use_global_unstructured")),
-        start_epoch_(options.get_int("start_epoch")),
-        end_epoch_(options.get_int("end_epoch")),
-        verbose_(options.get_int("verbose")),
-        dim_(options.get_int("pruning_dim")),
-        norm_(options.get_float("pruning_norm")) {
-    const std::string& fn = options.get_string("pruning_fn");
-    if (fn != "l1_unstructured" && fn != "ln_structured")
-      throw Error(ErrorKind::config, fmt::format("{}: pruning_fn = \"{}\" is not available; use \"l1_unstructured\" "
-                                                 "(single weights by magnitude) or \"ln_structured\" (whole slices "
-                                                 "along pruning_dim by their Ln norm)",
-                                                 kOwner, fn));
+  FULGUR_OPTIONS(Options,
+                 (string, pruning_fn,
+                  "\"l1_unstructured\" (single weights, smallest magnitude first) or \"ln_structured\" "
+                  "(whole slices along pruning_dim, smallest Ln norm first)",
+                  "l1_unstructured"),
+                 (integer, pruning_dim,
+                  "ln_structured: the dimension whose slices are pruned (0: rows of a Linear weight, output "
+                  "channels of a Conv; 1: columns / input channels)",
+                  0),
+                 (floating, pruning_norm,
+                  "ln_structured (required there): n of the Ln norm that ranks the slices (1, 2, ... inf)", nan),
+                 (floating, amount, "Fraction of the still unpruned weights pruned at each pruning epoch", 0.5),
+                 (string_list, parameter_names, "Parameter names to prune (the last part of dotted names)", ["weight"]),
+                 (boolean, use_global_unstructured,
+                  "One magnitude threshold over all selected parameters; false: per parameter (required "
+                  "for ln_structured)",
+                  true),
+                 (integer, start_epoch, "First epoch (0-based) whose end prunes", 0),
+                 (integer, end_epoch, "Last epoch whose end prunes; -1: every epoch to the end", -1),
+                 (integer, verbose, "0: quiet, 1: log the sparsity, 2: also per parameter", 0));
+
+  explicit ModelPruning(const Options& options)
+      : amount_(options.amount),
+        names_(options.parameter_names),
+        global_(options.use_global_unstructured),
+        start_epoch_(options.start_epoch),
+        end_epoch_(options.end_epoch),
+        verbose_(options.verbose),
+        dim_(options.pruning_dim),
+        norm_(options.pruning_norm) {
+    const std::string& fn = options.pruning_fn;
+    options.check(fn == "l1_unstructured" || fn == "ln_structured", "pruning_fn",
+                  "is not available; use \"l1_unstructured\" (single weights by magnitude) or \"ln_structured\" "
+                  "(whole slices along pruning_dim by their Ln norm)");
     structured_ = fn == "ln_structured";
     if (structured_) {
       // Lightning refuses global pruning for structured methods: norms of slices of differently
       // shaped parameters are not comparable.
-      if (global_)
-        throw Error(ErrorKind::config, fmt::format("{}: pruning_fn = \"ln_structured\" prunes parameter by parameter; "
-                                                   "set use_global_unstructured = false",
-                                                   kOwner));
-      if (std::isnan(norm_))
-        throw Error(ErrorKind::config,
-                    fmt::format("{}: pruning_fn = \"ln_structured\" needs pruning_norm, the n of the "
-                                "Ln norm that ranks the slices (1, 2, ... or inf)",
-                                kOwner));
-      if (!(norm_ > 0))
-        throw Error(ErrorKind::config,
-                    fmt::format("{}: pruning_norm = {} must be > 0 (1, 2, ... or inf)", kOwner, norm_));
+      options.check(!global_, "pruning_fn", "prunes parameter by parameter; set use_global_unstructured = false");
+      options.check(!std::isnan(norm_), "pruning_fn",
+                    "needs pruning_norm, the n of the Ln norm that ranks the slices (1, 2, ... or inf)");
+      options.check(norm_ > 0, "pruning_norm", "must be > 0 (1, 2, ... or inf)");
     } else {
       if (!std::isnan(norm_))
         throw Error(ErrorKind::config, fmt::format("{}: pruning_norm applies to pruning_fn = \"ln_structured\" only; "
@@ -96,20 +107,15 @@ class ModelPruning final : public fulgur::CallbackBase<ModelPruning> {
                                                    "remove it or change pruning_fn",
                                                    kOwner));
     }
-    if (!(amount_ > 0.0 && amount_ < 1.0))
-      throw Error(ErrorKind::config, fmt::format("{}: amount = {} must lie in (0, 1): the fraction of the unpruned "
-                                                 "weights pruned at each pruning epoch",
-                                                 kOwner, amount_));
+    options.check(amount_ > 0.0 && amount_ < 1.0, "amount",
+                  "must lie in (0, 1): the fraction of the unpruned weights pruned at each pruning epoch");
     if (names_.empty())
       throw Error(ErrorKind::config,
                   fmt::format("{}: parameter_names is empty; name the parameters to prune, e.g. [\"weight\"]", kOwner));
-    if (start_epoch_ < 0)
-      throw Error(ErrorKind::config, fmt::format("{}: start_epoch = {} must be >= 0", kOwner, start_epoch_));
-    if (end_epoch_ != -1 && end_epoch_ < start_epoch_)
-      throw Error(ErrorKind::config, fmt::format("{}: end_epoch = {} is before start_epoch = {}; use -1 for no end",
-                                                 kOwner, end_epoch_, start_epoch_));
-    if (verbose_ < 0 || verbose_ > 2)
-      throw Error(ErrorKind::config, fmt::format("{}: verbose = {} must be 0, 1 or 2", kOwner, verbose_));
+    options.check(start_epoch_ >= 0, "start_epoch", "must be >= 0");
+    options.check(end_epoch_ == -1 || end_epoch_ >= start_epoch_, "end_epoch",
+                  fmt::format("is before start_epoch = {}; use -1 for no end", start_epoch_));
+    options.check(verbose_ >= 0 && verbose_ <= 2, "verbose", "must be 0, 1 or 2");
   }
 
   void on_fit_start(fulgur::TrainerContext& trainer) override {
@@ -297,26 +303,6 @@ class ModelPruning final : public fulgur::CallbackBase<ModelPruning> {
 
 }  // namespace
 
-FULGUR_PLUGIN(
-    ModelPruning, "model_pruning", "0.2.0",
-    "Magnitude pruning (L1 unstructured or Ln structured) at the end of training epochs (Lightning's "
-    "ModelPruning), made permanent at the end; the sparsity goes to the loggers",
-    FULGUR_OPTION(string, pruning_fn,
-                  "\"l1_unstructured\" (single weights, smallest magnitude first) or \"ln_structured\" "
-                  "(whole slices along pruning_dim, smallest Ln norm first)",
-                  "l1_unstructured"),
-    FULGUR_OPTION(integer, pruning_dim,
-                  "ln_structured: the dimension whose slices are pruned (0: rows of a Linear weight, output "
-                  "channels of a Conv; 1: columns / input channels)",
-                  0),
-    FULGUR_OPTION(floating, pruning_norm,
-                  "ln_structured (required there): n of the Ln norm that ranks the slices (1, 2, ... inf)", nan),
-    FULGUR_OPTION(floating, amount, "Fraction of the still unpruned weights pruned at each pruning epoch", 0.5),
-    FULGUR_OPTION(string_list, parameter_names, "Parameter names to prune (the last part of dotted names)", ["weight"]),
-    FULGUR_OPTION(boolean, use_global_unstructured,
-                  "One magnitude threshold over all selected parameters; false: per parameter (required "
-                  "for ln_structured)",
-                  true),
-    FULGUR_OPTION(integer, start_epoch, "First epoch (0-based) whose end prunes", 0),
-    FULGUR_OPTION(integer, end_epoch, "Last epoch whose end prunes; -1: every epoch to the end", -1),
-    FULGUR_OPTION(integer, verbose, "0: quiet, 1: log the sparsity, 2: also per parameter", 0))
+FULGUR_PLUGIN(ModelPruning, "model_pruning", "0.2.0",
+              "Magnitude pruning (L1 unstructured or Ln structured) at the end of training epochs (Lightning's "
+              "ModelPruning), made permanent at the end; the sparsity goes to the loggers")

@@ -20,11 +20,6 @@
 
 namespace {
 
-using fulgur::Error;
-using fulgur::ErrorKind;
-
-constexpr char kOwner[] = "callback 'model_summary'";
-
 // Lightning's get_human_readable_count: 999 -> "999  ", 1300 -> "1.3 K", 101000 -> "101 K".
 std::string human_readable_count(int64_t number) {
   static constexpr const char* kUnits[] = {" ", "K", "M", "B", "T"};
@@ -126,11 +121,9 @@ std::string format_table(const std::vector<std::pair<std::string, std::vector<st
 
 class ModelSummary final : public fulgur::Callback {
  public:
-  explicit ModelSummary(const fulgur::Options& options) : max_depth_(options.get_int("max_depth")) {
-    if (max_depth_ < -1)
-      throw Error(ErrorKind::config, fmt::format("{}: max_depth = {} must be -1 (all levels), 0 (no summary) or a "
-                                                 "positive depth",
-                                                 kOwner, max_depth_));
+  FULGUR_OPTIONS(Options, (integer, max_depth, "Depth of nested modules to list; -1 all, 0 no summary", 1));
+  explicit ModelSummary(const Options& options) : max_depth_(options.max_depth) {
+    options.check(max_depth_ >= -1, "max_depth", "must be -1 (all levels), 0 (no summary) or a positive depth");
   }
 
   fulgur::HookSet hooks() const override {
@@ -180,5 +173,4 @@ class ModelSummary final : public fulgur::Callback {
 }  // namespace
 
 FULGUR_PLUGIN(ModelSummary, "model_summary", "0.1.0",
-              "Logs a table of the model's layers, parameter counts and size when fit starts",
-              FULGUR_OPTION(integer, max_depth, "Depth of nested modules to list; -1 all, 0 no summary", 1))
+              "Logs a table of the model's layers, parameter counts and size when fit starts")

@@ -19,12 +19,12 @@ constexpr char kOwner[] = "callback 'on_exception_checkpoint'";
 
 class OnExceptionCheckpoint final : public fulgur::CallbackBase<OnExceptionCheckpoint> {
  public:
-  explicit OnExceptionCheckpoint(const fulgur::Options& options)
-      : dirpath_(options.get_string("dirpath")), filename_(options.get_string("filename")) {
-    if (filename_.empty() || filename_.find('/') != std::string::npos || filename_ == "." || filename_ == "..")
-      throw fulgur::Error(
-          fulgur::ErrorKind::config,
-          fmt::format("{}: filename = \"{}\" must be a file name without '/' (\".ckpt\" is added)", kOwner, filename_));
+  FULGUR_OPTIONS(Options, (string, dirpath, "Directory of the checkpoint (\"\": default_root_dir)", ""),
+                 (string, filename, "File name without extension (\".ckpt\" is added)", "on_exception"));
+  explicit OnExceptionCheckpoint(const Options& options) : dirpath_(options.dirpath), filename_(options.filename) {
+    options.check(
+        !(filename_.empty() || filename_.find('/') != std::string::npos || filename_ == "." || filename_ == ".."),
+        "filename", "must be a file name without '/' (\".ckpt\" is added)");
   }
 
   // Only a fit that got as far as starting has a model and optimizers worth saving.
@@ -62,6 +62,4 @@ class OnExceptionCheckpoint final : public fulgur::CallbackBase<OnExceptionCheck
 }  // namespace
 
 FULGUR_PLUGIN(OnExceptionCheckpoint, "on_exception_checkpoint", "1.0.0",
-              "Saves a checkpoint when fit fails with an exception (Lightning's OnExceptionCheckpoint)",
-              FULGUR_OPTION(string, dirpath, "Directory of the checkpoint (\"\": default_root_dir)", ""),
-              FULGUR_OPTION(string, filename, "File name without extension (\".ckpt\" is added)", "on_exception"))
+              "Saves a checkpoint when fit fails with an exception (Lightning's OnExceptionCheckpoint)")

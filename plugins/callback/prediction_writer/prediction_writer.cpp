@@ -33,9 +33,11 @@ constexpr char kOwner[] = "callback 'prediction_writer'";
 
 class PredictionWriter final : public fulgur::CallbackBase<PredictionWriter> {
  public:
-  explicit PredictionWriter(const fulgur::Options& options)
-      : output_dir_(options.get_string("output_dir")), format_(options.get_string("format")) {
-    const std::string& interval = options.get_string("write_interval");
+  FULGUR_OPTIONS(Options, (string, write_interval, "\"batch\", \"epoch\" or \"batch_and_epoch\"", "batch"),
+                 (string, output_dir, "Directory for the files; \"\": <default_root_dir>/predictions", ""),
+                 (string, format, "\"pt\" (torch.load opens it) or \"csv\"", "pt"));
+  explicit PredictionWriter(const Options& options) : output_dir_(options.output_dir), format_(options.format) {
+    const std::string& interval = options.write_interval;
     if (interval == "batch") {
       per_batch_ = true;
     } else if (interval == "epoch") {
@@ -43,14 +45,10 @@ class PredictionWriter final : public fulgur::CallbackBase<PredictionWriter> {
     } else if (interval == "batch_and_epoch") {
       per_batch_ = per_epoch_ = true;
     } else {
-      throw Error(ErrorKind::config, fmt::format("{}: write_interval = \"{}\" is not understood; use \"batch\", "
-                                                 "\"epoch\" or \"batch_and_epoch\"",
-                                                 kOwner, interval));
+      options.reject("write_interval", "is not understood; use \"batch\", \"epoch\" or \"batch_and_epoch\"");
     }
-    if (format_ != "pt" && format_ != "csv")
-      throw Error(ErrorKind::config,
-                  fmt::format("{}: format = \"{}\" is not understood; use \"pt\" (torch.load opens it) or \"csv\"",
-                              kOwner, format_));
+    options.check(format_ == "pt" || format_ == "csv", "format",
+                  "is not understood; use \"pt\" (torch.load opens it) or \"csv\"");
   }
 
   void on_predict_start(fulgur::TrainerContext& trainer) override {
@@ -157,7 +155,4 @@ class PredictionWriter final : public fulgur::CallbackBase<PredictionWriter> {
 
 FULGUR_PLUGIN(PredictionWriter, "prediction_writer", "0.1.0",
               "Writes predict_step outputs to files per batch and/or per predict epoch, per rank (Lightning's "
-              "BasePredictionWriter)",
-              FULGUR_OPTION(string, write_interval, "\"batch\", \"epoch\" or \"batch_and_epoch\"", "batch"),
-              FULGUR_OPTION(string, output_dir, "Directory for the files; \"\": <default_root_dir>/predictions", ""),
-              FULGUR_OPTION(string, format, "\"pt\" (torch.load opens it) or \"csv\"", "pt"))
+              "BasePredictionWriter)")

@@ -75,19 +75,27 @@ struct Progress {
 
 class ProgressBar final : public fulgur::Callback {
  public:
-  explicit ProgressBar(const fulgur::Options& options)
-      : refresh_rate_(options.get_int("refresh_rate")),
-        log_interval_(options.get_int("log_interval")),
-        leave_(options.get_bool("leave")) {
-    const std::string& style = options.get_string("style");
+  FULGUR_OPTIONS(Options,
+                 (string, style,
+                  "\"auto\": a live bar when stdout is a terminal, plain lines otherwise; \"bar\"; "
+                  "\"plain\"",
+                  "auto"),
+                 (integer, refresh_rate, "Live bar: redraw every N batches (at most 10 times a second); 0 disables it",
+                  1),
+                 (integer, log_interval,
+                  "Plain lines: print one every N batches (0: only at the end of each epoch or stage)", 50),
+                 (boolean, leave, "Live bar: keep each finished epoch's bar instead of redrawing one line", false));
+  explicit ProgressBar(const Options& options)
+      : refresh_rate_(options.refresh_rate), log_interval_(options.log_interval), leave_(options.leave) {
+    const std::string& style = options.style;
     if (style == "auto")
       live_ = isatty(fileno(stdout)) != 0;
     else if (style == "bar" || style == "plain")
       live_ = style == "bar";
     else
-      throw Error(ErrorKind::config, fmt::format("{}: style = \"{}\" is not understood; use \"auto\" (a live bar on a "
-                                                 "terminal, plain lines otherwise), \"bar\" or \"plain\"",
-                                                 kOwner, style));
+      options.reject("style",
+                     "is not understood; use \"auto\" (a live bar on a terminal, plain lines otherwise), \"bar\" or "
+                     "\"plain\"");
     if (refresh_rate_ < 0 || log_interval_ < 0)
       throw Error(ErrorKind::config, fmt::format("{}: refresh_rate = {} and log_interval = {} must be >= 0", kOwner,
                                                  refresh_rate_, log_interval_));
@@ -341,14 +349,4 @@ class ProgressBar final : public fulgur::Callback {
 }  // namespace
 
 FULGUR_PLUGIN(ProgressBar, "progress_bar", "0.1.0",
-              "Shows progress: a live bar per stage on a terminal, plain lines in log files",
-              FULGUR_OPTION(string, style,
-                            "\"auto\": a live bar when stdout is a terminal, plain lines otherwise; \"bar\"; "
-                            "\"plain\"",
-                            "auto"),
-              FULGUR_OPTION(integer, refresh_rate,
-                            "Live bar: redraw every N batches (at most 10 times a second); 0 disables it", 1),
-              FULGUR_OPTION(integer, log_interval,
-                            "Plain lines: print one every N batches (0: only at the end of each epoch or stage)", 50),
-              FULGUR_OPTION(boolean, leave, "Live bar: keep each finished epoch's bar instead of redrawing one line",
-                            false))
+              "Shows progress: a live bar per stage on a terminal, plain lines in log files")

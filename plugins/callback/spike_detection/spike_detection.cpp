@@ -42,36 +42,46 @@ constexpr char kOwner[] = "callback 'spike_detection'";
 
 enum class Action { warn, skip, raise };
 
-Action parse_action(const std::string& action) {
+Action parse_action(const fulgur::PluginOptions& options, const std::string& action) {
   if (action == "warn") return Action::warn;
   if (action == "skip") return Action::skip;
   if (action == "raise") return Action::raise;
-  throw Error(ErrorKind::config, fmt::format("{}: action = \"{}\" is not understood; use \"warn\" (log and go on), "
-                                             "\"skip\" (drop that optimizer step) or \"raise\" (stop with an error)",
-                                             kOwner, action));
+  options.reject("action",
+                 "is not understood; use \"warn\" (log and go on), \"skip\" (drop that optimizer step) or \"raise\" "
+                 "(stop with an error)");
 }
 
-std::optional<double> optional_tolerance(const fulgur::Options& options, const char* key) {
-  const double value = options.get_float(key);
+std::optional<double> optional_tolerance(const fulgur::PluginOptions& options, const char* key, double value) {
   if (std::isnan(value)) return std::nullopt;
-  if (value < 0)
-    throw Error(ErrorKind::config, fmt::format("{}: {} = {} must be >= 0 (nan: no condition)", kOwner, key, value));
+  options.check(value >= 0, key, "must be >= 0 (nan: no condition)");
   return value;
 }
 
 class SpikeDetection final : public fulgur::CallbackBase<SpikeDetection> {
  public:
-  explicit SpikeDetection(const fulgur::Options& options)
-      : mode_(support::parse_mode(kOwner, options.get_string("mode"))),
-        window_(options.get_int("window")),
-        warmup_(options.get_int("warmup")),
-        atol_(optional_tolerance(options, "atol")),
-        rtol_(optional_tolerance(options, "rtol")),
-        exclude_path_(options.get_string("exclude_batches_path")),
-        finite_only_(options.get_bool("finite_only")),
-        action_(parse_action(options.get_string("action"))) {
-    if (window_ < 1) throw Error(ErrorKind::config, fmt::format("{}: window = {} must be >= 1", kOwner, window_));
-    if (warmup_ < 0) throw Error(ErrorKind::config, fmt::format("{}: warmup = {} must be >= 0", kOwner, warmup_));
+  FULGUR_OPTIONS(Options, (string, action, "\"warn\", \"skip\" (drop that optimizer step) or \"raise\"", "raise"),
+                 (string, mode, "\"min\": a loss above the mean is worse; \"max\": below", "min"),
+                 (integer, window, "Number of recent losses in the running mean", 10),
+                 (integer, warmup, "Losses observed before the first check", 1),
+                 (floating, atol, "Least absolute distance from the mean for a spike; nan: no condition", nan),
+                 (floating, rtol, "Least distance from the mean, relative to the mean, for a spike; nan: no condition",
+                  2.0),
+                 (string, exclude_batches_path,
+                  "Where skip_batches.json goes (a .json file or a directory); \"\": default_root_dir", ""),
+                 (boolean, finite_only,
+                  "A non-finite loss (nan, inf) counts as a spike; false: it is only kept out of the mean", true));
+
+  explicit SpikeDetection(const Options& options)
+      : mode_(support::parse_mode(kOwner, options.mode)),
+        window_(options.window),
+        warmup_(options.warmup),
+        atol_(optional_tolerance(options, "atol", options.atol)),
+        rtol_(optional_tolerance(options, "rtol", options.rtol)),
+        exclude_path_(options.exclude_batches_path),
+        finite_only_(options.finite_only),
+        action_(parse_action(options, options.action)) {
+    options.check(window_ >= 1, "window", "must be >= 1");
+    options.check(warmup_ >= 0, "warmup", "must be >= 0");
   }
 
   void on_train_batch_start(fulgur::TrainerContext&, const fulgur::Batch&, int64_t batch_idx) override {
@@ -212,17 +222,4 @@ class SpikeDetection final : public fulgur::CallbackBase<SpikeDetection> {
 
 FULGUR_PLUGIN(SpikeDetection, "spike_detection", "0.1.0",
               "Detects training-loss spikes against a running mean (Lightning's SpikeDetection) and warns, skips "
-              "the optimizer step or raises",
-              FULGUR_OPTION(string, action, "\"warn\", \"skip\" (drop that optimizer step) or \"raise\"", "raise"),
-              FULGUR_OPTION(string, mode, "\"min\": a loss above the mean is worse; \"max\": below", "min"),
-              FULGUR_OPTION(integer, window, "Number of recent losses in the running mean", 10),
-              FULGUR_OPTION(integer, warmup, "Losses observed before the first check", 1),
-              FULGUR_OPTION(floating, atol, "Least absolute distance from the mean for a spike; nan: no condition",
-                            nan),
-              FULGUR_OPTION(floating, rtol,
-                            "Least distance from the mean, relative to the mean, for a spike; nan: no condition", 2.0),
-              FULGUR_OPTION(string, exclude_batches_path,
-                            "Where skip_batches.json goes (a .json file or a directory); \"\": default_root_dir", ""),
-              FULGUR_OPTION(boolean, finite_only,
-                            "A non-finite loss (nan, inf) counts as a spike; false: it is only kept out of the mean",
-                            true))
+              "the optimizer step or raises")

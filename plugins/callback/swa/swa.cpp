@@ -36,11 +36,19 @@ constexpr char kOwner[] = "callback 'swa'";
 
 class Swa final : public fulgur::CallbackBase<Swa> {
  public:
-  explicit Swa(const fulgur::Options& options)
-      : swa_lrs_(options.get_float_list("swa_lrs")),
-        annealing_epochs_(options.get_int("annealing_epochs")),
-        cosine_(parse_strategy(options.get_string("annealing_strategy"))),
-        device_(options.get_string("device")) {
+  FULGUR_OPTIONS(Options,
+                 (float_list, swa_lrs, "SWA learning rate, one value for all parameter groups or one per group"),
+                 (floating, swa_epoch_start,
+                  "Epoch SWA starts at: an integer (1-based epoch) or a fraction of max_epochs", 0.8),
+                 (integer, annealing_epochs, "Epochs over which the lr anneals to swa_lrs", 10),
+                 (string, annealing_strategy, "\"cos\" or \"linear\" annealing", "cos"),
+                 (string, device, "Where the average lives: \"cpu\" or \"\" (the model's device)", "cpu"));
+
+  explicit Swa(const Options& options)
+      : swa_lrs_(options.swa_lrs),
+        annealing_epochs_(options.annealing_epochs),
+        cosine_(parse_strategy(options)),
+        device_(options.device) {
     if (swa_lrs_.empty())
       throw Error(ErrorKind::config, fmt::format("{}: swa_lrs is empty; give one learning rate for every parameter "
                                                  "group, or one for all, e.g. swa_lrs = [0.01]",
@@ -50,7 +58,8 @@ class Swa final : public fulgur::CallbackBase<Swa> {
         throw Error(ErrorKind::config, fmt::format("{}: swa_lrs holds {}; every SWA learning rate must be a positive "
                                                    "number",
                                                    kOwner, lr));
-    const fulgur::OptionValue& start = options.values().at("swa_epoch_start");
+    // An integer and a float mean different things here: the value as given keeps which it was.
+    const fulgur::OptionValue& start = options.given().values().at("swa_epoch_start");
     if (const auto* epoch = std::get_if<int64_t>(&start)) {
       if (*epoch < 1)
         throw Error(ErrorKind::config,
@@ -66,15 +75,12 @@ class Swa final : public fulgur::CallbackBase<Swa> {
                                                    kOwner, fraction));
       start_fraction_ = fraction;
     }
-    if (annealing_epochs_ < 0)
-      throw Error(ErrorKind::config, fmt::format("{}: annealing_epochs = {} must be >= 0", kOwner, annealing_epochs_));
+    options.check(annealing_epochs_ >= 0, "annealing_epochs", "must be >= 0");
     if (!device_.empty()) {
       try {
         (void)c10::Device(device_);
       } catch (const std::exception&) {
-        throw Error(ErrorKind::config, fmt::format("{}: device = \"{}\" is not a device; use \"cpu\", \"cuda:0\" or "
-                                                   "\"\" (where the model is)",
-                                                   kOwner, device_));
+        options.reject("device", "is not a device; use \"cpu\", \"cuda:0\" or \"\" (where the model is)");
       }
     }
   }
@@ -184,12 +190,10 @@ class Swa final : public fulgur::CallbackBase<Swa> {
   }
 
  private:
-  static bool parse_strategy(const std::string& strategy) {
-    if (strategy == "cos") return true;
-    if (strategy == "linear") return false;
-    throw Error(
-        ErrorKind::config,
-        fmt::format("{}: annealing_strategy = \"{}\" is not understood; use \"cos\" or \"linear\"", kOwner, strategy));
+  static bool parse_strategy(const Options& options) {
+    if (options.annealing_strategy == "cos") return true;
+    if (options.annealing_strategy == "linear") return false;
+    options.reject("annealing_strategy", "is not understood; use \"cos\" or \"linear\"");
   }
 
   // SWALR: lr = swa_lr * alpha + initial_lr * (1 - alpha), alpha = anneal(min(1, k / annealing_epochs))
@@ -224,11 +228,4 @@ class Swa final : public fulgur::CallbackBase<Swa> {
 
 FULGUR_PLUGIN(Swa, "swa", "0.1.0",
               "Stochastic Weight Averaging (Lightning's StochasticWeightAveraging): the mean of the weights of the "
-              "last epochs, with SWALR learning-rate annealing; refuses models with BatchNorm statistics",
-              FULGUR_REQUIRED_OPTION(float_list, swa_lrs,
-                                     "SWA learning rate, one value for all parameter groups or one per group"),
-              FULGUR_OPTION(floating, swa_epoch_start,
-                            "Epoch SWA starts at: an integer (1-based epoch) or a fraction of max_epochs", 0.8),
-              FULGUR_OPTION(integer, annealing_epochs, "Epochs over which the lr anneals to swa_lrs", 10),
-              FULGUR_OPTION(string, annealing_strategy, "\"cos\" or \"linear\" annealing", "cos"),
-              FULGUR_OPTION(string, device, "Where the average lives: \"cpu\" or \"\" (the model's device)", "cpu"))
+              "last epochs, with SWALR learning-rate annealing; refuses models with BatchNorm statistics")

@@ -35,14 +35,31 @@ double seconds(Clock::duration d) { return std::chrono::duration<double>(d).coun
 
 class ThroughputMonitor final : public fulgur::Callback {
  public:
-  explicit ThroughputMonitor(const fulgur::Options& options)
-      : flops_per_sample_(options.get_float("flops_per_sample")),
-        count_flops_(options.get_bool("count_flops")),
-        count_at_batch_(options.get_int("count_flops_at_batch")),
-        peak_flops_given_(options.get_float("peak_flops")),
+  FULGUR_OPTIONS(Options,
+                 (floating, flops_per_sample,
+                  "FLOPs of one training sample (forward + backward + step); 0: count them on one batch "
+                  "when count_flops is set",
+                  0.0),
+                 (boolean, count_flops, "Count FLOPs on one training batch when flops_per_sample is 0", true),
+                 (integer, count_flops_at_batch,
+                  "Which training batch (0-based) to count on; after the first, caches are warm", 1),
+                 (floating, peak_flops,
+                  "The device's peak FLOP/s for the training dtype (e.g. 989e12 for H100 bf16 dense); "
+                  "0: from the built-in table of datacenter GPUs by device name and compute dtype (no MFU "
+                  "for a device it does not list)",
+                  0.0),
+                 (integer, items_per_sample,
+                  "Items (e.g. tokens) per sample; 0: the number of input elements of a sample", 0),
+                 (string, prefix, "Prepended to every logged name", "train/"));
+
+  explicit ThroughputMonitor(const Options& options)
+      : flops_per_sample_(options.flops_per_sample),
+        count_flops_(options.count_flops),
+        count_at_batch_(options.count_flops_at_batch),
+        peak_flops_given_(options.peak_flops),
         peak_flops_(peak_flops_given_),
-        items_per_sample_(options.get_int("items_per_sample")),
-        prefix_(options.get_string("prefix")) {
+        items_per_sample_(options.items_per_sample),
+        prefix_(options.prefix) {
     if (flops_per_sample_ < 0 || peak_flops_given_ < 0 || items_per_sample_ < 0 || count_at_batch_ < 0)
       throw Error(ErrorKind::config, fmt::format("{}: flops_per_sample, peak_flops, items_per_sample and "
                                                  "count_flops_at_batch must be >= 0",
@@ -185,19 +202,4 @@ class ThroughputMonitor final : public fulgur::Callback {
 }  // namespace
 
 FULGUR_PLUGIN(ThroughputMonitor, "throughput_monitor", "0.1.0",
-              "Logs batches, samples and items per second, FLOP/s and MFU (Lightning's ThroughputMonitor)",
-              FULGUR_OPTION(floating, flops_per_sample,
-                            "FLOPs of one training sample (forward + backward + step); 0: count them on one batch "
-                            "when count_flops is set",
-                            0.0),
-              FULGUR_OPTION(boolean, count_flops, "Count FLOPs on one training batch when flops_per_sample is 0", true),
-              FULGUR_OPTION(integer, count_flops_at_batch,
-                            "Which training batch (0-based) to count on; after the first, caches are warm", 1),
-              FULGUR_OPTION(floating, peak_flops,
-                            "The device's peak FLOP/s for the training dtype (e.g. 989e12 for H100 bf16 dense); "
-                            "0: from the built-in table of datacenter GPUs by device name and compute dtype (no MFU "
-                            "for a device it does not list)",
-                            0.0),
-              FULGUR_OPTION(integer, items_per_sample,
-                            "Items (e.g. tokens) per sample; 0: the number of input elements of a sample", 0),
-              FULGUR_OPTION(string, prefix, "Prepended to every logged name", "train/"))
+              "Logs batches, samples and items per second, FLOP/s and MFU (Lightning's ThroughputMonitor)")

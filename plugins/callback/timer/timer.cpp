@@ -18,8 +18,6 @@
 namespace {
 
 namespace support = fulgur::callback_conventions;
-using fulgur::Error;
-using fulgur::ErrorKind;
 using fulgur::Stage;
 using Clock = std::chrono::steady_clock;
 
@@ -29,18 +27,16 @@ constexpr std::array<Stage, 4> kStages = {Stage::fit, Stage::validate, Stage::te
 // "DD:HH:MM:SS" (or "HH:MM:SS", "MM:SS") or a number of seconds ("3600", "90.5"), in seconds.
 // "00:00:00:00" stops after the first batch, as Lightning's Trainer(max_time="00:00:00:00") does; a
 // plain 0 is refused: it reads as "no limit" in many tools.
-double duration_seconds(const std::string& text) {
+// `options` words the errors.
+double duration_seconds(const fulgur::PluginOptions& options, const std::string& text) {
   const std::optional<double> seconds = fulgur::parse_duration(text);
   if (!seconds)
-    throw Error(ErrorKind::config, fmt::format("{}: duration = \"{}\" is not understood; write \"DD:HH:MM:SS\" "
-                                               "(e.g. \"00:12:00:00\" for twelve hours) or seconds (e.g. \"3600\")",
-                                               kOwner, text));
-  if (*seconds == 0 && text.find(':') == std::string::npos)
-    throw Error(ErrorKind::config,
-                fmt::format("{}: duration = \"{}\" is ambiguous: a plain 0 means \"no limit\" in many "
-                            "tools; leave the limit out for none, or write \"00:00:00:00\" "
-                            "(DD:HH:MM:SS) to stop after the first batch",
-                            kOwner, text));
+    options.reject("duration",
+                   "is not understood; write \"DD:HH:MM:SS\" (e.g. \"00:12:00:00\" for twelve hours) or seconds "
+                   "(e.g. \"3600\")");
+  options.check(*seconds != 0 || text.find(':') != std::string::npos, "duration",
+                "is ambiguous: a plain 0 means \"no limit\" in many tools; leave the limit out for none, or write "
+                "\"00:00:00:00\" (DD:HH:MM:SS) to stop after the first batch");
   return *seconds;
 }
 
@@ -56,13 +52,16 @@ std::string timedelta_text(double seconds) {
 
 class Timer final : public fulgur::Callback {
  public:
-  explicit Timer(const fulgur::Options& options)
-      : duration_(duration_seconds(options.get_string("duration"))),
-        interval_(options.get_string("interval")),
-        verbose_(options.get_bool("verbose")) {
-    if (interval_ != "step" && interval_ != "epoch")
-      throw Error(ErrorKind::config,
-                  fmt::format("{}: interval = \"{}\" is not understood; use \"step\" or \"epoch\"", kOwner, interval_));
+  FULGUR_OPTIONS(Options,
+                 (string, duration,
+                  "Training time limit: \"DD:HH:MM:SS\" (e.g. \"00:12:00:00\") or seconds "
+                  "(\"3600\")"),
+                 (string, interval, "Check after every training \"step\" or every \"epoch\"", "step"),
+                 (boolean, verbose, "Log the reason when the limit stops training", true));
+  explicit Timer(const Options& options)
+      : duration_(duration_seconds(options, options.duration)), interval_(options.interval), verbose_(options.verbose) {
+    options.check(interval_ == "step" || interval_ == "epoch", "interval",
+                  "is not understood; use \"step\" or \"epoch\"");
   }
 
   fulgur::HookSet hooks() const override {
@@ -152,9 +151,4 @@ class Timer final : public fulgur::Callback {
 
 }  // namespace
 
-FULGUR_PLUGIN(Timer, "timer", "0.1.0", "Stops training after a time limit, kept across resume (Lightning's Timer)",
-              FULGUR_REQUIRED_OPTION(string, duration,
-                                     "Training time limit: \"DD:HH:MM:SS\" (e.g. \"00:12:00:00\") or seconds "
-                                     "(\"3600\")"),
-              FULGUR_OPTION(string, interval, "Check after every training \"step\" or every \"epoch\"", "step"),
-              FULGUR_OPTION(boolean, verbose, "Log the reason when the limit stops training", true))
+FULGUR_PLUGIN(Timer, "timer", "0.1.0", "Stops training after a time limit, kept across resume (Lightning's Timer)")

@@ -8,6 +8,7 @@
 // When a row brings a key not in the header, the file is rewritten (atomically) with the wider
 // header; cells of rows that lack a key stay empty.
 #include <fulgur/checkpoint_io.h>
+#include <fulgur/csv.h>
 #include <fulgur/plugin.h>
 
 #include <fmt/format.h>
@@ -41,58 +42,16 @@ constexpr const char* kStepKey = "step";
 
 [[noreturn]] void io_error(const std::string& message) { throw fulgur::Error(fulgur::ErrorKind::io, message); }
 
-// RFC 4180 quoting, as Python's csv module does it (only when needed).
-std::string csv_field(const std::string& text) {
-  if (text.find_first_of(",\"\r\n") == std::string::npos) return text;
-  std::string quoted = "\"";
-  for (char c : text) {
-    if (c == '"') quoted += '"';
-    quoted += c;
-  }
-  return quoted + "\"";
-}
-
 // Parses one CSV file written by this logger back into records (quoted fields may hold commas,
-// quotes and newlines).
+// quotes and newlines): fulgur::read_csv_record, record by record. Fields are written with
+// fulgur::csv_field (RFC 4180 quoting, only when needed, as Python's csv module does it).
 std::vector<std::vector<std::string>> parse_csv(const std::string& text) {
   std::vector<std::vector<std::string>> records;
   std::vector<std::string> record;
-  std::string field;
-  bool quoted = false;
-  bool field_started = false;
-  for (size_t i = 0; i < text.size(); ++i) {
-    const char c = text[i];
-    if (quoted) {
-      if (c == '"' && i + 1 < text.size() && text[i + 1] == '"') {
-        field += '"';
-        ++i;
-      } else if (c == '"') {
-        quoted = false;
-      } else {
-        field += c;
-      }
-    } else if (c == '"') {
-      quoted = true;
-      field_started = true;
-    } else if (c == ',') {
-      record.push_back(std::move(field));
-      field.clear();
-      field_started = true;
-    } else if (c == '\n' || c == '\r') {
-      if (c == '\r' && i + 1 < text.size() && text[i + 1] == '\n') ++i;
-      record.push_back(std::move(field));
-      records.push_back(std::move(record));
-      record.clear();
-      field.clear();
-      field_started = false;
-    } else {
-      field += c;
-      field_started = true;
-    }
-  }
-  if (field_started || !record.empty()) {
-    record.push_back(std::move(field));
-    records.push_back(std::move(record));
+  size_t pos = 0;
+  while (pos < text.size()) {
+    fulgur::read_csv_record(text, pos, ',', record);
+    records.push_back(record);
   }
   return records;
 }
@@ -142,20 +101,19 @@ std::string read_file(const fs::path& path) {
 
 class CsvLogger final : public fulgur::Logger {
  public:
-  explicit CsvLogger(const fulgur::Options& options)
-      : save_dir_(options.get_string("save_dir")),
-        name_(options.get_string("name")),
-        version_(options.get_int("version")),
-        prefix_(options.get_string("prefix")),
-        flush_every_(options.get_int("flush_logs_every_n_steps")) {
-    if (flush_every_ < 1)
-      throw fulgur::Error(fulgur::ErrorKind::config,
-                          fmt::format("logger 'csv': flush_logs_every_n_steps = {} must be at least 1", flush_every_));
-    if (version_ < -1)
-      throw fulgur::Error(fulgur::ErrorKind::config,
-                          fmt::format("logger 'csv': version = {} is not valid; use -1 for the next free version_N "
-                                      "or a number >= 0",
-                                      version_));
+  FULGUR_OPTIONS(Options, (string, save_dir, "Root directory; empty means the Trainer's default_root_dir", ""),
+                 (string, name, "Experiment name: the directory under save_dir", "lightning_logs"),
+                 (integer, version, "Run version; -1 picks the next free version_N", -1),
+                 (string, prefix, "Prepended to every metric name, joined with '-'", ""),
+                 (integer, flush_logs_every_n_steps, "Write buffered rows to disk every N steps", 100));
+  explicit CsvLogger(const Options& options)
+      : save_dir_(options.save_dir),
+        name_(options.name),
+        version_(options.version),
+        prefix_(options.prefix),
+        flush_every_(options.flush_logs_every_n_steps) {
+    options.check(flush_every_ >= 1, "flush_logs_every_n_steps", "must be at least 1");
+    options.check(version_ >= -1, "version", "is not valid; use -1 for the next free version_N or a number >= 0");
   }
 
   ~CsvLogger() override {
@@ -295,7 +253,7 @@ class CsvLogger final : public fulgur::Logger {
     std::string line;
     for (size_t i = 0; i < cells.size(); ++i) {
       if (i) line += ',';
-      line += csv_field(cells[i]);
+      line += fulgur::csv_field(cells[i]);
     }
     return line + "\n";
   }
@@ -342,9 +300,4 @@ class CsvLogger final : public fulgur::Logger {
 
 }  // namespace
 
-FULGUR_PLUGIN(CsvLogger, "csv", "0.1.0", "Metrics to <save_dir>/<name>/version_N/metrics.csv (Lightning's CSVLogger)",
-              FULGUR_OPTION(string, save_dir, "Root directory; empty means the Trainer's default_root_dir", ""),
-              FULGUR_OPTION(string, name, "Experiment name: the directory under save_dir", "lightning_logs"),
-              FULGUR_OPTION(integer, version, "Run version; -1 picks the next free version_N", -1),
-              FULGUR_OPTION(string, prefix, "Prepended to every metric name, joined with '-'", ""),
-              FULGUR_OPTION(integer, flush_logs_every_n_steps, "Write buffered rows to disk every N steps", 100))
+FULGUR_PLUGIN(CsvLogger, "csv", "0.1.0", "Metrics to <save_dir>/<name>/version_N/metrics.csv (Lightning's CSVLogger)")

@@ -1,6 +1,7 @@
 // Built-in logger `mlflow`: metrics, hyperparameters, tags, the run's status and (optionally) its
 // checkpoints to an MLflow tracking server over its REST API, as Lightning's MLFlowLogger does
-// through the Python client.
+// through the Python client. Checkpoints go up at the end (log_model=True) or each as it is saved
+// (log_model="all"): the logger hears of every save as a CheckpointObserver (SDK 1.1).
 //
 // Only rank zero talks to the server. Metrics are buffered and sent with runs/log-batch,
 // `batch_size` per request; a request that fails for a reason another try can fix (no answer,
@@ -17,6 +18,7 @@
 #include <fulgur/plugin.h>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
@@ -27,6 +29,7 @@
 #include <initializer_list>
 #include <map>
 #include <optional>
+#include <set>
 #include <string>
 #include <system_error>
 #include <utility>
@@ -163,29 +166,53 @@ struct Metric {
   int64_t step;
 };
 
-class MlflowLogger final : public fulgur::Logger {
+// A CheckpointObserver (SDK 1.1): it hears of every checkpoint the run writes, so it uploads
+// exactly those, at the end or as each is saved, wherever model_checkpoint puts them.
+class MlflowLogger final : public fulgur::WithExtensions<fulgur::Logger, fulgur::CheckpointObserver> {
  public:
-  explicit MlflowLogger(const fulgur::Options& options)
-      : uri_(tracking_uri(options.get_string("tracking_uri"))),
-        experiment_name_(options.get_string("experiment_name")),
-        run_name_(options.get_string("run_name")),
-        tags_(parse_tags(options.get_string_list("tags"))),
-        batch_size_(options.get_int("batch_size")),
-        log_model_checkpoints_(options.get_bool("log_model_checkpoints")),
-        checkpoint_dir_(options.get_string("checkpoint_dir")),
-        retry_{options.get_int("max_retries"), options.get_float("retry_backoff")} {
-    if (experiment_name_.empty()) config_error("experiment_name is empty; name the experiment the run belongs to");
-    if (batch_size_ < 1 || batch_size_ > kMaxMetricsPerBatch)
-      config_error(fmt::format("batch_size = {} is outside 1..{} (MLflow's limit for one runs/log-batch request)",
-                               batch_size_, kMaxMetricsPerBatch));
-    if (retry_.max_retries < 0 || retry_.max_retries > 30)
-      config_error(fmt::format("max_retries = {} is outside 0..30", retry_.max_retries));
-    if (!(retry_.backoff_s >= 0.0 && retry_.backoff_s <= 60.0))
-      config_error(fmt::format("retry_backoff = {} s is outside 0..60", retry_.backoff_s));
-    if (!checkpoint_dir_.empty() && !log_model_checkpoints_)
-      config_error(
-          "checkpoint_dir is set but log_model_checkpoints = false, so nothing would be uploaded from it; set "
-          "log_model_checkpoints = true or remove checkpoint_dir");
+  FULGUR_OPTIONS(Options,
+                 (string, tracking_uri, "http(s)://host:port of `mlflow server`; empty: MLFLOW_TRACKING_URI", ""),
+                 (string, experiment_name, "Experiment of the run; created when missing", "lightning_logs"),
+                 (string, run_name, "Name shown for the run; empty: the server picks one", ""),
+                 (string_list, tags, "Run tags as \"key=value\" entries", []),
+                 (integer, batch_size, "Metric values per runs/log-batch request (1..1000); sent when this many wait",
+                  100),
+                 (boolean, log_model_checkpoints,
+                  "Upload the run's checkpoints as artifacts under checkpoints/ (when: upload_when)", false),
+                 (string, upload_when,
+                  "\"end\": at the end, each checkpoint the run saved that is still on disk (Lightning's "
+                  "log_model=True); \"saved\": each one as soon as it is written (log_model=\"all\")",
+                  "end"),
+                 (string, checkpoint_dir,
+                  "At the end, upload every *.ckpt of this directory instead of the checkpoints the run saved", ""),
+                 (integer, max_retries, "Retries of a request the server did not answer (or answered 5xx / 429)", 5),
+                 (floating, retry_backoff, "Seconds before the first retry, doubled before each next one", 0.5));
+
+  explicit MlflowLogger(const Options& options)
+      : uri_(tracking_uri(options.tracking_uri)),
+        experiment_name_(options.experiment_name),
+        run_name_(options.run_name),
+        tags_(parse_tags(options.tags)),
+        batch_size_(options.batch_size),
+        log_model_checkpoints_(options.log_model_checkpoints),
+        upload_as_saved_(options.upload_when == "saved"),
+        checkpoint_dir_(options.checkpoint_dir),
+        retry_{options.max_retries, options.retry_backoff} {
+    options.check(options.upload_when == "end" || options.upload_when == "saved", "upload_when",
+                  "is neither \"end\" nor \"saved\"");
+    options.check(!upload_as_saved_ || log_model_checkpoints_, "upload_when",
+                  "uploads nothing while log_model_checkpoints = false; set log_model_checkpoints = true");
+    options.check(!upload_as_saved_ || checkpoint_dir_.empty(), "checkpoint_dir",
+                  "is read at the end only; with upload_when = \"saved\" each checkpoint is uploaded as it is "
+                  "written, so remove checkpoint_dir");
+    options.check(!experiment_name_.empty(), "experiment_name", "is empty; name the experiment the run belongs to");
+    options.check(batch_size_ >= 1 && batch_size_ <= kMaxMetricsPerBatch, "batch_size",
+                  fmt::format("is outside 1..{} (MLflow's limit for one runs/log-batch request)", kMaxMetricsPerBatch));
+    options.check(retry_.max_retries >= 0 && retry_.max_retries <= 30, "max_retries", "is outside 0..30");
+    options.check(retry_.backoff_s >= 0.0 && retry_.backoff_s <= 60.0, "retry_backoff", "s is outside 0..60");
+    options.check(checkpoint_dir_.empty() || log_model_checkpoints_, "checkpoint_dir",
+                  "is set but log_model_checkpoints = false, so nothing would be uploaded from it; set "
+                  "log_model_checkpoints = true or remove checkpoint_dir");
   }
 
   ~MlflowLogger() override {
@@ -251,11 +278,11 @@ class MlflowLogger final : public fulgur::Logger {
     // A server that just outlasted every retry gets one more try for the status, and no uploads:
     // exit should not wait out the whole back-off once per request.
     const bool reachable = delivered || !server_away_;
-    if (log_model_checkpoints_ && reachable) upload_checkpoints();
+    if (log_model_checkpoints_ && reachable) upload_checkpoints_at_end();
     if (log_model_checkpoints_ && !reachable)
-      fulgur::log::error(
-          fmt::format("{}: the tracking server at {} is unreachable; the checkpoints were not uploaded and stay in {}",
-                      kOwner, uri_, checkpoint_directory().string()));
+      fulgur::log::error(fmt::format(
+          "{}: the tracking server at {} is unreachable; the checkpoints were not uploaded and stay in {}", kOwner,
+          uri_, checkpoint_dir_.empty() ? fmt::format("{}", fmt::join(saved_, ", ")) : checkpoint_dir_));
     const char* state = mlflow_status(status);
     const json update = {{"run_id", run_id_}, {"status", state}, {"end_time", now_ms()}};
     const fulgur::mlflow::HttpResponse answer = api_->post("runs/update", update, reachable ? retry_.attempts() : 1);
@@ -266,6 +293,17 @@ class MlflowLogger final : public fulgur::Logger {
   }
 
   std::string log_dir() const override { return log_dir_; }
+
+  // CheckpointObserver: remembers what the run saved (for the end), and with upload_when = "saved"
+  // uploads it now. A checkpoint written again under the same name (last.ckpt) goes up again.
+  void after_save_checkpoint(const fulgur::SavedCheckpoint& checkpoint) override {
+    if (!writes_ || run_id_.empty() || !log_model_checkpoints_) return;
+    std::erase(saved_, checkpoint.path);
+    saved_.push_back(checkpoint.path);
+    uploaded_.erase(checkpoint.path);
+    // A server known to be away is not waited for at every save; finalize() tries again.
+    if (upload_as_saved_ && !server_away_) upload_checkpoint(checkpoint.path);
+  }
 
  private:
   std::string find_or_create_experiment() {
@@ -376,39 +414,69 @@ class MlflowLogger final : public fulgur::Logger {
     return {{"key", m.key}, {"value", m.value}, {"timestamp", m.timestamp_ms}, {"step", m.step}};
   }
 
-  fs::path checkpoint_directory() const {
-    return checkpoint_dir_.empty() ? fs::path(log_dir_) / "checkpoints" : fs::path(checkpoint_dir_);
-  }
-
-  // Every *.ckpt in the checkpoint directory (model_checkpoint keeps only its top k and last
-  // there) goes to the run's artifacts under checkpoints/. A failed upload is reported, never
-  // fatal: the file stays on disk.
-  void upload_checkpoints() {
-    const fs::path dir = checkpoint_directory();
-    std::vector<fs::path> files;
-    std::error_code error;
-    for (const fs::directory_entry& entry : fs::directory_iterator(dir, error))
-      if (entry.is_regular_file(error) && entry.path().extension() == ".ckpt") files.push_back(entry.path());
-    std::sort(files.begin(), files.end());
-    if (files.empty()) {
-      fulgur::log::warn(fmt::format(
-          "{}: log_model_checkpoints = true but '{}' holds no .ckpt file to upload{}", kOwner, dir.string(),
-          checkpoint_dir_.empty() ? " (set checkpoint_dir to model_checkpoint's dirpath if it has one)" : ""));
+  // At the end: every *.ckpt of checkpoint_dir when it is set; else each checkpoint the run saved
+  // that is still on disk (model_checkpoint deletes what falls out of its top k), and with
+  // upload_when = "saved" only those whose upload failed when they were written.
+  void upload_checkpoints_at_end() {
+    if (!checkpoint_dir_.empty()) {
+      std::vector<fs::path> files;
+      std::error_code error;
+      for (const fs::directory_entry& entry : fs::directory_iterator(checkpoint_dir_, error))
+        if (entry.is_regular_file(error) && entry.path().extension() == ".ckpt") files.push_back(entry.path());
+      std::sort(files.begin(), files.end());
+      if (files.empty())
+        fulgur::log::warn(fmt::format("{}: log_model_checkpoints = true but checkpoint_dir '{}' holds no .ckpt file",
+                                      kOwner, checkpoint_dir_));
+      for (const fs::path& file : files) upload_checkpoint(file);
       return;
     }
-    for (const fs::path& file : files) {
-      const std::string name = file.filename().string();
-      const std::string path =
-          fmt::format("{}/{}/{}", artifact_root_, kCheckpointArtifactDir, fulgur::mlflow::url_encode(name));
+    std::error_code error;
+    size_t on_disk = 0;
+    for (const std::string& path : saved_) {
+      if (!fs::exists(path, error)) continue;
+      ++on_disk;
+      if (!upload_as_saved_ || !uploaded_.contains(path)) upload_checkpoint(path);
+    }
+    if (on_disk == 0)
+      fulgur::log::warn(
+          fmt::format("{}: log_model_checkpoints = true but the run kept no checkpoint to upload (add a "
+                      "checkpoint callback such as model_checkpoint)",
+                      kOwner));
+  }
+
+  // Uploads `checkpoint` (a file, or a sharded checkpoint's directory with every file below it) to
+  // the run's artifacts under checkpoints/. A failed upload is reported, never fatal: the file
+  // stays on disk. Returns whether every file went up.
+  bool upload_checkpoint(const fs::path& checkpoint) {
+    std::vector<std::pair<fs::path, std::string>> files;  // file, artifact path below checkpoints/
+    std::error_code error;
+    const std::string name = checkpoint.filename().string();
+    if (fs::is_directory(checkpoint, error)) {
+      for (const fs::directory_entry& entry : fs::recursive_directory_iterator(checkpoint, error))
+        if (entry.is_regular_file(error))
+          files.emplace_back(entry.path(), name + "/" + fs::relative(entry.path(), checkpoint, error).generic_string());
+      std::sort(files.begin(), files.end());
+    } else {
+      files.emplace_back(checkpoint, name);
+    }
+    bool all = true;
+    for (const auto& [file, artifact] : files) {
+      std::string encoded;
+      for (const auto& segment : fs::path(artifact)) encoded += "/" + fulgur::mlflow::url_encode(segment.string());
+      const std::string path = fmt::format("{}/{}{}", artifact_root_, kCheckpointArtifactDir, encoded);
       const fulgur::mlflow::HttpResponse response = api_->put_artifact(path, file.string(), retry_.attempts());
-      if (response.ok())
+      if (response.ok()) {
         fulgur::log::info(fmt::format("{}: uploaded {} to run {} as {}/{}", kOwner, file.string(), run_id_,
-                                      kCheckpointArtifactDir, name));
-      else
+                                      kCheckpointArtifactDir, artifact));
+      } else {
+        all = false;
         fulgur::log::error(
             fmt::format("{}: uploading checkpoint {} to the tracking server at {} failed: {}; the file stays on disk",
                         kOwner, file.string(), uri_, server_message(response)));
+      }
     }
+    if (all) uploaded_.insert(checkpoint.string());
+    return all;
   }
 
   void report_undelivered(const std::string& what) {
@@ -441,6 +509,7 @@ class MlflowLogger final : public fulgur::Logger {
   std::map<std::string, std::string> tags_;
   int64_t batch_size_;
   bool log_model_checkpoints_;
+  bool upload_as_saved_;
   std::string checkpoint_dir_;
   fulgur::mlflow::RetryPolicy retry_;
 
@@ -454,21 +523,11 @@ class MlflowLogger final : public fulgur::Logger {
   std::string log_dir_;
   std::vector<std::pair<std::string, std::string>> pending_params_;
   std::vector<Metric> pending_metrics_;
+  std::vector<std::string> saved_;  // the checkpoints the run wrote, oldest first (CheckpointObserver)
+  std::set<std::string> uploaded_;  // those uploaded since they were last written
 };
 
 }  // namespace
 
-FULGUR_PLUGIN(
-    MlflowLogger, "mlflow", "0.1.0",
-    "Metrics, hyperparameters, tags, status and checkpoints to an MLflow tracking server",
-    FULGUR_OPTION(string, tracking_uri, "http(s)://host:port of `mlflow server`; empty: MLFLOW_TRACKING_URI", ""),
-    FULGUR_OPTION(string, experiment_name, "Experiment of the run; created when missing", "lightning_logs"),
-    FULGUR_OPTION(string, run_name, "Name shown for the run; empty: the server picks one", ""),
-    FULGUR_OPTION(string_list, tags, "Run tags as \"key=value\" entries", []),
-    FULGUR_OPTION(integer, batch_size, "Metric values per runs/log-batch request (1..1000); sent when this many wait",
-                  100),
-    FULGUR_OPTION(boolean, log_model_checkpoints, "Upload the *.ckpt files of checkpoint_dir as artifacts at the end",
-                  false),
-    FULGUR_OPTION(string, checkpoint_dir, "Where the checkpoints to upload are; empty: <log_dir>/checkpoints", ""),
-    FULGUR_OPTION(integer, max_retries, "Retries of a request the server did not answer (or answered 5xx / 429)", 5),
-    FULGUR_OPTION(floating, retry_backoff, "Seconds before the first retry, doubled before each next one", 0.5))
+FULGUR_PLUGIN(MlflowLogger, "mlflow", "0.2.0",
+              "Metrics, hyperparameters, tags, status and checkpoints to an MLflow tracking server")

@@ -55,27 +55,29 @@ std::string hparams_table(const std::map<std::string, std::string>& hparams) {
 
 class TensorBoardLogger final : public fulgur::Logger {
  public:
-  explicit TensorBoardLogger(const fulgur::Options& options)
-      : save_dir_(options.get_string("save_dir")),
-        name_(options.get_string("name")),
-        version_(options.get_int("version")),
-        sub_dir_(options.get_string("sub_dir")),
-        prefix_(options.get_string("prefix")),
-        default_hp_metric_(options.get_bool("default_hp_metric")),
-        flush_secs_(options.get_float("flush_secs")),
-        max_queue_(options.get_int("max_queue")) {
-    using fulgur::Error, fulgur::ErrorKind;
-    if (version_ < -1)
-      throw Error(ErrorKind::config, fmt::format("{}: version = {} is not valid; use -1 for the next free version_N "
-                                                 "or a number >= 0",
-                                                 kOwner, version_));
-    if (max_queue_ < 1)
-      throw Error(ErrorKind::config, fmt::format("{}: max_queue = {} must be at least 1", kOwner, max_queue_));
-    if (flush_secs_ < 0)
-      throw Error(ErrorKind::config, fmt::format("{}: flush_secs = {} must be >= 0", kOwner, flush_secs_));
-    if (!sub_dir_.empty() && fs::path(sub_dir_).is_absolute())
-      throw Error(ErrorKind::config,
-                  fmt::format("{}: sub_dir = \"{}\" must be relative to the version directory", kOwner, sub_dir_));
+  FULGUR_OPTIONS(Options, (string, save_dir, "Root directory; empty means the Trainer's default_root_dir", ""),
+                 (string, name, "Experiment name: the directory under save_dir", "lightning_logs"),
+                 (integer, version, "Run version; -1 picks the next free version_N", -1),
+                 (string, sub_dir, "Optional directory under version_N for the event files", ""),
+                 (string, prefix, "Prepended to every metric name, joined with '-'", ""),
+                 (boolean, default_hp_metric,
+                  "Log hp_metric = -1 with the hyperparameters (the HPARAMS tab's metric column)", true),
+                 (floating, flush_secs, "Write buffered events to disk at least this often (seconds)", 120.0),
+                 (integer, max_queue, "Write buffered events to disk after this many events", 10));
+  explicit TensorBoardLogger(const Options& options)
+      : save_dir_(options.save_dir),
+        name_(options.name),
+        version_(options.version),
+        sub_dir_(options.sub_dir),
+        prefix_(options.prefix),
+        default_hp_metric_(options.default_hp_metric),
+        flush_secs_(options.flush_secs),
+        max_queue_(options.max_queue) {
+    options.check(version_ >= -1, "version", "is not valid; use -1 for the next free version_N or a number >= 0");
+    options.check(max_queue_ >= 1, "max_queue", "must be at least 1");
+    options.check(!(flush_secs_ < 0), "flush_secs", "must be >= 0");
+    options.check(sub_dir_.empty() || !fs::path(sub_dir_).is_absolute(), "sub_dir",
+                  "must be relative to the version directory");
   }
 
   ~TensorBoardLogger() override {
@@ -197,13 +199,4 @@ class TensorBoardLogger final : public fulgur::Logger {
 
 FULGUR_PLUGIN(TensorBoardLogger, "tensorboard", "0.1.0",
               "Scalars, text and hyperparameters as TensorBoard event files under <save_dir>/<name>/version_N "
-              "(Lightning's TensorBoardLogger)",
-              FULGUR_OPTION(string, save_dir, "Root directory; empty means the Trainer's default_root_dir", ""),
-              FULGUR_OPTION(string, name, "Experiment name: the directory under save_dir", "lightning_logs"),
-              FULGUR_OPTION(integer, version, "Run version; -1 picks the next free version_N", -1),
-              FULGUR_OPTION(string, sub_dir, "Optional directory under version_N for the event files", ""),
-              FULGUR_OPTION(string, prefix, "Prepended to every metric name, joined with '-'", ""),
-              FULGUR_OPTION(boolean, default_hp_metric,
-                            "Log hp_metric = -1 with the hyperparameters (the HPARAMS tab's metric column)", true),
-              FULGUR_OPTION(floating, flush_secs, "Write buffered events to disk at least this often (seconds)", 120.0),
-              FULGUR_OPTION(integer, max_queue, "Write buffered events to disk after this many events", 10))
+              "(Lightning's TensorBoardLogger)")

@@ -31,11 +31,15 @@ namespace ps = fulgur::mixed_precision;
 
 class Fp16MixedPrecision final : public fulgur::WithExtensions<fulgur::Precision, fulgur::DeviceStepPrecision> {
  public:
-  explicit Fp16MixedPrecision(const fulgur::Options& options)
-      : init_scale_(options.get_float("init_scale")),
-        growth_factor_(options.get_float("growth_factor")),
-        backoff_factor_(options.get_float("backoff_factor")),
-        growth_interval_(options.get_int("growth_interval")) {
+  FULGUR_OPTIONS(Options, (floating, init_scale, "Initial loss scale", 65536.0),
+                 (floating, growth_factor, "Scale multiplier after growth_interval finite steps", 2.0),
+                 (floating, backoff_factor, "Scale multiplier after a step with inf/NaN gradients", 0.5),
+                 (integer, growth_interval, "Finite steps in a row before the scale grows", 2000));
+  explicit Fp16MixedPrecision(const Options& options)
+      : init_scale_(options.init_scale),
+        growth_factor_(options.growth_factor),
+        backoff_factor_(options.backoff_factor),
+        growth_interval_(options.growth_interval) {
     if (!(init_scale_ > 0.0) || !std::isfinite(init_scale_))
       throw config_error(fmt::format("init_scale must be a finite number > 0, got {}", init_scale_));
     if (!(growth_factor_ > 1.0) || !std::isfinite(growth_factor_))
@@ -216,8 +220,4 @@ class Fp16MixedPrecision final : public fulgur::WithExtensions<fulgur::Precision
 }  // namespace
 
 FULGUR_PLUGIN(Fp16MixedPrecision, "16-mixed", "0.1.0",
-              "float32 parameters, float16 autocast and dynamic loss scaling (CUDA; bf16 autocast on CPU)",
-              FULGUR_OPTION(floating, init_scale, "Initial loss scale", 65536.0),
-              FULGUR_OPTION(floating, growth_factor, "Scale multiplier after growth_interval finite steps", 2.0),
-              FULGUR_OPTION(floating, backoff_factor, "Scale multiplier after a step with inf/NaN gradients", 0.5),
-              FULGUR_OPTION(integer, growth_interval, "Finite steps in a row before the scale grows", 2000))
+              "float32 parameters, float16 autocast and dynamic loss scaling (CUDA; bf16 autocast on CPU)")

@@ -64,34 +64,38 @@ std::string_view step_action(Stage stage) {
   }
 }
 
-void check_count(const fulgur::Options& options, const char* key, int64_t minimum) {
-  const int64_t value = options.get_int(key);
-  if (value < minimum)
-    throw Error(ErrorKind::config, fmt::format("{}: {} = {} must be >= {}", kOwner, key, value, minimum));
-}
-
 class PyTorchProfiler final : public fulgur::Profiler {
  public:
-  explicit PyTorchProfiler(const fulgur::Options& options)
-      : dirpath_(options.get_string("dirpath")),
-        filename_(options.get_string("filename")),
-        wait_(options.get_int("wait")),
-        warmup_(options.get_int("warmup")),
-        active_(options.get_int("active")),
-        repeat_(options.get_int("repeat")),
-        row_limit_(options.get_int("row_limit")),
-        config_(impl::ProfilerState::KINETO, options.get_bool("record_shapes"), options.get_bool("profile_memory"),
-                options.get_bool("with_stack"), options.get_bool("with_flops")) {
-    check_count(options, "wait", 0);
-    check_count(options, "warmup", 0);
-    check_count(options, "active", 1);
-    check_count(options, "repeat", 0);
-    if (filename_.empty() || filename_.find('/') != std::string::npos)
-      throw Error(ErrorKind::config, fmt::format("{}: filename = \"{}\" must be a plain file stem such as "
-                                                 "\"profile\"",
-                                                 kOwner, filename_));
+  FULGUR_OPTIONS(Options, (string, dirpath, "Directory of traces and report; empty means the run's log_dir", ""),
+                 (string, filename, "File stem: <stage>-<filename>.<cycle>.pt.trace.json and .txt", "profile"),
+                 (integer, wait, "Steps per cycle with the profiler off", 1),
+                 (integer, warmup, "Steps per cycle of warm-up (prepared, not recorded)", 1),
+                 (integer, active, "Steps per cycle that are recorded", 3),
+                 (integer, repeat, "Cycles to run; 0 repeats until the stage ends", 1),
+                 (string_list, activities, "\"cpu\", \"cuda\"; empty: cpu, plus cuda when a GPU is present", []),
+                 (boolean, record_shapes, "Record operator input shapes", false),
+                 (boolean, profile_memory, "Record tensor allocations and frees", false),
+                 (boolean, with_stack, "Record source locations (C++ stacks where available)", false),
+                 (boolean, with_flops, "Estimate FLOPs of matrix multiplications and convolutions", false),
+                 (integer, row_limit, "Rows in the summary table (0: all)", 20));
+  explicit PyTorchProfiler(const Options& options)
+      : dirpath_(options.dirpath),
+        filename_(options.filename),
+        wait_(options.wait),
+        warmup_(options.warmup),
+        active_(options.active),
+        repeat_(options.repeat),
+        row_limit_(options.row_limit),
+        config_(impl::ProfilerState::KINETO, options.record_shapes, options.profile_memory, options.with_stack,
+                options.with_flops) {
+    options.check(wait_ >= 0, "wait", "must be >= 0");
+    options.check(warmup_ >= 0, "warmup", "must be >= 0");
+    options.check(active_ >= 1, "active", "must be >= 1");
+    options.check(repeat_ >= 0, "repeat", "must be >= 0");
+    options.check(!filename_.empty() && filename_.find('/') == std::string::npos, "filename",
+                  "must be a plain file stem such as \"profile\"");
     activities_.insert(impl::ActivityType::CPU);
-    for (const std::string& name : options.get_string_list("activities")) {
+    for (const std::string& name : options.activities) {
       std::string lower;
       for (char c : name) lower += static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
       if (lower == "cuda")
@@ -102,7 +106,7 @@ class PyTorchProfiler final : public fulgur::Profiler {
                                 "when a GPU is present)",
                                 kOwner, name));
     }
-    if (options.get_string_list("activities").empty() && at::hasCUDA()) activities_.insert(impl::ActivityType::CUDA);
+    if (options.activities.empty() && at::hasCUDA()) activities_.insert(impl::ActivityType::CUDA);
   }
 
   ~PyTorchProfiler() override {
@@ -254,18 +258,4 @@ class PyTorchProfiler final : public fulgur::Profiler {
 
 FULGUR_PLUGIN(PyTorchProfiler, "pytorch", "0.1.0",
               "LibTorch's profiler (kineto): Chrome traces with the Trainer's actions next to the ATen ops, and a "
-              "table of the top operators",
-              FULGUR_OPTION(string, dirpath, "Directory of traces and report; empty means the run's log_dir", ""),
-              FULGUR_OPTION(string, filename, "File stem: <stage>-<filename>.<cycle>.pt.trace.json and .txt",
-                            "profile"),
-              FULGUR_OPTION(integer, wait, "Steps per cycle with the profiler off", 1),
-              FULGUR_OPTION(integer, warmup, "Steps per cycle of warm-up (prepared, not recorded)", 1),
-              FULGUR_OPTION(integer, active, "Steps per cycle that are recorded", 3),
-              FULGUR_OPTION(integer, repeat, "Cycles to run; 0 repeats until the stage ends", 1),
-              FULGUR_OPTION(string_list, activities, "\"cpu\", \"cuda\"; empty: cpu, plus cuda when a GPU is present",
-                            []),
-              FULGUR_OPTION(boolean, record_shapes, "Record operator input shapes", false),
-              FULGUR_OPTION(boolean, profile_memory, "Record tensor allocations and frees", false),
-              FULGUR_OPTION(boolean, with_stack, "Record source locations (C++ stacks where available)", false),
-              FULGUR_OPTION(boolean, with_flops, "Estimate FLOPs of matrix multiplications and convolutions", false),
-              FULGUR_OPTION(integer, row_limit, "Rows in the summary table (0: all)", 20))
+              "table of the top operators")

@@ -30,10 +30,14 @@ std::string five_digits(double value) { return fmt::format("{:.5}", value); }
 
 class SimpleProfiler final : public fulgur::Profiler {
  public:
-  explicit SimpleProfiler(const fulgur::Options& options)
-      : dirpath_(options.get_string("dirpath")),
-        filename_(options.get_string("filename")),
-        extended_(options.get_bool("extended")) {
+  FULGUR_OPTIONS(Options, (string, dirpath, "Directory of the report file; empty means the run's log_dir", ""),
+                 (string, filename,
+                  "Report file stem: writes <dirpath>/<stage>-<filename>.txt; empty prints the report "
+                  "to the log at teardown",
+                  ""),
+                 (boolean, extended, "Also report call counts and each action's share of the wall time", true));
+  explicit SimpleProfiler(const Options& options)
+      : dirpath_(options.dirpath), filename_(options.filename), extended_(options.extended) {
     actions_.reserve(32);
   }
 
@@ -195,11 +199,4 @@ class SimpleProfiler final : public fulgur::Profiler {
 
 }  // namespace
 
-FULGUR_PLUGIN(SimpleProfiler, "simple", "0.1.0", "Wall-clock time per Trainer action (Lightning's SimpleProfiler)",
-              FULGUR_OPTION(string, dirpath, "Directory of the report file; empty means the run's log_dir", ""),
-              FULGUR_OPTION(string, filename,
-                            "Report file stem: writes <dirpath>/<stage>-<filename>.txt; empty prints the report "
-                            "to the log at teardown",
-                            ""),
-              FULGUR_OPTION(boolean, extended, "Also report call counts and each action's share of the wall time",
-                            true))
+FULGUR_PLUGIN(SimpleProfiler, "simple", "0.1.0", "Wall-clock time per Trainer action (Lightning's SimpleProfiler)")

@@ -20,11 +20,22 @@ namespace {
 
 class DdpStrategy final : public fulgur::process_group::ProcessGroupStrategy {
  public:
-  explicit DdpStrategy(const fulgur::Options& options)
-      : ProcessGroupStrategy("ddp", options), broadcast_buffers_(options.get_bool("broadcast_buffers")) {
-    sync_options_.bucket_cap_mb = options.get_int("bucket_cap_mb");
-    sync_options_.find_unused_parameters = options.get_bool("find_unused_parameters");
-    sync_options_.gradient_as_bucket_view = options.get_bool("gradient_as_bucket_view");
+  FULGUR_OPTIONS(Options,
+                 (string, backend, "Process group backend: \"auto\" (the accelerator's), \"gloo\", \"nccl\"", "auto"),
+                 (floating, timeout,
+                  "Seconds a collective or the rendezvous may wait for the other ranks before failing", 1800.0),
+                 (integer, bucket_cap_mb, "Size of the gradient buckets all-reduced during backward (MiB)", 25),
+                 (boolean, find_unused_parameters,
+                  "Allow parameters that get no gradient in a step (walks the graph each step)", false),
+                 (boolean, gradient_as_bucket_view,
+                  "Gradients alias the communication buckets (one copy and their memory less)", false),
+                 (boolean, broadcast_buffers, "Send rank 0's buffers (BatchNorm statistics) before each step", true));
+  // The base reads `backend` and `timeout` from the options as given.
+  explicit DdpStrategy(const Options& options)
+      : ProcessGroupStrategy("ddp", options.given()), broadcast_buffers_(options.broadcast_buffers) {
+    sync_options_.bucket_cap_mb = options.bucket_cap_mb;
+    sync_options_.find_unused_parameters = options.find_unused_parameters;
+    sync_options_.gradient_as_bucket_view = options.gradient_as_bucket_view;
     if (sync_options_.bucket_cap_mb < 1)
       throw fulgur::Error(fulgur::ErrorKind::config, "strategy 'ddp': bucket_cap_mb must be at least 1");
   }
@@ -122,16 +133,6 @@ class DdpStrategy final : public fulgur::process_group::ProcessGroupStrategy {
 
 }  // namespace
 
-FULGUR_PLUGIN(
-    DdpStrategy, "ddp", "0.1.0",
-    "Data-parallel: one process per device, gradients averaged over c10d (Gloo on CPU, NCCL on CUDA) "
-    "while backward runs",
-    FULGUR_OPTION(string, backend, "Process group backend: \"auto\" (the accelerator's), \"gloo\", \"nccl\"", "auto"),
-    FULGUR_OPTION(floating, timeout,
-                  "Seconds a collective or the rendezvous may wait for the other ranks before failing", 1800.0),
-    FULGUR_OPTION(integer, bucket_cap_mb, "Size of the gradient buckets all-reduced during backward (MiB)", 25),
-    FULGUR_OPTION(boolean, find_unused_parameters,
-                  "Allow parameters that get no gradient in a step (walks the graph each step)", false),
-    FULGUR_OPTION(boolean, gradient_as_bucket_view,
-                  "Gradients alias the communication buckets (one copy and their memory less)", false),
-    FULGUR_OPTION(boolean, broadcast_buffers, "Send rank 0's buffers (BatchNorm statistics) before each step", true))
+FULGUR_PLUGIN(DdpStrategy, "ddp", "0.1.0",
+              "Data-parallel: one process per device, gradients averaged over c10d (Gloo on CPU, NCCL on CUDA) "
+              "while backward runs")

@@ -73,9 +73,52 @@ using fulgur::fsdp::ShardedParameter;
 
 class FsdpStrategy final : public fulgur::process_group::ProcessGroupStrategy, public fulgur::BlockHooks {
  public:
-  explicit FsdpStrategy(const fulgur::Options& options)
-      : ProcessGroupStrategy("fsdp", options),
-        sharded_checkpoints_(parse_state_dict_type(options.get_string("state_dict_type"))),
+  FULGUR_OPTIONS(
+      Options,
+      (integer, zero_stage,
+       "1: shard optimizer state (gradients all-reduced); 2: also shard gradients (reduce-scattered); 3: "
+       "also shard parameters (whole only inside the blocks that use them)",
+       2),
+      (boolean, reshard_after_forward,
+       "zero_stage = 3: free a block's gathered parameters after its forward and gather them again for its "
+       "backward (false: keep them until the block's backward is done: one all-gather fewer per block, "
+       "more memory)",
+       true),
+      (boolean, prefetch,
+       "zero_stage = 3: start the all-gather of the next block (in the order of the previous training "
+       "forward; backward: the previous block) before the current one computes, so that they overlap",
+       true),
+      (string, reduce_dtype,
+       "dtype the gradients are averaged in across ranks: \"auto\" (param_dtype's, else the parameters'), "
+       "\"float32\", "
+       "\"bfloat16\" (half the bytes on the wire), \"float16\", \"float64\"; the shards' gradients are in "
+       "the parameters' dtype",
+       "auto"),
+      (string, param_dtype,
+       "zero_stage = 3: dtype the blocks' parameters are gathered and computed in (FSDP2's param_dtype): "
+       "\"auto\" (the model's), \"bfloat16\" (half the bytes gathered and held), \"float16\", "
+       "\"float32\", \"float64\"; a block's inputs are cast to it and its output back; the shards, "
+       "optimizer state, checkpoints and fulgur::FullParameters stay in the model's dtype; gradients are "
+       "then averaged in it unless reduce_dtype says otherwise",
+       "auto"),
+      (string, state_dict_type,
+       "\"full\": checkpoints are one file of whole tensors, gathered on rank 0; \"sharded\": a directory in "
+       "torch.distributed.checkpoint's format, each rank writing its own rows (no gathering); both resume "
+       "under any world size and strategy",
+       "full"),
+      (boolean, offload_optimizer,
+       "ZeRO-Offload: the optimizer steps a copy of this rank's rows in host memory (pinned), so its state "
+       "(Adam: 8 bytes per parameter) stays off the device; gradients travel to host memory after each "
+       "reduction and the updated rows back after each step; for accelerator = \"cuda\" (on cpu it only "
+       "adds copies, with a warning)",
+       false),
+      (string, backend, "Process group backend: \"auto\" (the accelerator's), \"gloo\", \"nccl\"", "auto"),
+      (floating, timeout, "Seconds a collective or the rendezvous may wait for the other ranks before failing",
+       1800.0));
+  // The base reads `backend` and `timeout` from the options as given.
+  explicit FsdpStrategy(const Options& options)
+      : ProcessGroupStrategy("fsdp", options.given()),
+        sharded_checkpoints_(parse_state_dict_type(options)),
         sharding_(parse_sharding(options)) {}
   ~FsdpStrategy() override { fulgur::remove_block_hooks(this); }
 
@@ -455,46 +498,40 @@ class FsdpStrategy final : public fulgur::process_group::ProcessGroupStrategy, p
 
   // ---- options ---------------------------------------------------------------------------------
 
-  static std::optional<at::ScalarType> parse_dtype(const char* option, const std::string& value) {
+  static std::optional<at::ScalarType> parse_dtype(const Options& options, const char* option,
+                                                   const std::string& value) {
     if (value == "auto") return std::nullopt;
     if (value == "float32") return at::kFloat;
     if (value == "bfloat16") return at::kBFloat16;
     if (value == "float16") return at::kHalf;
     if (value == "float64") return at::kDouble;
-    throw Error(ErrorKind::config,
-                fmt::format("strategy 'fsdp': {} = \"{}\" is not known; use \"auto\", \"float32\", \"bfloat16\", "
-                            "\"float16\" or \"float64\"",
-                            option, value));
+    options.reject(option, "is not known; use \"auto\", \"float32\", \"bfloat16\", \"float16\" or \"float64\"");
   }
 
-  static bool parse_state_dict_type(const std::string& value) {
+  static bool parse_state_dict_type(const Options& options) {
+    const std::string& value = options.state_dict_type;
     if (value == "full") return false;
     if (value == "sharded") return true;
-    throw Error(ErrorKind::config,
-                fmt::format("strategy 'fsdp': state_dict_type = \"{}\" is not known; use \"full\" (one file, "
-                            "gathered on rank 0) or \"sharded\" (a directory, every rank writing its rows)",
-                            value));
+    options.reject("state_dict_type",
+                   "is not known; use \"full\" (one file, gathered on rank 0) or \"sharded\" (a directory, every "
+                   "rank writing its rows)");
   }
 
   // The options that shape sharding, checked against each other: the stage-3 ones are refused
   // for the other stages.
-  static fulgur::fsdp::ShardingOptions parse_sharding(const fulgur::Options& options) {
+  static fulgur::fsdp::ShardingOptions parse_sharding(const Options& options) {
     fulgur::fsdp::ShardingOptions s;
-    s.zero_stage = options.get_int("zero_stage");
-    s.reshard_after_forward = options.get_bool("reshard_after_forward");
-    s.prefetch = options.get_bool("prefetch");
-    s.offload_optimizer = options.get_bool("offload_optimizer");
-    s.reduce_dtype = parse_dtype("reduce_dtype", options.get_string("reduce_dtype"));
-    s.param_dtype = parse_dtype("param_dtype", options.get_string("param_dtype"));
-    if (s.zero_stage < 1 || s.zero_stage > 3)
-      throw Error(ErrorKind::config,
-                  fmt::format("strategy 'fsdp': zero_stage = {} is not a ZeRO stage; use 1 (sharded optimizer "
-                              "state), 2 (and gradients) or 3 (and parameters)",
-                              s.zero_stage));
-    if (s.zero_stage != 3 && !s.prefetch)
-      throw Error(ErrorKind::config,
-                  fmt::format("strategy 'fsdp': prefetch = false applies to zero_stage = 3 (sharded parameters); "
-                              "stage {} gathers nothing ahead: remove the option",
+    s.zero_stage = options.zero_stage;
+    s.reshard_after_forward = options.reshard_after_forward;
+    s.prefetch = options.prefetch;
+    s.offload_optimizer = options.offload_optimizer;
+    s.reduce_dtype = parse_dtype(options, "reduce_dtype", options.reduce_dtype);
+    s.param_dtype = parse_dtype(options, "param_dtype", options.param_dtype);
+    options.check(s.zero_stage >= 1 && s.zero_stage <= 3, "zero_stage",
+                  "is not a ZeRO stage; use 1 (sharded optimizer state), 2 (and gradients) or 3 (and parameters)");
+    options.check(s.zero_stage == 3 || s.prefetch, "prefetch",
+                  fmt::format("applies to zero_stage = 3 (sharded parameters); stage {} gathers nothing ahead: remove "
+                              "the option",
                               s.zero_stage));
     if (s.zero_stage != 3 && s.param_dtype)
       throw Error(ErrorKind::config,
@@ -502,10 +539,9 @@ class FsdpStrategy final : public fulgur::process_group::ProcessGroupStrategy, p
                               "blocks' parameters for each use; stage {} keeps the model's parameters whole: "
                               "use bf16-mixed precision (autocast) or reduce_dtype instead",
                               c10::toString(*s.param_dtype), s.zero_stage));
-    if (s.zero_stage != 3 && !s.reshard_after_forward)
-      throw Error(ErrorKind::config,
-                  fmt::format("strategy 'fsdp': reshard_after_forward = false applies to zero_stage = 3 (sharded "
-                              "parameters); stage {} keeps whole parameters anyway: remove the option",
+    options.check(s.zero_stage == 3 || s.reshard_after_forward, "reshard_after_forward",
+                  fmt::format("applies to zero_stage = 3 (sharded parameters); stage {} keeps whole parameters "
+                              "anyway: remove the option",
                               s.zero_stage));
     return s;
   }
@@ -527,45 +563,4 @@ FULGUR_PLUGIN(
     FsdpStrategy, "fsdp", "0.2.0",
     "Sharded data parallel (ZeRO-1/2/3): optimizer state, with stage 2 gradients, with stage 3 parameters split "
     "across ranks (stage 3 gathers each fulgur::run_block block's parameters around its forward and backward); "
-    "checkpoints hold the full state and load under any world size",
-    FULGUR_OPTION(integer, zero_stage,
-                  "1: shard optimizer state (gradients all-reduced); 2: also shard gradients (reduce-scattered); 3: "
-                  "also shard parameters (whole only inside the blocks that use them)",
-                  2),
-    FULGUR_OPTION(boolean, reshard_after_forward,
-                  "zero_stage = 3: free a block's gathered parameters after its forward and gather them again for its "
-                  "backward (false: keep them until the block's backward is done: one all-gather fewer per block, "
-                  "more memory)",
-                  true),
-    FULGUR_OPTION(boolean, prefetch,
-                  "zero_stage = 3: start the all-gather of the next block (in the order of the previous training "
-                  "forward; backward: the previous block) before the current one computes, so that they overlap",
-                  true),
-    FULGUR_OPTION(string, reduce_dtype,
-                  "dtype the gradients are averaged in across ranks: \"auto\" (param_dtype's, else the parameters'), "
-                  "\"float32\", "
-                  "\"bfloat16\" (half the bytes on the wire), \"float16\", \"float64\"; the shards' gradients are in "
-                  "the parameters' dtype",
-                  "auto"),
-    FULGUR_OPTION(string, param_dtype,
-                  "zero_stage = 3: dtype the blocks' parameters are gathered and computed in (FSDP2's param_dtype): "
-                  "\"auto\" (the model's), \"bfloat16\" (half the bytes gathered and held), \"float16\", "
-                  "\"float32\", \"float64\"; a block's inputs are cast to it and its output back; the shards, "
-                  "optimizer state, checkpoints and fulgur::FullParameters stay in the model's dtype; gradients are "
-                  "then averaged in it unless reduce_dtype says otherwise",
-                  "auto"),
-    FULGUR_OPTION(
-        string, state_dict_type,
-        "\"full\": checkpoints are one file of whole tensors, gathered on rank 0; \"sharded\": a directory in "
-        "torch.distributed.checkpoint's format, each rank writing its own rows (no gathering); both resume "
-        "under any world size and strategy",
-        "full"),
-    FULGUR_OPTION(boolean, offload_optimizer,
-                  "ZeRO-Offload: the optimizer steps a copy of this rank's rows in host memory (pinned), so its state "
-                  "(Adam: 8 bytes per parameter) stays off the device; gradients travel to host memory after each "
-                  "reduction and the updated rows back after each step; for accelerator = \"cuda\" (on cpu it only "
-                  "adds copies, with a warning)",
-                  false),
-    FULGUR_OPTION(string, backend, "Process group backend: \"auto\" (the accelerator's), \"gloo\", \"nccl\"", "auto"),
-    FULGUR_OPTION(floating, timeout,
-                  "Seconds a collective or the rendezvous may wait for the other ranks before failing", 1800.0))
+    "checkpoints hold the full state and load under any world size")

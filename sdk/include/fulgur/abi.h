@@ -36,7 +36,7 @@ extern "C" {
 /** Minor version of the C++ SDK: what was added without changing a vtable or a layout (new
  * extension interfaces, new free functions, new option types). A host refuses a plugin built
  * against a newer minor than its own, naming both versions. */
-#define FULGUR_SDK_VERSION_MINOR 0
+#define FULGUR_SDK_VERSION_MINOR 1
 /** The SDK version as stored in fulgur_abi_tag::sdk_version: (major << 16) | minor. */
 #define FULGUR_SDK_VERSION ((FULGUR_SDK_VERSION_MAJOR << 16) | FULGUR_SDK_VERSION_MINOR)
 /** Major of fulgur_abi_tag::sdk_version (0 for a plugin built before SDK 1.0). */
@@ -94,13 +94,13 @@ typedef enum fulgur_stdlib {
  * registry compares each field with fulgur::host_abi_tag() and refuses a plugin that differs,
  * naming the field, both values and the fix. */
 typedef struct fulgur_abi_tag {
-  uint32_t struct_size;         /**< sizeof(fulgur_abi_tag) as the writer knew it */
-  uint32_t sdk_version;         /**< FULGUR_SDK_VERSION; before SDK 1.0 the C++ interface major (2..7) */
-  uint32_t torch_major;         /**< TORCH_VERSION_MAJOR */
-  uint32_t torch_minor;         /**< TORCH_VERSION_MINOR */
-  uint32_t glibcxx_cxx11_abi;   /**< _GLIBCXX_USE_CXX11_ABI, 0xffffffff when not libstdc++ */
-  uint32_t stdlib;              /**< a fulgur_stdlib value */
-  uint32_t cuda_version;        /**< CUDA version of the libtorch built against (e.g. 13000), 0 if none */
+  uint32_t struct_size;       /**< sizeof(fulgur_abi_tag) as the writer knew it */
+  uint32_t sdk_version;       /**< FULGUR_SDK_VERSION; before SDK 1.0 the C++ interface major (2..7) */
+  uint32_t torch_major;       /**< TORCH_VERSION_MAJOR */
+  uint32_t torch_minor;       /**< TORCH_VERSION_MINOR */
+  uint32_t glibcxx_cxx11_abi; /**< _GLIBCXX_USE_CXX11_ABI, 0xffffffff when not libstdc++ */
+  uint32_t stdlib;            /**< a fulgur_stdlib value */
+  uint32_t cuda_version;      /**< CUDA version of the libtorch built against (e.g. 13000), 0 if none */
 } fulgur_abi_tag;
 
 /** One TOML key a plugin accepts (its option schema, one entry per key). */

@@ -57,4 +57,33 @@ class FULGUR_SDK_API Logger {
   virtual void* extension(std::string_view id) noexcept;
 };
 
+/// What CheckpointObserver::after_save_checkpoint hears about a checkpoint the run just wrote.
+/// Valid during that call; copy what you keep.
+struct SavedCheckpoint {
+  std::string path;           ///< the checkpoint as the saver named it: a file, or a directory (sharded)
+  int64_t global_step = 0;    ///< the optimizer steps the checkpoint holds (its "global_step")
+  int64_t epoch = 0;          ///< the epoch it was saved in (its "epoch")
+  bool weights_only = false;  ///< true: model weights only, no optimizer or loop state
+};
+
+/// Extension (SDK 1.1) of a Logger that hears about every checkpoint the run writes, as Lightning's
+/// Logger.after_save_checkpoint: a model registry uploads it (mlflow's upload_when = "saved"), an
+/// experiment tracker links it to the run. Without it a logger never learns of checkpoints.
+/// Called on every rank, after the strategy's save has finished on every rank (the file or
+/// directory is complete and will not be rewritten by this save), from the thread that runs the
+/// fit; never for a save that failed. Every save through TrainerContext::save_checkpoint counts:
+/// model_checkpoint's top-k and last files, the checkpoint written on a signal, a callback's own.
+/// A checkpoint callback may delete an older file later (top-k); the observer is not told. What it
+/// throws ends the fit as a logger error naming the logger and this method.
+class CheckpointObserver {
+ public:
+  /// The extension's id for Logger::extension().
+  static constexpr std::string_view kExtensionId = "fulgur.logger.checkpoint_observer/1";
+  /// `checkpoint` has just been written and is complete on disk.
+  virtual void after_save_checkpoint(const SavedCheckpoint& checkpoint) = 0;
+
+ protected:
+  ~CheckpointObserver() = default;
+};
+
 }  // namespace fulgur

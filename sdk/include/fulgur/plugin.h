@@ -14,6 +14,7 @@
 #include <fulgur/logger.h>
 #include <fulgur/option_spec.h>
 #include <fulgur/options.h>
+#include <fulgur/plugin_options.h>
 #include <fulgur/precision.h>
 #include <fulgur/profiler.h>
 #include <fulgur/strategy.h>
@@ -85,10 +86,20 @@ constexpr std::array<OptionSpec, sizeof...(O)> make_options(O... options) {
   return {options...};
 }
 
-/// FULGUR_PLUGIN without options on a class that declares hparams_schema: that schema.
+/// Whether T declares its options as a nested FULGUR_OPTIONS struct `Options` (SDK 1.1).
+template <class T>
+concept HasTypedOptions = requires {
+  typename T::Options;
+}
+&&std::is_base_of_v<PluginOptions, typename T::Options>;
+
+/// FULGUR_PLUGIN without options on a class that declares typed Options (their schema) or
+/// hparams_schema (that schema).
 template <class T, size_t N>
 constexpr auto options_or_schema(std::array<OptionSpec, N> given) {
-  if constexpr (N == 0 && requires { T::hparams_schema; })
+  if constexpr (N == 0 && HasTypedOptions<T>)
+    return T::Options::schema;
+  else if constexpr (N == 0 && requires { T::hparams_schema; })
     return T::hparams_schema;
   else
     return given;
@@ -178,9 +189,13 @@ template <class T>
 void* create(const fulgur_create_args* args) noexcept {
   try {
     created_type_of<T>* object = nullptr;
-    if constexpr (std::is_constructible_v<T, const Options&>) {
-      static const Options kEmpty;
-      const Options* options = args && args->options ? static_cast<const Options*>(args->options) : &kEmpty;
+    static const Options kEmpty;
+    const Options* options = args && args->options ? static_cast<const Options*>(args->options) : &kEmpty;
+    if constexpr (HasTypedOptions<T>) {
+      static_assert(std::is_constructible_v<T, const typename T::Options&>,
+                    "a plugin class with a FULGUR_OPTIONS struct `Options` takes it in its constructor");
+      object = new T(T::Options::from(*options));
+    } else if constexpr (std::is_constructible_v<T, const Options&>) {
       object = new T(*options);
     } else {
       object = new T();
@@ -302,7 +317,8 @@ namespace {
 /// (fulgur::Error, with a message that says what to fix), its destructor must not (it runs inside
 /// the noexcept `destroy`). `name` is what the TOML selects ([a-z0-9_.-], unique per kind). The
 /// options declare the TOML keys it accepts, read from the TOML table that selects the plugin; none
-/// given means the class's `hparams_schema`, if it has one.
+/// given means the class's typed `Options` (a FULGUR_OPTIONS struct, fulgur/plugin_options.h:
+/// the constructor then takes that struct, filled in) or its `hparams_schema`, if it has one.
 ///
 /// @code
 ///   #include <fulgur/plugin.h>
