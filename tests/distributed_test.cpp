@@ -654,6 +654,10 @@ TEST_CASE("fsdp: sharded checkpoints, each rank writing its rows, resume on 2 an
 }
 
 TEST_CASE("fsdp: a rank killed during a sharded save leaves the previous checkpoint whole and resumable") {
+  if (!FULGUR_TEST_FAULT_INJECTION) {
+    fulgur::test::skip_test("the SDK was built without the fault-injection seam (-DFULGUR_FAULT_INJECTION=OFF)");
+    return;
+  }
   auto sharded = [](const std::string& toml) { return with_strategy_option(toml, "state_dict_type = \"sharded\""); };
   auto whole = run_worker(worker_config("fsdp:3", "2", 12, 10), {}, block_env());
   REQUIRE_SUCCESS(whole);

@@ -62,6 +62,10 @@ DiskState inspect(const fs::path& dir) {
 }  // namespace
 
 TEST_CASE("hard kills: 21 SIGKILLs, some inside checkpoint writes, each resumed with ckpt_path = \"last\"") {
+  if (!FULGUR_TEST_FAULT_INJECTION) {
+    fulgur::test::skip_test("the SDK was built without the fault-injection seam (-DFULGUR_FAULT_INJECTION=OFF)");
+    return;
+  }
   TempDir dir;
   const fs::path plugins = job::plugin_dir(dir, {"kill-at-step"});
   const auto toml = [&](const fs::path& root, const std::string& extra) {

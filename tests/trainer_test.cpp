@@ -999,3 +999,153 @@ TEST_CASE("every [trainer] key changes what a run does, or its value is rejected
     if (probe.printed) FULGUR_CHECK_CONTAINS(changed.output, probe.printed);
   }
 }
+
+// ---- Lightning semantics (issue #34), each with the test that failed before its fix -------------
+
+namespace {
+
+// Logs "x" from the one hook named `where` (and otherwise behaves as RecordingModule).
+struct LogsIn : RecordingModule {
+  explicit LogsIn(std::string where) : RecordingModule(nullptr), where(std::move(where)) {}
+  void maybe_log(const char* hook) {
+    if (where == hook) log("x", 1.0);
+  }
+  at::Tensor predict_step(const fulgur::Batch& b, int64_t i) override {
+    maybe_log("predict_step");
+    return RecordingModule::predict_step(b, i);
+  }
+  std::vector<fulgur::OptimizerConfig> configure_optimizers() override {
+    maybe_log("configure_optimizers");
+    return RecordingModule::configure_optimizers();
+  }
+  void on_fit_start() override { maybe_log("on_fit_start"); }
+  void on_train_end() override { maybe_log("on_train_end"); }
+  void on_train_start() override { maybe_log("on_train_start"); }
+  std::string where;
+};
+
+// Records the order of setup calls: the DataModule's and the callbacks'.
+struct SetupOrderData : SyntheticData {
+  explicit SetupOrderData(Trace* trace) : trace(trace) {}
+  void setup(fulgur::Stage) override { trace->push_back("D.setup"); }
+  Trace* trace;
+};
+
+}  // namespace
+
+TEST_CASE(
+    "#34.1 log() where Lightning forbids it (predict_step, on_fit_start, configure_optimizers, on_train_end) "
+    "raises naming the hook") {
+  for (const char* hook : {"predict_step", "on_fit_start", "configure_optimizers", "on_train_end"}) {
+    TempDir dir;
+    fulgur::Trainer trainer(config_from(dir,
+                                        "max_epochs = 1\nlimit_train_batches = 2\nlimit_val_batches = 1\n"
+                                        "num_sanity_val_steps = 0\nenable_checkpointing = false\nlogger = false"));
+    LogsIn module(hook);
+    SyntheticData data;
+    std::string error;
+    try {
+      if (std::string(hook) == "predict_step")
+        (void)trainer.predict(module, data);
+      else
+        trainer.fit(module, data);
+    } catch (const std::exception& e) {
+      error = e.what();
+    }
+    INFO(hook << ": " << error);
+    CHECK(error.find("log('x')") != std::string::npos);
+    CHECK(error.find("not allowed") != std::string::npos);
+    CHECK(error.find(hook) != std::string::npos);
+  }
+  // Where Lightning allows it, it still works.
+  TempDir dir;
+  fulgur::Trainer trainer(config_from(dir,
+                                      "max_epochs = 1\nlimit_train_batches = 2\nlimit_val_batches = 1\n"
+                                      "enable_checkpointing = false\nlogger = false"));
+  LogsIn module("on_train_start");
+  SyntheticData data;
+  CHECK_NOTHROW(trainer.fit(module, data));
+  CHECK(trainer.callback_metrics().contains("x"));
+}
+
+TEST_CASE("#34.2 log() in on_train_start and on_train_epoch_start is epoch-level by default, as in Lightning") {
+  struct EpochStartLogger : RecordingModule {
+    EpochStartLogger() : RecordingModule(nullptr) {}
+    void on_train_start() override { log("start/x", 2.0); }
+    void on_train_epoch_start() override { log("epoch_start/y", 3.0); }
+  };
+  TempDir dir;
+  fulgur::Trainer trainer(config_from(dir,
+                                      "max_epochs = 2\nlimit_train_batches = 3\nlimit_val_batches = 1\n"
+                                      "log_every_n_steps = 1\nnum_sanity_val_steps = 0\nenable_checkpointing = false",
+                                      "[[loggers]]\nname = \"csv\"\n"));
+  EpochStartLogger module;
+  SyntheticData data;
+  trainer.fit(module, data);
+  const auto rows = csv_rows(fs::path(trainer.log_dir()) / "metrics.csv");
+  int epoch_rows_y = 0, step_rows_y = 0, rows_x = 0;
+  for (const auto& row : rows) {
+    const bool step_row = row.contains("train/loss");  // training_step's on_step value
+    if (row.contains("epoch_start/y")) ++(step_row ? step_rows_y : epoch_rows_y);
+    if (row.contains("start/x")) {
+      ++rows_x;
+      CHECK_FALSE(step_row);
+    }
+  }
+  INFO(fulgur::test::read_bytes(fs::path(trainer.log_dir()) / "metrics.csv"));
+  CHECK(step_rows_y == 0);   // before the fix: the first step row of each epoch
+  CHECK(epoch_rows_y == 2);  // one epoch-end row per epoch
+  CHECK(rows_x == 1);        // the first epoch's end row
+}
+
+TEST_CASE("#34.5 limit_train_batches = 0 skips training, as Lightning's fit loop does") {
+  TempDir dir;
+  Trace trace;
+  fulgur::Trainer trainer(config_from(dir,
+                                      "limit_train_batches = 0\nlimit_val_batches = 1\n"
+                                      "num_sanity_val_steps = 1\nenable_checkpointing = false\nlogger = false"));
+  trainer.add_callback(std::make_shared<RecordingCallback>(&trace));
+  RecordingModule module(&trace);
+  SyntheticData data;
+  trainer.fit(module, data);
+  CHECK(trainer.current_epoch() == 0);  // before the fix: max_epochs (1000) empty epochs
+  CHECK(trainer.global_step() == 0);
+  const auto count = [&](const std::string& what) { return std::count(trace.begin(), trace.end(), what); };
+  CHECK(count("C.on_sanity_check_start") == 1);  // the sanity check still runs
+  CHECK(count("C.on_train_start") == 0);
+  CHECK(count("C.on_train_epoch_start") == 0);
+  CHECK(count("C.on_validation_start") == 1);  // the sanity check's only
+  CHECK(count("C.on_fit_end") == 1);
+}
+
+TEST_CASE("#34.7 the DataModule's setup runs before the callbacks' setup, as in Lightning") {
+  TempDir dir;
+  Trace trace;
+  fulgur::Trainer trainer(config_from(dir,
+                                      "max_epochs = 1\nlimit_train_batches = 1\nlimit_val_batches = 1\n"
+                                      "num_sanity_val_steps = 0\nenable_checkpointing = false\nlogger = false"));
+  trainer.add_callback(std::make_shared<RecordingCallback>(&trace));
+  RecordingModule module(nullptr);
+  SetupOrderData data(&trace);
+  trainer.fit(module, data);
+  REQUIRE(trace.size() >= 2);
+  CHECK(trace[0] == "D.setup");
+  CHECK(trace[1] == "C.setup");
+}
+
+TEST_CASE("#34.8 barebones = true runs no sanity check and log() is a no-op, as in Lightning") {
+  TempDir dir;
+  Trace trace;
+  fulgur::Trainer trainer(config_from(dir,
+                                      "barebones = true\nmax_epochs = 1\nlimit_train_batches = 2\n"
+                                      "limit_val_batches = 1\nenable_checkpointing = false\nlogger = false"));
+  RecordingModule module(&trace);
+  SyntheticData data;
+  trainer.fit(module, data);
+  const auto first = [&](const std::string& what) {
+    return std::find(trace.begin(), trace.end(), what) - trace.begin();
+  };
+  // No sanity check: the first validation step comes after training (before the fix: first of all).
+  CHECK(first("M.training_step") < first("M.validation_step"));
+  CHECK(trainer.callback_metrics().empty());  // nothing logged (RecordingModule logs train/loss and val/*)
+}

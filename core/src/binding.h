@@ -25,8 +25,11 @@ struct Module::Binding {
   MetricStore* metrics = nullptr;  // the store of the running stage
   bool training_context = false;   // defaults for log(): on_step in training, on_epoch otherwise
   bool logging_allowed = false;    // false in hooks where Lightning forbids self.log
-  int64_t batch_size = 0;          // of the current batch (weights epoch means)
-  std::string name_suffix;         // appended to logged names ("/dataloader_idx_1" with several loaders)
+  const char* log_hook = nullptr;  // the hook a logging context is for, when one name covers it
+  bool barebones = false;          // [trainer] barebones: log() is a no-op with one warning, as in Lightning
+  bool warned_barebones = false;
+  int64_t batch_size = 0;   // of the current batch (weights epoch means)
+  std::string name_suffix;  // appended to logged names ("/dataloader_idx_1" with several loaders)
   std::vector<RecordedLog>* recorded_logs = nullptr;   // set while a training step is captured
   c10::Device recording_device{c10::DeviceType::CPU};  // where values logged while capturing must live
   std::vector<torch::optim::Optimizer*> optimizers;

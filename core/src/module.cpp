@@ -4,6 +4,7 @@
 #include <fulgur/precision.h>
 
 #include <fmt/format.h>
+#include <spdlog/spdlog.h>
 #include <torch/optim/optimizer.h>
 
 #include <cmath>
@@ -37,13 +38,37 @@ Batch Module::transfer_batch_to_device(Batch batch, const c10::Device& device) {
   return batch;
 }
 
+namespace {
+
+// Lightning raises when self.log is called where logging is not allowed (predict, setup,
+// configure_optimizers, on_fit_start/end, on_train_end, ...); a dropped value would be silent.
+// Errors from a hook call name the hook already (hook_dispatcher.h); `log_hook` names the others.
+void require_logging_allowed(const Module::Binding& binding, const std::string& name) {
+  if (binding.logging_allowed) return;
+  throw Error(
+      ErrorKind::invalid_argument,
+      fmt::format("log('{}') was called {}where logging is not allowed (as in Lightning: only the "
+                  "training, validation and test steps, their batch and epoch hooks, on_train_start and "
+                  "the backward and optimizer hooks may log)",
+                  name, binding.log_hook ? fmt::format("in {}, ", binding.log_hook) : std::string("in a hook ")));
+}
+
+// barebones = true: logging costs time, so it is off; the first call says so (Lightning warns too).
+bool logging_disabled(Module::Binding& binding) {
+  if (!binding.barebones) return false;
+  if (!binding.warned_barebones)
+    spdlog::warn("log() is called but [trainer] barebones = true: logging can slow training down, so it is off");
+  binding.warned_barebones = true;
+  return true;
+}
+
+}  // namespace
+
 void Module::log(const std::string& name, const at::Tensor& value, const LogOptions& options) {
-  if (!binding_ || !binding_->metrics) return;  // outside a Trainer run: nothing to log into
-  if (!binding_->logging_allowed)
-    throw Error(ErrorKind::invalid_argument,
-                fmt::format("log('{}') was called from a hook where logging is not allowed (as in Lightning: only "
-                            "steps, batch/epoch hooks and backward/optimizer hooks may log)",
-                            name));
+  if (!binding_) return;  // outside a Trainer run: nothing to log into
+  if (logging_disabled(*binding_)) return;
+  require_logging_allowed(*binding_, name);
+  if (!binding_->metrics) return;
   std::string full_name = binding_->name_suffix.empty() ? name : name + binding_->name_suffix;
   if (binding_->recorded_logs) {  // the step is being captured: the value is logged after each replay
     if (value.device() != binding_->recording_device)
@@ -63,12 +88,10 @@ void Module::log(const std::string& name, double value, const LogOptions& option
 }
 
 void Module::log(const std::string& name, metrics::Metric& metric, const LogOptions& options) {
-  if (!binding_ || !binding_->metrics) return;
-  if (!binding_->logging_allowed)
-    throw Error(ErrorKind::invalid_argument,
-                fmt::format("log('{}') was called from a hook where logging is not allowed (as in Lightning: only "
-                            "steps, batch/epoch hooks and backward/optimizer hooks may log)",
-                            name));
+  if (!binding_) return;
+  if (logging_disabled(*binding_)) return;
+  require_logging_allowed(*binding_, name);
+  if (!binding_->metrics) return;
   if (options.on_step_.value_or(false) || !options.on_epoch_.value_or(true))
     throw Error(ErrorKind::invalid_argument,
                 fmt::format("log('{}', metric): metric objects are logged once per epoch (compute() at its end); for a "

@@ -248,6 +248,7 @@ void TrainerEngine::attach(Module& module, DataModule& data, Stage stage) {
   binding_ = Module::Binding{};
   binding_.strategy = plugins_.strategy.get();
   binding_.precision = plugins_.precision.get();
+  binding_.barebones = config_.trainer.get_bool("barebones");
   binding_.clip_gradients = [this](torch::optim::Optimizer& optimizer, double value, GradClipAlgorithm algorithm) {
     plugins_.strategy->clip_gradients(optimizer, *plugins_.precision, value, algorithm);
   };
@@ -312,8 +313,9 @@ void TrainerEngine::run_stage(Stage stage, Module& module, DataModule& data, con
     Strategy& strategy = *plugins_.strategy;
     if (strategy.cluster().local_rank == 0) data.prepare_data();
     strategy.barrier("prepare_data");
-    hooks_.call(Hook::setup, [&](Callback& c) { c.setup(*this, stage); });
+    // Lightning's order: the DataModule, then the callbacks, then the Module (build_model).
     data.setup(stage);
+    hooks_.call(Hook::setup, [&](Callback& c) { c.setup(*this, stage); });
     build_model(module);
     if (stage == Stage::fit) setup_optimizers(module);
     logging_.setup_once();

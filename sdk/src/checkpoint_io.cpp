@@ -61,10 +61,16 @@ struct FaultInjection {
   FaultPhase phase = FaultPhase::none;
 };
 
+// Compiled only into builds with the tests (CMake option FULGUR_FAULT_INJECTION, on with
+// BUILD_TESTING): a release build ignores the variable.
 const FaultInjection& fault_injection() {
   static const FaultInjection injection = [] {
     FaultInjection f;
+#if defined(FULGUR_FAULT_INJECTION)
     const char* spec = std::getenv("FULGUR_FAULT_INJECT");
+#else
+    const char* spec = nullptr;
+#endif
     char phase[32] = {};
     if (spec && std::sscanf(spec, "checkpoint_write:%ld:%31s", &f.write_number, phase) == 2) {
       const std::string_view p(phase);

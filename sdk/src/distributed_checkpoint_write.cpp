@@ -562,7 +562,11 @@ namespace {
 void die_if_injected(int64_t rank) {
   static std::atomic<long> saves{0};
   const long this_save = saves.fetch_add(1) + 1;
+#if defined(FULGUR_FAULT_INJECTION)  // test builds only (see checkpoint_io.cpp)
   const char* spec = std::getenv("FULGUR_FAULT_INJECT");
+#else
+  const char* spec = nullptr;
+#endif
   long save_number = 0, victim = -1;
   if (spec && std::sscanf(spec, "dcp_save:%ld:%ld", &save_number, &victim) == 2 && save_number == this_save &&
       victim == rank)

@@ -4,6 +4,7 @@
 
 #include <ATen/CPUGeneratorImpl.h>
 #include <fmt/format.h>
+#include <spdlog/spdlog.h>
 
 #include "../ivalue_dict.h"
 #include "../trainer_engine.h"
@@ -37,11 +38,18 @@ void FitLoop::run() {
   const SignalScope signals(t.config_, t.trainer_config_.default_root_dir);  // SIGTERM & co.: safe points below
   setup_data();
   run_sanity_check();
+  if (epoch_loop_.num_batches() == 0) {
+    // Lightning's fit loop skips training (and its validation) when there is no training batch:
+    // limit_train_batches = 0, or an empty train loader of known length.
+    spdlog::info("fit stopped: no training batches (limit_train_batches = 0 or an empty train loader)");
+    return;
+  }
 
   t.module_->train();
   t.hooks_.call(Hook::train_start, [&](Callback& c) { c.on_train_start(t); });
   {
-    LogContext log(t.binding_, &t.logging_.train_metrics(), true, true);
+    // Lightning's defaults there: on_step = false, on_epoch = true (the training epoch's values).
+    LogContext log(t.binding_, &t.logging_.train_metrics(), /*training=*/false, true);
     t.hooks_.module("on_train_start", [&] { t.module_->on_train_start(); });
   }
   const int64_t reload = t.trainer_config_.reload_dataloaders_every_n_epochs;

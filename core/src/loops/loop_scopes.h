@@ -18,16 +18,23 @@ namespace fulgur {
 // whether they default to step level (training) and whether logging is allowed at all.
 class LogContext {
  public:
-  LogContext(Module::Binding& b, MetricStore* store, bool training, bool allowed)
-      : b_(b), saved_store_(b.metrics), saved_training_(b.training_context), saved_allowed_(b.logging_allowed) {
+  // `hook` names the hook for the "not allowed" error where no hook dispatch names it (predict_step).
+  LogContext(Module::Binding& b, MetricStore* store, bool training, bool allowed, const char* hook = nullptr)
+      : b_(b),
+        saved_store_(b.metrics),
+        saved_training_(b.training_context),
+        saved_allowed_(b.logging_allowed),
+        saved_hook_(b.log_hook) {
     b_.metrics = store;
     b_.training_context = training;
     b_.logging_allowed = allowed;
+    b_.log_hook = hook;
   }
   ~LogContext() {
     b_.metrics = saved_store_;
     b_.training_context = saved_training_;
     b_.logging_allowed = saved_allowed_;
+    b_.log_hook = saved_hook_;
   }
   LogContext(const LogContext&) = delete;
   LogContext& operator=(const LogContext&) = delete;
@@ -36,6 +43,7 @@ class LogContext {
   Module::Binding& b_;
   MetricStore* saved_store_;
   bool saved_training_, saved_allowed_;
+  const char* saved_hook_;
 };
 
 // Lightning evaluates under inference mode (or no_grad) with the model in eval mode, then puts

@@ -14,7 +14,7 @@ std::vector<at::Tensor> PredictionLoop::run(BatchLoader& loader) {
   Module& module = *t.module_;
   std::vector<at::Tensor> predictions;
   EvalMode eval_mode(module, t.trainer_config_.inference_mode);
-  LogContext log(t.binding_, nullptr, false, false);
+  LogContext log(t.binding_, nullptr, false, false, "predict_step");  // Lightning forbids logging in predict
   batches_done_ = 0;
   hooks.call(Hook::predict_start, [&](Callback& c) { c.on_predict_start(t); });
   hooks.call(Hook::predict_epoch_start, [&](Callback& c) { c.on_predict_epoch_start(t); });

@@ -22,7 +22,8 @@ void TrainingEpochLoop::run(BatchLoader& train) {
   MetricStore& store = t.logging_.train_metrics();
   ProfileScope epoch_scope(t.plugins_.profiler.get(), "run_training_epoch");
   {
-    LogContext log(t.binding_, &store, true, true);
+    // Lightning's defaults there: on_step = false, on_epoch = true.
+    LogContext log(t.binding_, &store, /*training=*/false, true);
     hooks.call(Hook::train_epoch_start, [&](Callback& c) { c.on_train_epoch_start(t); });
     hooks.module("on_train_epoch_start", [&] { module.on_train_epoch_start(); });
   }
