@@ -80,6 +80,10 @@ struct Mlp : fulgur::Module {
   fulgur::StepOutput training_step(const fulgur::Batch& b, int64_t) override {
     at::Tensor loss = torch::nn::functional::cross_entropy(forward(b.input), b.target);
     log("train/loss", loss, fulgur::LogOptions().sync_dist(true));
+    // A step-level value that differs per rank (issue #34.3): with sync_dist every rank holds the mean.
+    if (std::getenv("FULGUR_TEST_LOG_RANK_STEP"))
+      log("train/rank", torch::full({}, static_cast<double>(rank + 1), at::kFloat),
+          fulgur::LogOptions().sync_dist(true));
     ++calls;
     const char* inf_rank = std::getenv("FULGUR_TEST_INF_RANK");
     if (inf_rank && std::atoll(inf_rank) == rank && calls == std::atoll(std::getenv("FULGUR_TEST_INF_STEP")))

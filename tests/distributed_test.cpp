@@ -231,6 +231,18 @@ TEST_CASE("ddp: 2 ranks with batch B reach the weights of 1 process with batch 2
   }
 }
 
+TEST_CASE("#34.3 a step-level value logged with sync_dist is reduced across ranks when logged, as in Lightning") {
+  auto env = clean_env();
+  env["FULGUR_TEST_LOG_RANK_STEP"] = "1";  // each rank logs rank + 1 at every training step, on_step only
+  auto ddp = run_worker(worker_config("ddp", "2", 8, 6), {}, env);
+  REQUIRE_SUCCESS(ddp);
+  const auto m0 = metrics(*ddp, 0), m1 = metrics(*ddp, 1);
+  REQUIRE(m0.contains("train/rank"));
+  // Before the fix only epoch aggregates were synced: rank 0 held 1, rank 1 held 2.
+  CHECK(m0.at("train/rank") == doctest::Approx(1.5));
+  CHECK(m1.at("train/rank") == doctest::Approx(1.5));
+}
+
 TEST_CASE("ddp: loaders of unknown length that end at different batches end every rank's epoch together") {
   // 96 samples, batch 8: 6 batches per rank, but rank 1's loader ends after 5 and neither knows its
   // length. The ranks agree on the end of each epoch: 5 steps per epoch on both, so the 12th step

@@ -5,6 +5,7 @@
 #include <fulgur/config.h>
 #include <fulgur/data.h>
 #include <fulgur/error.h>
+#include <fulgur/lr_scheduler.h>
 #include <fulgur/module.h>
 #include <fulgur/trainer.h>
 #include <fulgur/trainer_context.h>
@@ -21,12 +22,14 @@
 #include <torch/nn/modules/dropout.h>
 #include <torch/nn/modules/linear.h>
 #include <torch/optim/adam.h>
+#include <torch/optim/sgd.h>
 
 #include <algorithm>
 #include <cstdlib>
 #include <fstream>
 #include <map>
 #include <optional>
+#include <set>
 #include <sstream>
 
 #include "test_support.h"
@@ -1148,4 +1151,45 @@ TEST_CASE("#34.8 barebones = true runs no sanity check and log() is a no-op, as 
   // No sanity check: the first validation step comes after training (before the fix: first of all).
   CHECK(first("M.training_step") < first("M.validation_step"));
   CHECK(trainer.callback_metrics().empty());  // nothing logged (RecordingModule logs train/loss and val/*)
+}
+
+TEST_CASE("#34.4 manual optimization: global_step counts optimizer steps, no scheduler steps automatically") {
+  // A GAN-shaped step: two optimizers, each stepped once per batch, and an epoch StepLR on the first.
+  struct TwoOptimizers : RecordingModule {
+    TwoOptimizers() : RecordingModule(nullptr) { automatic_optimization = false; }
+    fulgur::StepOutput training_step(const fulgur::Batch& b, int64_t) override {
+      for (size_t i = 0; i < 2; ++i) {
+        fulgur::OptimizerHandle opt = optimizer(i);
+        opt.zero_grad();
+        const at::Tensor loss = torch::nn::functional::cross_entropy(forward(b.input), b.target);
+        manual_backward(loss);
+        opt.step();
+        if (i == 0) log("train/loss", loss);
+      }
+      return {};
+    }
+    std::vector<fulgur::OptimizerConfig> configure_optimizers() override {
+      first = std::make_shared<torch::optim::SGD>(fc1->parameters(), torch::optim::SGDOptions(0.1));
+      auto second = std::make_shared<torch::optim::SGD>(fc2->parameters(), torch::optim::SGDOptions(0.1));
+      return {fulgur::OptimizerConfig(first).with_scheduler(fulgur::make_step_lr(*first, 1, 0.5)),
+              fulgur::OptimizerConfig(second)};
+    }
+    std::shared_ptr<torch::optim::SGD> first;
+  };
+  TempDir dir;
+  fulgur::Trainer trainer(config_from(dir,
+                                      "max_epochs = 2\nlimit_train_batches = 3\nlimit_val_batches = 1\n"
+                                      "log_every_n_steps = 1\nnum_sanity_val_steps = 0\nenable_checkpointing = false",
+                                      "[[loggers]]\nname = \"csv\"\n"));
+  TwoOptimizers module;
+  SyntheticData data;
+  trainer.fit(module, data);
+  CHECK(trainer.global_step() == 12);  // 2 epochs x 3 batches x 2 optimizer steps (before: 6)
+  // The user steps manual schedulers (Lightning steps none): the lr is still the initial one.
+  CHECK(module.first->param_groups()[0].options().get_lr() == doctest::Approx(0.1));
+  // The loggers' step counts batches, once per batch whatever the number of optimizers.
+  std::set<int64_t> steps;
+  for (const auto& row : csv_rows(fs::path(trainer.log_dir()) / "metrics.csv"))
+    if (row.contains("train/loss")) steps.insert(std::stoll(row.at("step")));
+  CHECK(steps == std::set<int64_t>{0, 1, 2, 3, 4, 5});
 }

@@ -19,8 +19,29 @@ MetricStore::Entry& MetricStore::entry(const std::string& name) {
   return entries_.back();
 }
 
+namespace {
+
+// A step value reduced across the ranks with the entry's reduction (a mean is the ranks' plain
+// mean, as Lightning's sync of a step value).
+at::Tensor synced_step_value(Strategy& strategy, const at::Tensor& value, Reduction reduce) {
+  const at::Tensor v = value.to(at::kDouble).reshape({});
+  switch (reduce) {
+    case Reduction::mean:
+      return strategy.reduce(v, ReduceOp::sum) / static_cast<double>(strategy.cluster().world_size);
+    case Reduction::sum:
+      return strategy.reduce(v, ReduceOp::sum);
+    case Reduction::max:
+      return strategy.reduce(v, ReduceOp::max);
+    case Reduction::min:
+      return strategy.reduce(v, ReduceOp::min);
+  }
+  return v;
+}
+
+}  // namespace
+
 void MetricStore::log(const std::string& name, const at::Tensor& value, const LogOptions& options,
-                      bool training_context, int64_t batch_size) {
+                      bool training_context, int64_t batch_size, Strategy* sync_strategy) {
   if (value.defined() && value.numel() != 1)
     throw Error(ErrorKind::invalid_argument,
                 fmt::format("log('{}'): expected a scalar, got a tensor of shape {}", name, c10::str(value.sizes())));
@@ -33,7 +54,8 @@ void MetricStore::log(const std::string& name, const at::Tensor& value, const Lo
   e.reduce = options.reduce_;
   at::Tensor v = value.detach();
   if (e.on_step) {
-    e.step_value = v;
+    const bool sync = e.sync_dist && sync_strategy && sync_strategy->cluster().world_size > 1;
+    e.step_value = sync ? synced_step_value(*sync_strategy, v, e.reduce) : v;
     e.step_fresh = true;
   }
   if (e.on_epoch) {

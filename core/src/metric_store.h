@@ -34,8 +34,11 @@ class MetricStore {
     bool metric_due = false;            // logged since the last reduce_epoch()
   };
 
+  // One value. With sync_dist and `sync_strategy` (several ranks), its step-level value is reduced
+  // across the ranks right here, as Lightning syncs step values when they are logged (a collective:
+  // every rank logs it at the same point); its epoch accumulation stays local until reduce_epoch.
   void log(const std::string& name, const at::Tensor& value, const LogOptions& options, bool training_context,
-           int64_t batch_size);
+           int64_t batch_size, Strategy* sync_strategy = nullptr);
 
   void log_metric(const std::string& name, metrics::Metric& metric, const LogOptions& options);
   // Step-level values logged since the last call ("name" or "name_step"); host copies happen here.

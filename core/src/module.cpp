@@ -80,7 +80,8 @@ void Module::log(const std::string& name, const at::Tensor& value, const LogOpti
     binding_->recorded_logs->push_back(RecordedLog{std::move(full_name), value.detach(), options});
     return;
   }
-  binding_->metrics->log(full_name, value, options, binding_->training_context, binding_->batch_size);
+  binding_->metrics->log(full_name, value, options, binding_->training_context, binding_->batch_size,
+                         binding_->strategy);
 }
 
 void Module::log(const std::string& name, double value, const LogOptions& options) {

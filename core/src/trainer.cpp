@@ -387,8 +387,12 @@ void TrainerEngine::fit(Module& module, DataModule& data, const std::string& ckp
   run_stage(Stage::fit, module, data, [&] {
     check_manual_optimization(module);
     TrainingEpochLoop& epoch_loop = fit_loop_.epoch_loop();
+    // Manual optimization: every optimizer.step() is a global step, as Lightning counts them (a GAN
+    // with two optimizers takes two per batch).
     binding_.optimizer_step = [&epoch_loop](torch::optim::Optimizer& optimizer) {
-      return epoch_loop.step_optimizer(optimizer);
+      const bool stepped = epoch_loop.step_optimizer(optimizer);
+      epoch_loop.count_manual_optimizer_step();
+      return stepped;
     };
     binding_.manual_backward = [&epoch_loop](const at::Tensor& loss) { epoch_loop.manual_backward(loss); };
     const std::string resolved = requested.empty() ? std::string() : checkpoints_.resolve(requested, Stage::fit);
@@ -520,6 +524,8 @@ Batch TrainerEngine::transfer(Batch batch) {
 }
 
 void TrainerEngine::step_schedulers(SchedulerInterval interval, bool skip_monitored) {
+  // Manual optimization steps its schedulers itself (Lightning steps none automatically then).
+  if (module_ && !module_->automatic_optimization) return;
   const RunPosition& position = fit_loop_.position();
   const int64_t count = interval == SchedulerInterval::step ? position.global_step : position.epoch + 1;
   for (auto& cfg : optimizer_configs_) {

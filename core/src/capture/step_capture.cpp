@@ -180,7 +180,8 @@ void StepCapture::log_recorded() {
   MetricStore* store = t_.binding_.metrics;
   if (!store) return;
   for (const RecordedLog& r : recorded_logs_)
-    store->log(r.name, r.value.clone(), r.options, t_.binding_.training_context, t_.binding_.batch_size);
+    store->log(r.name, r.value.clone(), r.options, t_.binding_.training_context, t_.binding_.batch_size,
+               t_.binding_.strategy);
 }
 
 // What the hooks after the step see: copies, since the graph's own output tensors are rewritten

@@ -103,6 +103,12 @@ void LoggerConnector::send_row(MetricMap row, int64_t step) {
 
 void LoggerConnector::send_step_row(int64_t step) {
   MetricMap metrics = train_metrics_.collect_step(/*logger_only=*/true, false, /*consume=*/true);
+  // The values stay in callback_metrics after they went to the loggers (Lightning keeps the latest
+  // step values there; the ones not for loggers are still fresh and collected when asked).
+  for (const auto& [k, v] : metrics) {
+    callback_metrics_[k] = v;
+    if (k.ends_with("_step")) callback_metrics_[k.substr(0, k.size() - 5)] = v;
+  }
   for (const auto& [k, v] : pending_row_) metrics[k] = v;
   pending_row_.clear();
   // Lightning's step for loggers is the number of batches that stepped before this one, which is
@@ -118,7 +124,7 @@ void LoggerConnector::log_epoch_metrics(MetricStore& store, bool send_to_loggers
   if (!send_to_loggers) return;
   for (const auto& [k, v] : pending_row_) for_loggers[k] = v;
   pending_row_.clear();
-  send_row(std::move(for_loggers), std::max<int64_t>(0, trainer_.global_step() - 1));
+  send_row(std::move(for_loggers), std::max<int64_t>(0, trainer_.fit_loop_.epoch_loop().batches_that_stepped() - 1));
 }
 
 MetricMap LoggerConnector::log_evaluation_epoch(bool sanity) {
@@ -127,7 +133,7 @@ MetricMap LoggerConnector::log_evaluation_epoch(bool sanity) {
       eval_metrics_.reduce_epoch(trainer_.plugins_.strategy.get(), true, &progress_bar_metrics_, &all);
   if (!sanity) {
     for (const auto& [k, v] : all) callback_metrics_[k] = v;
-    send_row(std::move(for_loggers), std::max<int64_t>(0, trainer_.global_step() - 1));
+    send_row(std::move(for_loggers), std::max<int64_t>(0, trainer_.fit_loop_.epoch_loop().batches_that_stepped() - 1));
   }
   return all;
 }

@@ -164,9 +164,9 @@ void TrainingEpochLoop::run_batch(Batch& batch, int64_t batch_idx, bool staged) 
   const bool steps = !module.automatic_optimization || boundary;
   // The row this batch's metrics go to: the optimizer steps before it (Lightning's
   // _batches_that_stepped), due every log_every_n_steps steps and on the last batch.
-  row_step_ = position_.global_step;
+  row_step_ = batches_that_stepped_;
   step_row_due_ =
-      (position_.global_step + (steps ? 1 : 0)) % t.trainer_config_.log_every_n_steps == 0 || is_last_batch_;
+      (batches_that_stepped_ + (steps ? 1 : 0)) % t.trainer_config_.log_every_n_steps == 0 || is_last_batch_;
   if (staged)
     t.plugins_.staged_transfers->finish_transfer(t.device(), batch);  // transferred while the last step ran
   else
@@ -184,14 +184,15 @@ void TrainingEpochLoop::run_batch(Batch& batch, int64_t batch_idx, bool staged) 
     PrecisionScope precision_scope(*t.plugins_.precision);
     ProfileScope scope(profiler, "training_step");
     output = module.training_step(batch, batch_idx);
-    // A batch counts as a step when any optimizer stepped; Lightning counts optimizer.step()
-    // calls. We count batches, which is what users of a single optimizer expect.
-    ++position_.global_step;
+    // global_step counted each optimizer.step() the step called (count_manual_optimizer_step);
+    // the loggers' step counts the batch once.
+    ++batches_that_stepped_;
   } else if (std::optional<StepOutput> captured = run_captured(batch, batch_idx)) {
     // cuda_graphs: forward, backward and the optimizer step as one recorded graph (one optimizer
     // step per batch: accumulation is refused).
     output = std::move(*captured);
     ++position_.global_step;
+    ++batches_that_stepped_;
     t.step_schedulers(SchedulerInterval::step);
   } else {
     torch::optim::Optimizer& optimizer = *t.optimizer_ptrs_.front();
@@ -220,6 +221,7 @@ void TrainingEpochLoop::run_batch(Batch& batch, int64_t batch_idx, bool staged) 
       if (boundary) {
         step_optimizer(optimizer);
         ++position_.global_step;
+        ++batches_that_stepped_;
         t.step_schedulers(SchedulerInterval::step);
       }
     }
@@ -240,6 +242,7 @@ std::optional<StepOutput> TrainingEpochLoop::run_captured(Batch& batch, int64_t 
 
 void TrainingEpochLoop::state_dict(c10::impl::GenericDict& fit_loop_state) const {
   fit_loop_state.insert("global_step", position_.global_step);
+  fit_loop_state.insert("batches_that_stepped", batches_that_stepped_);
   fit_loop_state.insert("batches_done_in_epoch", batches_done_);
   fit_loop_state.insert("epoch_end_phase", epoch_end_phase_);
   fit_loop_state.insert("val_loop", val_loop_.state_dict());
@@ -247,6 +250,9 @@ void TrainingEpochLoop::state_dict(c10::impl::GenericDict& fit_loop_state) const
 
 bool TrainingEpochLoop::load_state_dict(const c10::impl::GenericDict& fit_loop_state, const std::string& path) {
   position_.global_step = require_key(fit_loop_state, "global_step", path, "").toInt();
+  // Checkpoints from before manual optimization counted optimizer steps: the two were equal.
+  const auto stepped = get(fit_loop_state, "batches_that_stepped");
+  batches_that_stepped_ = stepped ? stepped->toInt() : position_.global_step;
   resume_skip_ = require_key(fit_loop_state, "batches_done_in_epoch", path, "").toInt();
   batches_done_ = resume_skip_;
   // Checkpoints from before the loops kept their own state have no validation loop entry.

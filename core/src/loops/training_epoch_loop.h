@@ -52,6 +52,12 @@ class TrainingEpochLoop {
   EvaluationLoop& val_loop() { return val_loop_; }
   const EvaluationLoop& val_loop() const { return val_loop_; }
   int64_t num_batches() const { return num_batches_; }
+  // Lightning's _batches_that_stepped: batches after which an optimizer stepped, once per batch
+  // whatever the number of optimizers. The loggers' step; equal to global_step in automatic
+  // optimization.
+  int64_t batches_that_stepped() const { return batches_that_stepped_; }
+  // Manual optimization: one optimizer.step() call (the global step counts them).
+  void count_manual_optimizer_step() { ++position_.global_step; }
   bool is_last_batch() const { return is_last_batch_; }
   // Between a training batch's start and the end of its hooks: values callbacks log join its row.
   bool in_batch() const { return in_batch_; }
@@ -91,7 +97,8 @@ class TrainingEpochLoop {
   bool is_last_batch_ = false;
   bool in_batch_ = false;
   bool step_row_due_ = false;  // the current batch's metrics go to the loggers
-  int64_t row_step_ = 0;       // the step that row carries
+  int64_t batches_that_stepped_ = 0;
+  int64_t row_step_ = 0;  // the step that row carries
 };
 
 }  // namespace fulgur
