@@ -62,13 +62,18 @@ bool logging_disabled(Module::Binding& binding) {
   return true;
 }
 
+// Where log(name) goes: nullptr when nothing is logged (outside a Trainer run, barebones); throws
+// where Lightning forbids logging.
+MetricStore* log_target(Module::Binding* binding, const std::string& name) {
+  if (!binding || logging_disabled(*binding)) return nullptr;
+  require_logging_allowed(*binding, name);
+  return binding->metrics;
+}
+
 }  // namespace
 
 void Module::log(const std::string& name, const at::Tensor& value, const LogOptions& options) {
-  if (!binding_) return;  // outside a Trainer run: nothing to log into
-  if (logging_disabled(*binding_)) return;
-  require_logging_allowed(*binding_, name);
-  if (!binding_->metrics) return;
+  if (!log_target(binding_, name)) return;
   std::string full_name = binding_->name_suffix.empty() ? name : name + binding_->name_suffix;
   if (binding_->recorded_logs) {  // the step is being captured: the value is logged after each replay
     if (value.device() != binding_->recording_device)
@@ -89,10 +94,7 @@ void Module::log(const std::string& name, double value, const LogOptions& option
 }
 
 void Module::log(const std::string& name, metrics::Metric& metric, const LogOptions& options) {
-  if (!binding_) return;
-  if (logging_disabled(*binding_)) return;
-  require_logging_allowed(*binding_, name);
-  if (!binding_->metrics) return;
+  if (!log_target(binding_, name)) return;
   if (options.on_step_.value_or(false) || !options.on_epoch_.value_or(true))
     throw Error(ErrorKind::invalid_argument,
                 fmt::format("log('{}', metric): metric objects are logged once per epoch (compute() at its end); for a "

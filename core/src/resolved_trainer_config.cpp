@@ -113,7 +113,8 @@ ResolvedTrainerConfig ResolvedTrainerConfig::from_config(const Config& config) {
   s.overfit = as_number(s.overfit_batches) > 0;
   s.val_check_interval = t.values().at("val_check_interval");
   // barebones: no sanity check either (Lightning turns num_sanity_val_steps off with it).
-  if (t.get_bool("barebones")) s.num_sanity_val_steps = 0;
+  s.barebones = t.get_bool("barebones");
+  if (s.barebones) s.num_sanity_val_steps = 0;
   if (s.fast_dev_run > 0) {
     s.max_epochs = 1;
     s.max_steps = s.fast_dev_run;

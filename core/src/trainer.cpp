@@ -248,7 +248,7 @@ void TrainerEngine::attach(Module& module, DataModule& data, Stage stage) {
   binding_ = Module::Binding{};
   binding_.strategy = plugins_.strategy.get();
   binding_.precision = plugins_.precision.get();
-  binding_.barebones = config_.trainer.get_bool("barebones");
+  binding_.barebones = trainer_config_.barebones;
   binding_.clip_gradients = [this](torch::optim::Optimizer& optimizer, double value, GradClipAlgorithm algorithm) {
     plugins_.strategy->clip_gradients(optimizer, *plugins_.precision, value, algorithm);
   };

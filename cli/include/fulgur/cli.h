@@ -60,14 +60,8 @@ std::vector<OptionSchema> schema_from_specs(const OptionSpec* specs, size_t coun
 
 namespace detail {
 template <class T>
-concept HasTypedHparams = requires {
-  typename T::Options;
-}
-&&std::is_base_of_v<PluginOptions, typename T::Options>;
-
-template <class T>
 std::optional<std::vector<OptionSchema>> hparams_schema_of() {
-  if constexpr (HasTypedHparams<T>)
+  if constexpr (HasTypedOptions<T>)
     return schema_from_specs(T::Options::schema.data(), T::Options::schema.size());
   else if constexpr (requires { T::hparams_schema; })
     return schema_from_specs(T::hparams_schema.data(), T::hparams_schema.size());
@@ -77,7 +71,7 @@ std::optional<std::vector<OptionSchema>> hparams_schema_of() {
 // T from the checked [model] / [data] table: its typed Options filled in, or the table itself.
 template <class T, class Interface>
 std::shared_ptr<Interface> make_from_hparams(const Options& hp) {
-  if constexpr (HasTypedHparams<T>)
+  if constexpr (HasTypedOptions<T>)
     return std::make_shared<T>(T::Options::from(hp));
   else
     return std::make_shared<T>(hp);

@@ -60,11 +60,15 @@ const std::string& LoggerConnector::log_dir() const {
   return ready_ ? log_dir_ : trainer_.trainer_config_.default_root_dir;
 }
 
-const MetricMap& LoggerConnector::callback_metrics() const {
-  for (const auto& [k, v] : const_cast<MetricStore&>(train_metrics_).collect_step(false, false, false)) {
+void LoggerConnector::keep_step_values(const MetricMap& step_values) const {
+  for (const auto& [k, v] : step_values) {
     callback_metrics_[k] = v;
     if (k.ends_with("_step")) callback_metrics_[k.substr(0, k.size() - 5)] = v;
   }
+}
+
+const MetricMap& LoggerConnector::callback_metrics() const {
+  keep_step_values(const_cast<MetricStore&>(train_metrics_).collect_step(false, false, false));
   return callback_metrics_;
 }
 
@@ -105,10 +109,7 @@ void LoggerConnector::send_step_row(int64_t step) {
   MetricMap metrics = train_metrics_.collect_step(/*logger_only=*/true, false, /*consume=*/true);
   // The values stay in callback_metrics after they went to the loggers (Lightning keeps the latest
   // step values there; the ones not for loggers are still fresh and collected when asked).
-  for (const auto& [k, v] : metrics) {
-    callback_metrics_[k] = v;
-    if (k.ends_with("_step")) callback_metrics_[k.substr(0, k.size() - 5)] = v;
-  }
+  keep_step_values(metrics);
   for (const auto& [k, v] : pending_row_) metrics[k] = v;
   pending_row_.clear();
   // Lightning's step for loggers is the number of batches that stepped before this one, which is

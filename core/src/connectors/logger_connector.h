@@ -64,6 +64,8 @@ class LoggerConnector {
   template <class Fn>
   void for_each_logger(const char* method, Fn&& fn);
   void send_row(MetricMap row, int64_t step);
+  // Step values into callback_metrics, "name_step" also as "name" (Lightning keeps the latest).
+  void keep_step_values(const MetricMap& step_values) const;
 
   TrainerEngine& trainer_;
   std::vector<Logger*> loggers_;

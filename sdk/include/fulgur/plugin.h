@@ -86,13 +86,6 @@ constexpr std::array<OptionSpec, sizeof...(O)> make_options(O... options) {
   return {options...};
 }
 
-/// Whether T declares its options as a nested FULGUR_OPTIONS struct `Options` (SDK 1.1).
-template <class T>
-concept HasTypedOptions = requires {
-  typename T::Options;
-}
-&&std::is_base_of_v<PluginOptions, typename T::Options>;
-
 /// FULGUR_PLUGIN without options on a class that declares typed Options (their schema) or
 /// hparams_schema (that schema).
 template <class T, size_t N>

@@ -44,6 +44,7 @@
 #include <cstdint>
 #include <string>
 #include <string_view>
+#include <type_traits>
 #include <vector>
 
 namespace fulgur {
@@ -125,6 +126,14 @@ class PluginOptions {
 };
 
 namespace detail {
+
+/// Whether T declares its options as a nested FULGUR_OPTIONS struct `Options` (FULGUR_PLUGIN and
+/// cli_main then build T from it).
+template <class T>
+concept HasTypedOptions = requires {
+  typename T::Options;
+}
+&&std::is_base_of_v<PluginOptions, typename T::Options>;
 
 /// Derived's members filled from `options` (Derived::read_members), which it keeps for errors.
 template <class Derived>
