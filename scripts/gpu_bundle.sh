@@ -34,9 +34,11 @@ trap 'rm -rf "$stage"' EXIT
 (
   cd "$build"
   {
-    for program in fulgur_tests fashion_mnist fashion_mnist_cli bench_compare fulgur fulgur_ddp_worker fulgur_data_job; do
+    for program in fulgur_tests fashion_mnist fashion_mnist_cli bench_compare fulgur fulgur_ddp_worker fulgur_data_job \
+      fulgur_cuda_hooks_builder_probe; do
       echo "bin/$program"
     done
+    find . -name 'libfulgur_cuda_hooks_report.so' -printf '%P\n' # the CUDA-hooks check's preload
     find lib -name '*.so*' \( -type f -o -type l \)
     find tests/fixtures/plugins -name '*.so' 2>/dev/null
     find . -name CTestTestfile.cmake -printf '%P\n'

@@ -9,8 +9,11 @@
 # scripts/gpu_bundle.sh packed on a build machine (programs, plugins, libraries, data) against that
 # machine's own python3 and torch, and neither installs nor builds. The first form:
 #
-# installs what is missing (scripts/setup.sh), builds, runs the GPU tests (doctest suite "gpu",
-# CTest names "gpu: ..."), and the cuda accelerator tests, trains the Fashion-MNIST example on cuda
+# installs what is missing (scripts/setup.sh), builds, first trains the Fashion-MNIST example from
+# TOML with `fulgur fit`, seeded, on cuda (the run must end with ATen's real CUDA hooks: a seed or a
+# device query before the accelerator loads would have turned CUDA off), runs the GPU tests
+# (doctest suite "gpu", CTest names "gpu: ...") and the cuda accelerator tests (any skipped test
+# fails the check), trains the Fashion-MNIST example on cuda
 # with 32-true and bf16-mixed (5 epochs each; test accuracy from the program's own output), runs
 # bench/compare.sh --device cuda on small cases and bench/cuda_graphs.sh (captured steps on and
 # off, MFU in bf16), writes every log into RESULTS_DIR and prints one
@@ -93,6 +96,21 @@ if [ "${torch_cuda:-0}" -lt 1 ]; then
 fi
 
 status=0
+# The figure a check's log holds, for its summary line (empty when it has none).
+figure_of() {
+  local log="$out/$1.log"
+  [ -f "$log" ] || return 0
+  case "$1" in
+    seeded_example)
+      echo "$(grep -o 'FULGUR_CUDA_HOOKS: [a-z]* ([^)]*)' "$log" | tail -1 | cut -d' ' -f2-); $(grep -o 'test accuracy: [0-9.]*%' "$log" | tail -1)" ;;
+    gpu_tests)
+      grep -E '[0-9]+% tests passed' "$log" | tail -1 ;;
+    fashion_mnist_*)
+      echo "$(grep -o 'test accuracy: [0-9.]*%' "$log" | tail -1) $(grep -o 'wall_seconds [0-9.]*' "$log" | tail -1)" ;;
+    bench_*)
+      grep -o 'json: .*' "$log" | tail -1 ;;
+  esac
+}
 # One markdown summary, from the logs only (missing logs show as n/a).
 write_summary() {
   (
@@ -104,9 +122,12 @@ write_summary() {
       cat "$out/nvidia-smi.txt"
       echo '```'
       echo
-      echo "| step | result |"
-      echo "|---|---|"
-      sed -e 's/^\([^:]*\): \(.*\)$/| \1 | \2 |/' "$out/steps.txt"
+      echo "| check | result | figure |"
+      echo "|---|---|---|"
+      while IFS= read -r line; do
+        name="${line%%: *}"
+        echo "| $name | ${line#*: } | $(figure_of "$name") |"
+      done <"$out/steps.txt"
       echo
       echo "| Fashion-MNIST on cuda (5 epochs) | test accuracy | wall time |"
       echo "|---|---|---|"
@@ -158,12 +179,34 @@ fi
   echo "build: FAILED (no libfulgur-accelerator-cuda.so: is the torch wheel a CUDA build?)" >>"$out/steps.txt"
   status=1
 }
+# First, a user's run: Fashion-MNIST from TOML through `fulgur fit`, seeded, on cuda, with the
+# CUDA-hooks report preloaded (tests/fixtures/cuda_hooks_report.cpp): it must train and end with
+# ATen's real CUDA hooks.
+seeded_example() {
+  local dir="$out/seeded_example" report
+  mkdir -p "$dir"
+  report="$(find "$build_abs" -name libfulgur_cuda_hooks_report.so | head -1)"
+  [ -n "$report" ] || { echo "no libfulgur_cuda_hooks_report.so in $build_abs"; return 1; }
+  sed -e 's/^accelerator = .*/accelerator = "cuda"\ndevices = 1/' -e 's/^max_epochs = .*/max_epochs = 1/' \
+    -e "s|^default_root_dir = .*|default_root_dir = \"$dir/runs\"|" -e 's/^name = "fashion_mnist_cnn".*/name = "fashion_mnist_mlp"/' \
+    examples/fashion_mnist/fashion_mnist.toml >"$dir/job.toml"
+  (cd "$dir" && LD_PRELOAD="$report" "$build_abs/bin/fulgur" fit --config job.toml --trainer.limit_train_batches=200) || return 1
+  (cd "$dir" && "$build_abs/bin/fulgur" test --config job.toml --ckpt_path=last --trainer.limit_test_batches=50 2>&1 |
+    sed -n 's/.*test\/acc[^0-9]*\([0-9.]*\).*/test accuracy: \1%/p' | tail -1) || true
+  find "$dir" -name '*.ckpt' -delete
+}
+step seeded_example seeded_example
+grep -q 'FULGUR_CUDA_HOOKS: real' "$out/seeded_example.log" 2>/dev/null || {
+  echo "seeded_example: FAILED (the run did not end with ATen's real CUDA hooks; see $out/seeded_example.log)" >>"$out/steps.txt"
+  status=1
+}
+
 # A test that cannot run prints "FULGUR_TEST_SKIPPED: <why>" (kept in the log by -V) and CTest
-# reports it as Skipped, yet exits 0: a gpu: test that skipped itself fails the check here.
+# reports it as Skipped, yet exits 0: on the GPU machine any skipped test fails the check.
 step gpu_tests "$ctest_bin" --test-dir "$build_abs" -R '^gpu: |cuda|nccl' -V --timeout 240 -j2
-if grep -q 'FULGUR_TEST_SKIPPED: no CUDA device' "$out/gpu_tests.log" 2>/dev/null ||
-  grep -qE '^[[:space:]]*[0-9]+ - gpu: .*\(Skipped\)$' "$out/gpu_tests.log" 2>/dev/null; then
-  echo "gpu_tests: FAILED (a GPU test skipped itself: no device visible to the test process)" >>"$out/steps.txt"
+if grep -q 'FULGUR_TEST_SKIPPED:' "$out/gpu_tests.log" 2>/dev/null ||
+  grep -qE '^[[:space:]]*[0-9]+ - .*\(Skipped\)$' "$out/gpu_tests.log" 2>/dev/null; then
+  echo "gpu_tests: FAILED (a test skipped itself: $(grep -o 'FULGUR_TEST_SKIPPED: .*' "$out/gpu_tests.log" | sort -u | head -3 | tr '\n' ';'))" >>"$out/steps.txt"
   status=1
 fi
 

@@ -29,6 +29,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <fstream>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -217,6 +218,65 @@ TEST_CASE("accelerator = \"auto\" trains on cuda when a GPU is visible, else on 
   FULGUR_CHECK_CONTAINS(refused.output, "accelerator = \"auto\" takes no [accelerator] options");
   CHECK_FALSE(fs::exists(other.path() / "runs"));
 }
+
+#ifdef FULGUR_TEST_CUDA_HOOKS_REPORT
+// ATen resolves its CUDA hooks once per process, at the first device query; a query before the
+// cuda accelerator loads libtorch_cuda fixes the CPU-only stub and CUDA is off for the whole run.
+// Fulgur's own programs link libtorch_cpu only, so the order (validate and load the accelerator,
+// then seed) is all that keeps CUDA on. Every entry point runs in its own process, seeded, with a
+// library preloaded that reports the hooks when the process ends.
+TEST_CASE(
+    "cuda hooks: fulgur fit, Trainer::from_toml, cli_main and ConfigBuilder, seeded, with accelerator = \"cuda\" "
+    "or \"auto\", end with ATen's real CUDA hooks") {
+  const bool gpu = cuda_plugin()->device_count() > 0;
+  const std::string trainer_lines =
+      "max_epochs = 1\nseed = 7\nlimit_train_batches = 2\nlimit_val_batches = 0\nlimit_test_batches = 1\n"
+      "enable_progress_bar = false\nenable_checkpointing = false\ndevices = 1\n";
+  const std::map<std::string, std::string> env = {{"LD_PRELOAD", FULGUR_TEST_CUDA_HOOKS_REPORT},
+                                                  {"FULGUR_LOG_LEVEL", "warn"}};
+  for (const std::string accelerator : {"cuda", "auto"}) {
+    TempDir dir;
+    const std::string trainer = "[trainer]\naccelerator = \"" + accelerator + "\"\n" + trainer_lines +
+                                "default_root_dir = \"" + (dir / "runs").string() + "\"\n";
+    std::ofstream(dir / "plugins.toml") << trainer
+                                        << "[model]\nname = \"fashion_mnist_mlp\"\n[data]\nname = \"fashion_mnist\"\n"
+                                           "batch_size = 32\n";
+    std::ofstream(dir / "program.toml") << trainer << "[model]\narch = \"mlp\"\n[data]\nbatch_size = 32\n";
+    std::ofstream(dir / "cli.toml") << trainer << "[data]\nbatch_size = 32\n";
+    const std::vector<std::pair<std::string, std::vector<std::string>>> entry_points = {
+        {"fulgur fit", {FULGUR_TEST_FULGUR_BIN, "fit", "--config", (dir / "plugins.toml").string()}},
+        {"Trainer::from_toml", {FULGUR_TEST_FASHION_MNIST, "--config", (dir / "program.toml").string()}},
+        {"cli_main", {FULGUR_TEST_FASHION_MNIST_CLI, "fit", "--config", (dir / "cli.toml").string()}},
+        {"ConfigBuilder", {FULGUR_TEST_CUDA_HOOKS_PROBE, accelerator, (dir / "runs").string()}},
+    };
+    for (const auto& [entry_point, args] : entry_points) {
+      CAPTURE(entry_point);
+      CAPTURE(accelerator);
+      const auto run = fulgur::test::run_process(args, env, dir.path());
+      INFO(run.output);
+      FULGUR_CHECK_CONTAINS(run.output, "FULGUR_CUDA_HOOKS: real (CUDA runtime ");
+      if (accelerator == "cuda" && !gpu) {
+        CHECK(run.exit_code != 0);
+        FULGUR_CHECK_CONTAINS(run.output, "accelerator 'cuda': no CUDA device is visible");
+      } else {
+        CHECK(run.exit_code == 0);
+      }
+    }
+  }
+
+  // The reordering the test above guards against, done on purpose: a seed before the Trainer
+  // exists. The hooks are the stub, and the cuda accelerator refuses in one line instead of
+  // training with CUDA half off.
+  TempDir dir;
+  const auto seeded_first = fulgur::test::run_process(
+      {FULGUR_TEST_CUDA_HOOKS_PROBE, "cuda", (dir / "runs").string(), "--seed-first"}, env, dir.path());
+  INFO(seeded_first.output);
+  CHECK(seeded_first.exit_code != 0);
+  FULGUR_CHECK_CONTAINS(seeded_first.output, "FULGUR_CUDA_HOOKS: stub");
+  FULGUR_CHECK_CONTAINS(seeded_first.output,
+                        "accelerator 'cuda': ATen's CUDA hooks were resolved before libtorch_cuda was loaded");
+}
+#endif
 
 TEST_CASE("fsdp offload_optimizer on cpu: the example trains, with a warning that it only adds copies there") {
   TempDir dir;

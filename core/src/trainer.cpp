@@ -32,19 +32,24 @@ TrainerEngine::TrainerEngine(Config config)
   const Options& t = config_.trainer;
   if (!config_.log_level.empty()) spdlog::set_level(spdlog::level::from_str(config_.log_level));
 
-  // Seeding here, before the user builds the model, makes initial weights reproducible too.
+  plugins_ = connect_plugins(config_, trainer_config_.fast_dev_run > 0);
+  // Seeding here, before the user builds the model, makes initial weights reproducible too. Only
+  // after the plugins are loaded: ATen decides its device hooks at the first device query (a seed
+  // is one) for the rest of the process, so the accelerator's libraries (libtorch_cuda for the
+  // cuda plugin) must be in by then, or that device is off for good. cuda_accelerator_test.cpp
+  // ("cuda hooks: ...") runs every entry point to hold this order.
   if (const int64_t seed = t.get_int("seed"); seed >= 0) torch::manual_seed(static_cast<uint64_t>(seed));
-  if (t.get_bool("deterministic")) {
-    // As Lightning's deterministic=True: torch refuses nondeterministic kernels, cuDNN picks
-    // deterministic algorithms, and cuBLAS gets the fixed workspace it needs for reproducible
-    // GEMMs (read when cuBLAS initialises, later than this; a value the user set is kept).
-    at::globalContext().setDeterministicAlgorithms(true, /*warn_only=*/false);
+  if (const std::string& deterministic = t.get_string("deterministic"); deterministic != "false") {
+    // As Lightning's deterministic=True: torch refuses nondeterministic kernels ("warn": warns
+    // about them instead), cuDNN picks deterministic algorithms, and cuBLAS gets the fixed
+    // workspace it needs for reproducible GEMMs (read when cuBLAS initialises, later than this; a
+    // value the user set is kept).
+    at::globalContext().setDeterministicAlgorithms(true, /*warn_only=*/deterministic == "warn");
     at::globalContext().setDeterministicCuDNN(true);
     at::globalContext().setBenchmarkCuDNN(false);
     setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8", /*overwrite=*/0);
   }
 
-  plugins_ = connect_plugins(config_, trainer_config_.fast_dev_run > 0);
   profiler_ptr_ = plugins_.profiler.get();
   std::vector<Logger*> loggers;
   for (auto& l : plugins_.loggers) loggers.push_back(l.get());
@@ -500,7 +505,8 @@ std::vector<std::unique_ptr<BatchLoader>> TrainerEngine::stage_loaders(Stage sta
     if (!loader)
       throw Error(ErrorKind::invalid_argument,
                   fmt::format("the DataModule returned a null loader in {}_loaders()", name));
-    loader->set_replica(plugins_.strategy->data_parallel_rank(), plugins_.strategy->data_parallel_size());
+    if (trainer_config_.use_distributed_sampler)
+      loader->set_replica(plugins_.strategy->data_parallel_rank(), plugins_.strategy->data_parallel_size());
     int64_t n = apply_batch_limit(limit, loader->num_batches());
     if (trainer_config_.fast_dev_run > 0)
       n = n < 0 ? trainer_config_.fast_dev_run : std::min(n, trainer_config_.fast_dev_run);

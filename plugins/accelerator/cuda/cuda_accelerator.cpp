@@ -11,6 +11,7 @@
 #include <ATen/cuda/CUDAEvent.h>
 #include <ATen/cuda/CUDAGeneratorImpl.h>
 #include <ATen/cuda/CUDAGraph.h>
+#include <ATen/detail/CUDAHooksInterface.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -27,6 +28,23 @@
 namespace {
 
 namespace cuda = fulgur::cuda_accelerator;
+
+// ATen resolves its CUDA hooks once per process, at the first device query. A query made before
+// this plugin loaded libtorch_cuda (a torch::manual_seed, a torch::cuda::is_available()) fixes the
+// CPU-only stub for good: CUDA generators are never seeded and device calls fail far from the
+// cause. With the real hooks the runtime version answers even without a device.
+void require_real_cuda_hooks() {
+  try {
+    (void)at::detail::getCUDAHooks().versionCUDART();
+  } catch (const std::exception&) {
+    throw fulgur::Error(
+        fulgur::ErrorKind::config,
+        "accelerator 'cuda': ATen's CUDA hooks were resolved before libtorch_cuda was loaded, so CUDA is off for "
+        "this whole process (something queried a device, e.g. torch::manual_seed or torch::cuda::is_available(), "
+        "before the Trainer loaded the cuda accelerator); build the Trainer before seeding or querying devices, or "
+        "link the program against libtorch_cuda");
+  }
+}
 
 // A training step as one CUDA graph. Warm-up and capture run on one side stream (a capture cannot
 // use the default stream, and lazy initialisation such as cuBLAS workspaces is per stream); the
@@ -148,10 +166,15 @@ class CudaAccelerator final
 
   c10::DeviceType device_type() const override { return c10::DeviceType::CUDA; }
   // device_count() asks the driver once (c10 caches it) and returns 0 without a driver or device.
-  bool is_available() const override { return device_count() > 0; }
+  bool is_available() const override {
+    if (device_count() <= 0) return false;
+    require_real_cuda_hooks();  // a GPU this process could not use: refuse rather than fall back to cpu
+    return true;
+  }
   int64_t device_count() const override { return static_cast<int64_t>(c10::cuda::device_count()); }
 
   std::vector<c10::Device> parse_devices(std::string_view spec) const override {
+    require_real_cuda_hooks();  // the first thing a run asks of this accelerator
     std::vector<c10::Device> devices;
     for (int64_t index : cuda::parse_cuda_devices(spec, device_count(), std::getenv("CUDA_VISIBLE_DEVICES")))
       devices.emplace_back(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(index));
@@ -159,6 +182,7 @@ class CudaAccelerator final
   }
 
   void setup_device(const c10::Device& device) override {
+    require_real_cuda_hooks();
     const int64_t count = device_count();
     if (count <= 0)
       throw fulgur::Error(fulgur::ErrorKind::config,
