@@ -243,6 +243,22 @@ TEST_CASE("#34.3 a step-level value logged with sync_dist is reduced across rank
   CHECK(m1.at("train/rank") == doctest::Approx(1.5));
 }
 
+TEST_CASE("#34.15 use_distributed_sampler = false gives every rank the whole loader, as in Lightning") {
+  // 96 samples, batch 8, one epoch: a rank's half is 6 steps, the whole loader 12.
+  auto steps_in_one_epoch = [](bool shard) {
+    std::string toml = worker_config("ddp", "2", 8, 1000);
+    const size_t at = toml.find("max_epochs = 100");
+    REQUIRE(at != std::string::npos);
+    toml.replace(at, 16, fmt::format("max_epochs = 1\nuse_distributed_sampler = {}", shard));
+    auto run = run_worker(toml);
+    REQUIRE_SUCCESS(run);
+    CHECK(metrics(*run, 0).at("global_step") == metrics(*run, 1).at("global_step"));
+    return metrics(*run, 0).at("global_step");
+  };
+  CHECK(steps_in_one_epoch(true) == 6);
+  CHECK(steps_in_one_epoch(false) == 12);
+}
+
 TEST_CASE("ddp: loaders of unknown length that end at different batches end every rank's epoch together") {
   // 96 samples, batch 8: 6 batches per rank, but rank 1's loader ends after 5 and neither knows its
   // length. The ranks agree on the end of each epoch: 5 steps per epoch on both, so the 12th step

@@ -3,6 +3,7 @@
 // Python opens; bad checkpoints and paths that fail clearly.
 #include <fulgur/callback.h>
 #include <fulgur/config.h>
+#include <fulgur/config_builder.h>
 #include <fulgur/data.h>
 #include <fulgur/error.h>
 #include <fulgur/lr_scheduler.h>
@@ -25,12 +26,15 @@
 #include <torch/optim/sgd.h>
 
 #include <algorithm>
+#include <chrono>
+#include <cmath>
 #include <cstdlib>
 #include <fstream>
 #include <map>
 #include <optional>
 #include <set>
 #include <sstream>
+#include <thread>
 
 #include "test_support.h"
 
@@ -950,6 +954,8 @@ TEST_CASE("every [trainer] key changes what a run does, or its value is rejected
       {"overfit_batches", "1", ""},
       {"val_check_interval", "2", ""},
       {"check_val_every_n_epoch", "2", ""},
+      // What it changes needs two ranks: distributed_test.cpp; here, that a non-boolean is refused.
+      {"use_distributed_sampler", "\"sometimes\"", "", "use_distributed_sampler"},
       {"reload_dataloaders_every_n_epochs", "1", ""},
       {"num_sanity_val_steps", "0", ""},
       {"log_every_n_steps", "1", ""},
@@ -1192,4 +1198,305 @@ TEST_CASE("#34.4 manual optimization: global_step counts optimizer steps, no sch
   for (const auto& row : csv_rows(fs::path(trainer.log_dir()) / "metrics.csv"))
     if (row.contains("train/loss")) steps.insert(std::stoll(row.at("step")));
   CHECK(steps == std::set<int64_t>{0, 1, 2, 3, 4, 5});
+}
+
+// ---- #34.5 (max_epochs = -1), #34.6, #34.14 and #34.15: Lightning's Trainer flags, each with its
+// own effect checked (the schema walk above only checks that a key changes something).
+
+namespace {
+
+// Counts what a run did, by hook: validation runs outside the sanity check, optimizer steps,
+// sanity-check validation steps.
+struct FlagCounter : fulgur::Callback {
+  fulgur::HookSet hooks() const override { return ~fulgur::HookSet{0}; }
+  void on_sanity_check_start(fulgur::TrainerContext&) override { sanity = true; }
+  void on_sanity_check_end(fulgur::TrainerContext&) override { sanity = false; }
+  void on_validation_start(fulgur::TrainerContext& t) override {
+    if (!sanity) validations.push_back(t.global_step());
+  }
+  void on_validation_batch_end(fulgur::TrainerContext&, const fulgur::StepOutput&, const fulgur::Batch&,
+                               int64_t) override {
+    if (sanity) ++sanity_batches;
+  }
+  void on_train_batch_end(fulgur::TrainerContext&, const fulgur::StepOutput&, const fulgur::Batch&, int64_t) override {
+    ++train_batches;
+  }
+  void on_before_optimizer_step(fulgur::TrainerContext&, torch::optim::Optimizer&) override { ++optimizer_steps; }
+  void on_train_start(fulgur::TrainerContext&) override {
+    deterministic = at::globalContext().deterministicAlgorithms();
+    warn_only = at::globalContext().deterministicAlgorithmsWarnOnly();
+  }
+  bool sanity = false, deterministic = false, warn_only = false;
+  std::vector<int64_t> validations;  // global_step at each validation's start
+  int sanity_batches = 0, train_batches = 0, optimizer_steps = 0;
+};
+
+struct FlagRun {
+  std::shared_ptr<TempDir> dir = std::make_shared<TempDir>();  // the run's files live as long as this
+  std::shared_ptr<FlagCounter> counter = std::make_shared<FlagCounter>();
+  int64_t epochs = 0, steps = 0;
+  std::string log_dir;
+};
+
+FlagRun run_flags(const std::string& trainer_keys, fulgur::Module* module = nullptr, const std::string& extra = "") {
+  FlagRun run;
+  fulgur::Trainer trainer(config_from(*run.dir, trainer_keys + "\nenable_checkpointing = false", extra));
+  trainer.add_callback(run.counter);
+  RecordingModule recording(nullptr);
+  SyntheticData data(96, 16);  // 6 training batches
+  trainer.fit(module ? *module : recording, data);
+  run.epochs = trainer.current_epoch();
+  run.steps = trainer.global_step();
+  run.log_dir = trainer.log_dir();
+  return run;
+}
+
+// Stops the run once `epoch` epochs are done: "another limit" than max_epochs.
+struct StopAfterEpochs : fulgur::Callback {
+  explicit StopAfterEpochs(int64_t epochs) : epochs(epochs) {}
+  fulgur::HookSet hooks() const override { return static_cast<fulgur::HookSet>(fulgur::Hook::train_epoch_end); }
+  void on_train_epoch_end(fulgur::TrainerContext& t) override {
+    if (t.current_epoch() + 1 >= epochs) t.request_stop("enough epochs");
+  }
+  int64_t epochs;
+};
+
+}  // namespace
+
+TEST_CASE("#34.5 max_epochs = -1 trains until another limit; unset, it is 1000 epochs, and the saved config says so") {
+  const std::string tiny =
+      "limit_train_batches = 1\nlimit_val_batches = 0\nnum_sanity_val_steps = 0\n"
+      "enable_checkpointing = false\nlogger = false\n";
+  {
+    TempDir dir;
+    fulgur::Trainer trainer(config_from(dir, "max_epochs = -1\n" + tiny));
+    trainer.add_callback(std::make_shared<StopAfterEpochs>(1003));
+    RecordingModule module(nullptr);
+    SyntheticData data;
+    trainer.fit(module, data);
+    CHECK(trainer.current_epoch() == 1003);  // before: 1000 (-1 was read as "unset")
+  }
+  {
+    TempDir dir;
+    const fulgur::Config config = config_from(dir, tiny);
+    CHECK(config.trainer.get_int("max_epochs") == 1000);
+    FULGUR_CHECK_CONTAINS(fulgur::to_toml(config), "max_epochs = 1000");
+    fulgur::Trainer trainer(config);
+    RecordingModule module(nullptr);
+    SyntheticData data;
+    trainer.fit(module, data);
+    CHECK(trainer.current_epoch() == 1000);
+  }
+  // Unset with max_steps given: no epoch limit (Lightning's max_epochs = None with max_steps).
+  TempDir dir;
+  const fulgur::Config steps = config_from(dir, "max_steps = 1200\n" + tiny);
+  CHECK(steps.trainer.get_int("max_epochs") == -1);
+  FULGUR_CHECK_CONTAINS(fulgur::to_toml(steps), "max_epochs = -1");
+  fulgur::ConfigBuilder builder;
+  builder.max_steps(5);
+  CHECK(builder.to_config().trainer.get_int("max_epochs") == -1);
+  builder.max_epochs(3).max_steps(7);
+  CHECK(builder.to_config().trainer.get_int("max_epochs") == 3);  // given: kept
+}
+
+TEST_CASE("#34.6 overfit_batches trains on the same batches every epoch and validates on exactly those") {
+  // The batches' contents, as the sum of each input, by stage and epoch.
+  struct Fingerprints : RecordingModule {
+    Fingerprints() : RecordingModule(nullptr) {}
+    fulgur::StepOutput training_step(const fulgur::Batch& b, int64_t i) override {
+      train[current_epoch].insert(b.input.sum().item<double>());
+      return RecordingModule::training_step(b, i);
+    }
+    fulgur::StepOutput validation_step(const fulgur::Batch& b, int64_t i) override {
+      val[current_epoch].insert(b.input.sum().item<double>());
+      return RecordingModule::validation_step(b, i);
+    }
+    void on_train_epoch_start() override { ++current_epoch; }
+    int64_t current_epoch = -1;
+    std::map<int64_t, std::set<double>> train, val;
+  };
+  Fingerprints module;
+  run_flags("max_epochs = 3\noverfit_batches = 2\nnum_sanity_val_steps = 0\nlogger = false", &module);
+  REQUIRE(module.train.size() == 3);
+  CHECK(module.train.at(0).size() == 2);
+  CHECK(module.train.at(1) == module.train.at(0));  // before: each epoch shuffled anew
+  CHECK(module.train.at(2) == module.train.at(0));
+  for (const auto& [epoch, batches] : module.val) CHECK(batches == module.train.at(0));
+}
+
+TEST_CASE(
+    "#34.14 num_sanity_val_steps, val_check_interval, check_val_every_n_epoch and accumulate_grad_batches "
+    "have Lightning's effect") {
+  // 6 training batches per epoch, 6 validation batches.
+  CHECK(run_flags("max_epochs = 1\nnum_sanity_val_steps = 3\nlogger = false").counter->sanity_batches == 3);
+  CHECK(run_flags("max_epochs = 1\nnum_sanity_val_steps = -1\nlogger = false").counter->sanity_batches == 6);
+  // Every 2 batches, the last one being the epoch's own: after steps 2, 4 and 6.
+  CHECK(run_flags("max_epochs = 1\nval_check_interval = 2\nlogger = false").counter->validations ==
+        std::vector<int64_t>{2, 4, 6});
+  CHECK(run_flags("max_epochs = 1\nval_check_interval = 0.5\nlogger = false").counter->validations ==
+        std::vector<int64_t>{3, 6});
+  // Epochs 2 and 4 of 4.
+  CHECK(run_flags("max_epochs = 4\ncheck_val_every_n_epoch = 2\nlogger = false").counter->validations ==
+        std::vector<int64_t>{12, 24});
+  const FlagRun accumulated = run_flags("max_epochs = 1\naccumulate_grad_batches = 3\nlogger = false");
+  CHECK(accumulated.steps == 2);
+  CHECK(accumulated.counter->optimizer_steps == 2);
+  CHECK(accumulated.counter->train_batches == 6);
+}
+
+TEST_CASE("#34.14 log_every_n_steps sends every Nth step's values to the loggers") {
+  const FlagRun run = run_flags("max_epochs = 1\nlog_every_n_steps = 2\nlimit_val_batches = 0", nullptr,
+                                "[[loggers]]\nname = \"csv\"\n");
+  std::vector<int64_t> steps;
+  for (const auto& row : csv_rows(fs::path(run.log_dir) / "metrics.csv"))
+    if (row.contains("train/loss") && !row.at("train/loss").empty()) steps.push_back(std::stoll(row.at("step")));
+  CHECK(steps == std::vector<int64_t>{1, 3, 5});  // Lightning: (batches_that_stepped + 1) % N == 0
+}
+
+TEST_CASE("#34.14 gradient_clip_val clips the gradients the optimizer steps with, by norm or by value") {
+  // The gradients as the optimizer sees them, after clipping (on_before_zero_grad follows the step).
+  struct GradientProbe : fulgur::Callback {
+    fulgur::HookSet hooks() const override { return static_cast<fulgur::HookSet>(fulgur::Hook::before_zero_grad); }
+    void on_before_zero_grad(fulgur::TrainerContext&, torch::optim::Optimizer& optimizer) override {
+      double squares = 0, largest = 0;
+      for (const auto& group : optimizer.param_groups())
+        for (const auto& p : group.params())
+          if (p.grad().defined()) {
+            squares += p.grad().pow(2).sum().item<double>();
+            largest = std::max(largest, p.grad().abs().max().item<double>());
+          }
+      norms.push_back(std::sqrt(squares));
+      maxima.push_back(largest);
+    }
+    std::vector<double> norms, maxima;
+  };
+  auto run = [](const std::string& keys) {
+    TempDir dir;
+    fulgur::Trainer trainer(config_from(dir,
+                                        "max_epochs = 1\nlimit_val_batches = 0\nlogger = false\n"
+                                        "enable_checkpointing = false\n" +
+                                            keys));
+    auto probe = std::make_shared<GradientProbe>();
+    trainer.add_callback(probe);
+    RecordingModule module(nullptr);
+    SyntheticData data(96, 16);
+    trainer.fit(module, data);
+    return probe;
+  };
+  // Lightning's order: on_before_zero_grad runs before each backward, so it sees the gradients the
+  // previous batch's step used (none before the first).
+  const auto free = run("");
+  REQUIRE(free->norms.size() == 6);
+  CHECK(free->norms.front() == 0);
+  CHECK(*std::min_element(free->norms.begin() + 1, free->norms.end()) > 0.05);  // clipping has work to do
+  CHECK(*std::max_element(free->maxima.begin(), free->maxima.end()) > 0.01);
+  const auto by_norm = run("gradient_clip_val = 0.05\n");
+  for (size_t i = 1; i < by_norm->norms.size(); ++i) CHECK(by_norm->norms[i] == doctest::Approx(0.05).epsilon(1e-4));
+  const auto by_value = run("gradient_clip_val = 0.01\ngradient_clip_algorithm = \"value\"\n");
+  for (size_t i = 1; i < by_value->maxima.size(); ++i) {
+    CHECK(by_value->maxima[i] <= 0.01 + 1e-7);
+    CHECK(by_value->norms[i] < free->norms[i]);
+  }
+}
+
+TEST_CASE("#34.14/#34.15 deterministic = true and \"warn\" switch torch's deterministic algorithms on, as Lightning") {
+  const FlagRun on = run_flags("max_epochs = 1\nlimit_train_batches = 1\nlogger = false\ndeterministic = true");
+  CHECK(on.counter->deterministic);
+  CHECK_FALSE(on.counter->warn_only);
+  const FlagRun warn = run_flags("max_epochs = 1\nlimit_train_batches = 1\nlogger = false\ndeterministic = \"warn\"");
+  CHECK(warn.counter->deterministic);
+  CHECK(warn.counter->warn_only);
+  at::globalContext().setDeterministicAlgorithms(false, false);  // this process runs other tests after
+  TempDir dir;
+  const fulgur::Error bad =
+      fulgur::test::error_from([&] { fulgur::Trainer trainer(config_from(dir, "deterministic = \"sometimes\"")); });
+  FULGUR_CHECK_CONTAINS(bad.what(), "deterministic = \"sometimes\": use true, false or \"warn\"");
+}
+
+TEST_CASE("#34.14 detect_anomaly = true names the backward function that produced NaN") {
+  struct NanGradient : RecordingModule {
+    NanGradient() : RecordingModule(nullptr) {}
+    fulgur::StepOutput training_step(const fulgur::Batch& b, int64_t) override {
+      // sqrt at 0: its backward divides by zero, 0 * inf = NaN.
+      return {(forward(b.input) * 0).sqrt().sum()};
+    }
+  };
+  NanGradient quiet;
+  CHECK_NOTHROW(run_flags("max_epochs = 1\nlimit_train_batches = 1\nlogger = false", &quiet));
+  NanGradient loud;
+  std::string error;
+  try {
+    run_flags("max_epochs = 1\nlimit_train_batches = 1\nlogger = false\ndetect_anomaly = true", &loud);
+  } catch (const std::exception& e) {
+    error = e.what();
+  }
+  // The first backward function whose output is NaN: sqrt's inf gradient times the zero factor.
+  FULGUR_CHECK_CONTAINS(error, "Function 'MulBackward1' returned nan values");
+}
+
+TEST_CASE("#34.15 check_val_every_n_epoch = \"none\" counts val_check_interval batches across epochs") {
+  // 6 batches per epoch, validation every 4 batches counted over the run: after steps 4, 8 and 12.
+  CHECK(run_flags("max_epochs = 2\ncheck_val_every_n_epoch = \"none\"\nval_check_interval = 4\nlogger = false")
+            .counter->validations == std::vector<int64_t>{4, 8, 12});
+  CHECK(run_flags("max_epochs = 2\ncheck_val_every_n_epoch = 0\nval_check_interval = 4\nlogger = false")
+            .counter->validations == std::vector<int64_t>{4, 8, 12});
+  TempDir dir;
+  const fulgur::Error fraction = fulgur::test::error_from([&] {
+    fulgur::Trainer trainer(config_from(dir, "check_val_every_n_epoch = \"none\"\nval_check_interval = 0.5"));
+  });
+  FULGUR_CHECK_CONTAINS(fraction.what(), "must be a number of batches");
+}
+
+TEST_CASE("#34.15 a wall-clock val_check_interval validates after the batch that ends the interval") {
+  // Each training step takes at least 1.05 s: with a 1-second interval every batch is due; with
+  // ten hours none is, not even the epoch's last (Lightning's time-based validation).
+  struct SlowSteps : RecordingModule {
+    SlowSteps() : RecordingModule(nullptr) {}
+    fulgur::StepOutput training_step(const fulgur::Batch& b, int64_t i) override {
+      std::this_thread::sleep_for(std::chrono::milliseconds(1050));
+      return RecordingModule::training_step(b, i);
+    }
+  };
+  SlowSteps every;
+  CHECK(run_flags("max_epochs = 1\nlimit_train_batches = 3\nval_check_interval = \"1\"\nlogger = false", &every)
+            .counter->validations == std::vector<int64_t>{1, 2, 3});
+  SlowSteps none;
+  CHECK(run_flags("max_epochs = 1\nlimit_train_batches = 2\nval_check_interval = \"10:00:00\"\nlogger = false", &none)
+            .counter->validations.empty());
+  TempDir dir;
+  const fulgur::Error bad =
+      fulgur::test::error_from([&] { fulgur::Trainer trainer(config_from(dir, "val_check_interval = \"soon\"")); });
+  FULGUR_CHECK_CONTAINS(bad.what(), "val_check_interval = \"soon\": a wall-clock interval is \"DD:HH:MM:SS\"");
+}
+
+TEST_CASE("#34.15 fast_dev_run = true, precision 16 / \"bf16\" / 32 and accelerator = \"gpu\" are Lightning's") {
+  TempDir dir;
+  const FlagRun fast = run_flags("fast_dev_run = true\nlogger = false");
+  CHECK(fast.steps == 1);
+  CHECK(fast.counter->train_batches == 1);
+  for (const auto& [spelled, plugin] :
+       std::vector<std::pair<std::string, std::string>>{{"16", "16-mixed"},
+                                                        {"\"16\"", "16-mixed"},
+                                                        {"\"bf16\"", "bf16-mixed"},
+                                                        {"32", "32-true"},
+                                                        {"\"64\"", "64-true"},
+                                                        {"\"bf16-true\"", "bf16-true"}}) {
+    CAPTURE(spelled);
+    CHECK(config_from(dir, "precision = " + spelled).precision.name == plugin);
+  }
+  CHECK(config_from(dir, "precision = \"bf16\"", "[precision]\nname = \"bf16-mixed\"\n").precision.name ==
+        "bf16-mixed");
+  fulgur::ConfigBuilder builder;
+  builder.precision("bf16").fast_dev_run(true).deterministic("warn");
+  CHECK(builder.to_config().precision.name == "bf16-mixed");
+  CHECK(builder.to_config().trainer.get_int("fast_dev_run") == 1);
+  CHECK(builder.to_config().trainer.get_string("deterministic") == "warn");
+  // "gpu" picks among the accelerators that are not the cpu; on a machine without a GPU it says so.
+  try {
+    fulgur::Trainer trainer(config_from(dir, "accelerator = \"gpu\""));
+    CHECK(trainer.config().accelerator.name != "cpu");  // a machine with a GPU
+  } catch (const fulgur::Error& e) {
+    FULGUR_CHECK_CONTAINS(e.what(), "accelerator = \"gpu\" found no available GPU accelerator");
+    FULGUR_CHECK_CONTAINS(e.what(), "use accelerator = \"cpu\" or \"auto\"");
+  }
 }

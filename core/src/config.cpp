@@ -19,6 +19,8 @@
 #include <fstream>
 #include <sstream>
 
+#include "trainer_spellings.h"
+
 namespace fulgur {
 
 namespace fs = std::filesystem;
@@ -59,12 +61,16 @@ const std::vector<OptionSchema>& trainer_option_schema() {
     using T = OptionType;
     const Row rows[] = {
         {"accelerator", T::string, plugin_default("accelerator"),
-         "Accelerator plugin by name (fulgur plugins list), or \"auto\" (cuda when a GPU is visible, else cpu)"},
+         "Accelerator plugin by name (fulgur plugins list), \"auto\" (cuda when a GPU is visible, else cpu) or "
+         "\"gpu\" (the available accelerator of highest priority that is not the cpu)"},
         {"strategy", T::string, plugin_default("strategy"), "Strategy plugin by name (fulgur plugins list)"},
-        {"precision", T::string, plugin_default("precision"), "Precision plugin by name (fulgur plugins list)"},
+        {"precision", T::string, plugin_default("precision"),
+         "Precision plugin by name (fulgur plugins list); Lightning's short forms 16, \"bf16\", 32 and 64 mean "
+         "\"16-mixed\", \"bf16-mixed\", \"32-true\" and \"64-true\""},
         {"devices", T::string, "\"auto\"", "Devices per node: a count, \"auto\", -1 (all) or \"0,1\""},
         {"num_nodes", T::integer, "1", "Number of nodes"},
-        {"max_epochs", T::integer, "-1", "Stop after this many epochs (-1: 1000 unless max_steps is set)"},
+        {"max_epochs", T::integer, "1000",
+         "Stop after this many epochs (-1: no epoch limit; when not given: 1000, or no limit if max_steps is set)"},
         {"min_epochs", T::integer, "0", "Do not stop early before this many epochs"},
         {"max_steps", T::integer, "-1", "Stop after this many optimizer steps (-1: no limit)"},
         {"min_steps", T::integer, "0", "Do not stop early before this many optimizer steps"},
@@ -75,8 +81,14 @@ const std::vector<OptionSchema>& trainer_option_schema() {
         {"limit_predict_batches", T::floating, "1.0", "Fraction (float) or count (integer) of predict batches"},
         {"overfit_batches", T::floating, "0.0", "Train and validate on this fraction/count of training batches"},
         {"val_check_interval", T::floating, "1.0",
-         "Validate every fraction of an epoch (float) or N batches (integer)"},
-        {"check_val_every_n_epoch", T::integer, "1", "Validate every N epochs"},
+         "Validate every fraction of an epoch (float), N batches (integer) or a wall-clock interval "
+         "(\"DD:HH:MM:SS\")"},
+        {"check_val_every_n_epoch", T::integer, "1",
+         "Validate every N epochs; 0 or \"none\": no epoch condition (val_check_interval counts batches across "
+         "epochs, Lightning's None)"},
+        {"use_distributed_sampler", T::boolean, "true",
+         "Give each data-parallel rank its own share of every loader (false: each rank reads all of it, as the "
+         "DataModule's loaders shard themselves)"},
         {"reload_dataloaders_every_n_epochs", T::integer, "0",
          "Ask the DataModule for new train and val loaders every N epochs (0: once per fit)"},
         {"num_sanity_val_steps", T::integer, "2", "Validation batches run before training (-1: all)"},
@@ -84,12 +96,14 @@ const std::vector<OptionSchema>& trainer_option_schema() {
         {"accumulate_grad_batches", T::integer, "1", "Accumulate gradients over N batches per optimizer step"},
         {"gradient_clip_val", T::floating, "0.0", "Clip gradients at this value (0: off)"},
         {"gradient_clip_algorithm", T::string, "\"norm\"", "\"norm\" or \"value\""},
-        {"deterministic", T::boolean, "false", "Use deterministic algorithms"},
+        {"deterministic", T::string, "\"false\"",
+         "Use deterministic algorithms: true, false or \"warn\" (nondeterministic kernels warn instead of failing)"},
         {"cuda_graphs", T::string, "\"off\"",
          "Capture the training step as a CUDA graph and replay it: \"off\", \"on\" (a step that cannot be "
          "captured ends the run) or \"try\" (it trains uncaptured, with a warning)"},
         {"seed", T::integer, "-1", "Seed for torch and data order (-1: not seeded)"},
-        {"fast_dev_run", T::integer, "0", "Run N batches of each stage once, without loggers/checkpoints (0: off)"},
+        {"fast_dev_run", T::integer, "0",
+         "Run N batches of each stage once, without loggers/checkpoints (0 or false: off; true: 1)"},
         {"default_root_dir", T::string, "\".\"", "Where logs and checkpoints go (relative to the TOML file)"},
         {"enable_checkpointing", T::boolean, "true",
          "Add the default checkpoint callback if no checkpoint callback is configured"},
@@ -156,6 +170,46 @@ std::string unknown_key_message(std::string_view key, std::string_view owner, co
 
 // Checks a table's keys against a schema and returns typed options with defaults applied.
 // `skip` names keys handled elsewhere (e.g. "name").
+namespace {
+
+// Lightning's other spellings of [trainer] values that the key's schema type does not cover:
+// fast_dev_run = true (one batch), precision = 16 (a number), deterministic = true (the key holds
+// true, false or "warn"), check_val_every_n_epoch = "none" (TOML has no None) and a wall-clock
+// val_check_interval ("DD:HH:MM:SS").
+std::optional<OptionValue> lightning_spelling(std::string_view key, const toml::node& node) {
+  if (key == "fast_dev_run" && node.is_boolean()) return OptionValue{int64_t{*node.value<bool>() ? 1 : 0}};
+  if (key == "precision" && node.is_integer()) return OptionValue{std::to_string(*node.value<int64_t>())};
+  if (key == "deterministic" && node.is_boolean())
+    return OptionValue{std::string(*node.value<bool>() ? "true" : "false")};
+  if (key == "check_val_every_n_epoch" && node.is_string()) {
+    const std::string text = *node.value<std::string>();
+    if (text == "none" || text == "None") return OptionValue{int64_t{0}};
+  }
+  if (key == "val_check_interval" && node.is_string()) return OptionValue{*node.value<std::string>()};
+  return std::nullopt;
+}
+
+}  // namespace
+
+}  // namespace
+
+std::string canonical_precision(std::string_view name) {
+  // Lightning's _PRECISION_INPUT_STR_ALIAS: the short forms name the same plugins as the long ones.
+  if (name == "16") return "16-mixed";
+  if (name == "bf16") return "bf16-mixed";
+  if (name == "32") return "32-true";
+  if (name == "64") return "64-true";
+  return std::string(name);
+}
+
+OptionValue canonical_trainer_value(std::string_view key, OptionValue value) {
+  if (key == "precision")
+    if (const auto* name = std::get_if<std::string>(&value)) return OptionValue{canonical_precision(*name)};
+  return value;
+}
+
+namespace {
+
 Options typed_options(const std::vector<RawOption>& raw, const std::vector<OptionSchema>& schema,
                       const std::string& owner, const SourceLocation& table_where) {
   Options options(owner);
@@ -184,11 +238,13 @@ Options typed_options(const std::vector<RawOption>& raw, const std::vector<Optio
       }
       if (integers) value = OptionValue{array.size() == 1 ? "[" + joined + "]" : joined};
     }
+    if (!value && owner == "[trainer]") value = lightning_spelling(r.key, node);
     if (!value)
       fail(r.where, fmt::format("{}: '{}' must be {}, found {}{}", owner, r.key, to_string(spec->type), found,
                                 spec->default_value ? fmt::format(" (default: {})", spec->default_text) : ""));
     // Float options given as integers keep their integer-ness: limit_*_batches = 10 is a count.
     if (spec->type == OptionType::floating && node.is_integer()) value = OptionValue{*node.value<int64_t>()};
+    if (owner == "[trainer]") value = canonical_trainer_value(r.key, std::move(*value));
     options.set(r.key, std::move(*value));
   }
   for (const auto& s : schema) {
@@ -366,6 +422,10 @@ Config config_from_root(std::shared_ptr<toml::table> root, const fs::path& origi
       for (const RawOption& r : raw) config.trainer_locations[r.key] = r.where;
     }
     config.trainer = typed_options(raw, trainer_option_schema(), "[trainer]", where);
+    // Lightning's max_epochs = None: 1000 epochs, or no epoch limit when max_steps is given. The
+    // resolved value is what the config holds (and to_toml writes), so a saved config reruns alike.
+    if (!config.trainer_locations.contains("max_epochs") && config.trainer.get_int("max_steps") >= 0)
+      config.trainer.set("max_epochs", int64_t{-1});
     fs::path root_dir = config.trainer.get_string("default_root_dir");
     const auto given = config.trainer_locations.find("default_root_dir");
     const fs::path root_base = given == config.trainer_locations.end() ? base : base_of(given->second);
@@ -386,6 +446,7 @@ Config config_from_root(std::shared_ptr<toml::table> root, const fs::path& origi
       const toml::table* t = table_or_fail(*node, table_name, file);
       if (const toml::node* n = t->get("name")) {
         std::string name = string_or_fail(*n, fmt::format("[{}] name", table_name), file);
+        if (kind == PluginKind::precision) name = canonical_precision(name);
         if (sel.where.line > 0 && name != sel.name)
           fail(location_of(*n, file), fmt::format("[{}] name = \"{}\" contradicts [trainer] {} = \"{}\" at {}",
                                                   table_name, name, table_name, sel.name, sel.where.str()));
@@ -609,12 +670,15 @@ namespace {
 
 // [trainer] accelerator = "auto": the available accelerator of highest priority among those the
 // build marked (fulgur/builtin_plugins.h), as Lightning picks cuda when a GPU is visible.
-std::string choose_auto_accelerator(const PluginSelection& sel, const PluginRegistry& registry) {
+// "gpu" (Lightning's alias for whichever GPU accelerator the machine has) is the same choice
+// among the accelerators whose device is not the cpu; the core names no accelerator.
+std::string choose_auto_accelerator(const PluginSelection& sel, const PluginRegistry& registry, bool devices_only) {
+  const std::string spelled = devices_only ? "gpu" : "auto";
   if (!sel.raw.empty() || !sel.given.values().empty())
     throw Error(ErrorKind::config,
-                fmt::format("{}: accelerator = \"auto\" takes no [accelerator] options (each accelerator has its own); "
+                fmt::format("{}: accelerator = \"{}\" takes no [accelerator] options (each accelerator has its own); "
                             "name the accelerator to set options (`fulgur plugins list` shows them)",
-                            sel.where.str()));
+                            sel.where.str(), spelled));
   std::vector<builtin::AutoAccelerator> order(std::begin(builtin::kAutoAccelerators),
                                               std::end(builtin::kAutoAccelerators));
   std::stable_sort(order.begin(), order.end(), [](const auto& a, const auto& b) { return a.priority > b.priority; });
@@ -625,24 +689,32 @@ std::string choose_auto_accelerator(const PluginSelection& sel, const PluginRegi
       const PluginCandidate& found = registry.resolve(PluginKind::accelerator, name);
       auto accelerator =
           plugin_cast<Accelerator>(registry.create(PluginKind::accelerator, name, default_options(found.metadata)));
+      if (devices_only && accelerator->device_type() == c10::DeviceType::CPU) continue;
       if (accelerator->is_available()) {
-        spdlog::info("accelerator = \"auto\": using '{}'", name);
+        spdlog::info("accelerator = \"{}\": using '{}'", spelled, name);
         return name;
       }
       tried.push_back(fmt::format("{} (no device)", name));
     } catch (const Error& e) {
+      // Said now, not only if nothing is found: a GPU the process cannot use must not turn into a
+      // silent cpu run.
+      spdlog::warn("accelerator = \"{}\": skipping '{}': {}", spelled, name, e.what());
       tried.push_back(fmt::format("{} ({})", name, e.what()));
     }
   }
-  throw Error(ErrorKind::config, fmt::format("{}: accelerator = \"auto\" found no available accelerator; tried {}",
-                                             sel.where.str(), fmt::join(tried, "; ")));
+  throw Error(
+      ErrorKind::config,
+      fmt::format("{}: accelerator = \"{}\" found no available {}accelerator; tried {}{}", sel.where.str(), spelled,
+                  devices_only ? "GPU " : "", tried.empty() ? "none" : fmt::format("{}", fmt::join(tried, "; ")),
+                  devices_only ? " (use accelerator = \"cpu\" or \"auto\" on a machine without a GPU)" : ""));
 }
 
 }  // namespace
 
 void validate_plugins(Config& config, const PluginRegistry& registry) {
-  if (config.accelerator.name == "auto")
-    config.accelerator.name = choose_auto_accelerator(config.accelerator, registry);
+  if (config.accelerator.name == "auto" || config.accelerator.name == "gpu")
+    config.accelerator.name =
+        choose_auto_accelerator(config.accelerator, registry, /*devices_only=*/config.accelerator.name == "gpu");
   for (PluginSelection* sel : config.selections()) {
     const PluginCandidate* candidate = nullptr;
     try {

@@ -43,8 +43,14 @@ void validate_trainer_values(const Config& config) {
           fmt::format("cuda_graphs = \"{}\": use \"off\", \"on\" (refuse a step that cannot be captured) or "
                       "\"try\" (train it uncaptured)",
                       graphs));
-  for (const char* key : {"accumulate_grad_batches", "log_every_n_steps", "check_val_every_n_epoch", "num_nodes"})
+  for (const char* key : {"accumulate_grad_batches", "log_every_n_steps", "num_nodes"})
     require(t.get_int(key) >= 1, key, fmt::format("{} = {}: must be >= 1", key, t.get_int(key)));
+  require(t.get_int("check_val_every_n_epoch") >= 0, "check_val_every_n_epoch",
+          fmt::format("check_val_every_n_epoch = {}: must be >= 1, or 0 / \"none\" for no epoch condition",
+                      t.get_int("check_val_every_n_epoch")));
+  const std::string& deterministic = t.get_string("deterministic");
+  require(deterministic == "true" || deterministic == "false" || deterministic == "warn", "deterministic",
+          fmt::format("deterministic = \"{}\": use true, false or \"warn\"", deterministic));
   for (const char* key : {"fast_dev_run", "min_epochs", "min_steps", "reload_dataloaders_every_n_epochs"})
     require(t.get_int(key) >= 0, key, fmt::format("{} = {}: must be >= 0", key, t.get_int(key)));
   for (const char* key : {"max_epochs", "max_steps"})
@@ -53,19 +59,31 @@ void validate_trainer_values(const Config& config) {
           fmt::format("num_sanity_val_steps = {}: must be >= 0, or -1 for all", t.get_int("num_sanity_val_steps")));
   require(t.get_float("gradient_clip_val") >= 0 && std::isfinite(t.get_float("gradient_clip_val")), "gradient_clip_val",
           fmt::format("gradient_clip_val = {}: must be a finite number >= 0", t.get_float("gradient_clip_val")));
+  const OptionValue& interval = t.values().at("val_check_interval");
+  if (const auto* text = std::get_if<std::string>(&interval)) {
+    const std::optional<double> seconds = parse_duration(*text);
+    require(seconds && *seconds > 0, "val_check_interval",
+            fmt::format("val_check_interval = \"{}\": a wall-clock interval is \"DD:HH:MM:SS\" (fewer fields count "
+                        "from the right, e.g. \"00:00:30:00\" or \"90:00\"), longer than zero",
+                        *text));
+  } else if (t.get_int("check_val_every_n_epoch") == 0) {
+    require(std::holds_alternative<int64_t>(interval), "val_check_interval",
+            fmt::format("val_check_interval = {}: with check_val_every_n_epoch = \"none\" it must be a number of "
+                        "batches (an integer) or a wall-clock interval (\"DD:HH:MM:SS\"), as in Lightning",
+                        as_number(interval)));
+  }
   for (const char* key : {"limit_train_batches", "limit_val_batches", "limit_test_batches", "limit_predict_batches",
                           "overfit_batches", "val_check_interval"}) {
     const OptionValue& v = t.values().at(key);
+    if (std::holds_alternative<std::string>(v)) continue;  // the wall-clock interval, checked above
     const double x = as_number(v);
     require(x >= 0, key, fmt::format("{} = {}: must be >= 0", key, x));
     if (std::holds_alternative<double>(v) && std::string_view(key) != "val_check_interval")
       require(x <= 1.0, key,
               fmt::format("{} = {}: a float is a fraction in [0, 1]; use an integer for a count", key, x));
   }
-  {
-    const OptionValue& v = t.values().at("val_check_interval");
-    require(as_number(v) > 0, "val_check_interval", "val_check_interval must be > 0");
-  }
+  if (!std::holds_alternative<std::string>(interval))
+    require(as_number(interval) > 0, "val_check_interval", "val_check_interval must be > 0");
   // max_time is the callback the build marks for it (plugin_connector.cpp); its syntax is checked
   // here, with the one duration parser, so that a bad value names the key before any plugin loads.
   const std::string& max_time = t.get_string("max_time");
@@ -91,7 +109,6 @@ ResolvedTrainerConfig ResolvedTrainerConfig::from_config(const Config& config) {
   s.max_steps = t.get_int("max_steps");
   s.min_epochs = t.get_int("min_epochs");
   s.min_steps = t.get_int("min_steps");
-  if (s.max_epochs < 0 && s.max_steps < 0) s.max_epochs = 1000;  // Lightning's default
   s.check_val_every_n_epoch = t.get_int("check_val_every_n_epoch");
   s.reload_dataloaders_every_n_epochs = t.get_int("reload_dataloaders_every_n_epochs");
   s.num_sanity_val_steps = t.get_int("num_sanity_val_steps");
@@ -111,6 +128,7 @@ ResolvedTrainerConfig ResolvedTrainerConfig::from_config(const Config& config) {
   s.limit_predict_batches = t.values().at("limit_predict_batches");
   s.overfit_batches = t.values().at("overfit_batches");
   s.overfit = as_number(s.overfit_batches) > 0;
+  s.use_distributed_sampler = t.get_bool("use_distributed_sampler");
   s.val_check_interval = t.values().at("val_check_interval");
   // barebones: no sanity check either (Lightning turns num_sanity_val_steps off with it).
   s.barebones = t.get_bool("barebones");

@@ -38,7 +38,8 @@ struct ResolvedTrainerConfig {
   StepCaptureMode cuda_graphs = StepCaptureMode::off;
   // An integer is a count of batches, a float a fraction (apply_batch_limit).
   OptionValue limit_train_batches, limit_val_batches, limit_test_batches, limit_predict_batches, overfit_batches;
-  bool overfit = false;  // overfit_batches > 0: train and validate on the same few batches
+  bool overfit = false;                 // overfit_batches > 0: train and validate on the same few batches
+  bool use_distributed_sampler = true;  // loaders get set_replica(rank, world) (false: each reads all)
   OptionValue val_check_interval;
 };
 

@@ -61,6 +61,10 @@ class ConfigBuilder {
   ConfigBuilder& gradient_clip_val(double v) { return set("gradient_clip_val", v); }
   ConfigBuilder& gradient_clip_algorithm(std::string v) { return set("gradient_clip_algorithm", std::move(v)); }
   ConfigBuilder& deterministic(bool v) { return set("deterministic", v); }
+  /// Lightning's deterministic = "warn": deterministic algorithms, a warning (not an error) where
+  /// an operation has none.
+  ConfigBuilder& deterministic(std::string v) { return set("deterministic", std::move(v)); }
+  ConfigBuilder& deterministic(const char* v) { return set("deterministic", std::string(v)); }  // not the bool one
   ConfigBuilder& seed(int64_t v) { return set("seed", v); }
   ConfigBuilder& fast_dev_run(int64_t v) { return set("fast_dev_run", v); }
   ConfigBuilder& default_root_dir(std::filesystem::path v) { return set("default_root_dir", v.string()); }

@@ -53,6 +53,7 @@ void FitLoop::run() {
     t.hooks_.module("on_train_start", [&] { t.module_->on_train_start(); });
   }
   const int64_t reload = t.trainer_config_.reload_dataloaders_every_n_epochs;
+  epoch_loop_.start_validation_clock();
   while (!done()) {
     const int64_t steps_before = position_.global_step;
     if (reload > 0 && position_.epoch - loaders_epoch_ >= reload) setup_data();
@@ -77,7 +78,8 @@ void FitLoop::setup_data() {
   Strategy& strategy = *t.plugins_.strategy;
   train_loader_ = t.data_->train_loader();
   if (!train_loader_) throw Error(ErrorKind::invalid_argument, "the DataModule returned no train_loader()");
-  train_loader_->set_replica(strategy.data_parallel_rank(), strategy.data_parallel_size());
+  if (s.use_distributed_sampler)
+    train_loader_->set_replica(strategy.data_parallel_rank(), strategy.data_parallel_size());
   const int64_t available = train_loader_->num_batches();
   int64_t num_train =
       s.overfit ? apply_batch_limit(s.overfit_batches, available) : apply_batch_limit(s.limit_train_batches, available);
@@ -93,7 +95,7 @@ void FitLoop::setup_data() {
   std::vector<int64_t> limits;
   for (auto& loader : val_loaders_) {
     if (!loader) throw Error(ErrorKind::invalid_argument, "the DataModule returned a null loader in val_loaders()");
-    loader->set_replica(strategy.data_parallel_rank(), strategy.data_parallel_size());
+    if (s.use_distributed_sampler) loader->set_replica(strategy.data_parallel_rank(), strategy.data_parallel_size());
     int64_t num_val = s.overfit ? num_train : apply_batch_limit(s.limit_val_batches, loader->num_batches());
     if (s.fast_dev_run > 0) num_val = num_val < 0 ? s.fast_dev_run : std::min(num_val, s.fast_dev_run);
     loaders.push_back(loader.get());
@@ -103,8 +105,12 @@ void FitLoop::setup_data() {
   loaders_epoch_ = position_.epoch;
 
   int64_t val_check_batches = 0;
+  double val_check_seconds = 0;
   if (const auto* n = std::get_if<int64_t>(&s.val_check_interval)) {
     val_check_batches = *n;
+  } else if (const auto* text = std::get_if<std::string>(&s.val_check_interval)) {
+    // Wall-clock cadence; fast_dev_run validates at the epoch's end, as Lightning's does.
+    if (s.fast_dev_run == 0) val_check_seconds = parse_duration(*text).value_or(0);
   } else {
     const double f = std::get<double>(s.val_check_interval);
     if (f < 1.0 && num_train < 0)
@@ -114,7 +120,7 @@ void FitLoop::setup_data() {
                               f));
     val_check_batches = f >= 1.0 ? 0 : std::max<int64_t>(1, static_cast<int64_t>(f * static_cast<double>(num_train)));
   }
-  epoch_loop_.configure(num_train, val_check_batches);
+  epoch_loop_.configure(num_train, val_check_batches, val_check_seconds);
 }
 
 // A few validation batches before training so that a broken validation_step fails in seconds,

@@ -29,11 +29,33 @@ void TrainingEpochLoop::run(BatchLoader& train) {
   }
   const int64_t skip = resume_skip_;
   resume_skip_ = 0;
-  train.start_epoch(position_.epoch, skip);
+  // overfit_batches: the same batches every epoch (and in validation, which starts its loader at
+  // epoch 0 too), as Lightning's overfitting on a fixed subset without shuffling does. The loader's
+  // order is epoch 0's: a BatchLoader takes no request to stop shuffling.
+  train.start_epoch(t.trainer_config_.overfit ? 0 : position_.epoch, skip);
   batches_done_ = skip;
   epoch_was_empty_ = skip == 0;
-  const bool validate_this_epoch =
-      val_loop_.has_batches() && (position_.epoch + 1) % t.trainer_config_.check_val_every_n_epoch == 0;
+  // Which epochs validate (check_val_every_n_epoch; 0 is Lightning's None: every epoch may, by
+  // the batch count across epochs) and whether this one does at its end (by default; a
+  // wall-clock or across-epochs cadence validates at the end only when the last batch is due).
+  const int64_t every_n_epochs = t.trainer_config_.check_val_every_n_epoch;
+  const bool validating_epoch =
+      val_loop_.has_batches() && (every_n_epochs == 0 || (position_.epoch + 1) % every_n_epochs == 0);
+  bool validate_at_end = validating_epoch && every_n_epochs != 0 && val_check_seconds_ <= 0;
+  if (num_batches_ >= 0) batches_before_epoch_ = position_.epoch * num_batches_;
+  auto validation_due = [&](int64_t batch_idx) {
+    if (!validating_epoch) return false;
+    if (val_check_seconds_ > 0)
+      return std::chrono::duration<double>(std::chrono::steady_clock::now() - last_validation_).count() >=
+             val_check_seconds_;
+    if (val_check_batches_ <= 0) return false;
+    const int64_t counted = every_n_epochs == 0 ? batches_before_epoch_ + batch_idx : batch_idx;
+    return (counted + 1) % val_check_batches_ == 0;
+  };
+  auto validate = [&] {
+    val_loop_.run(/*sanity=*/false);
+    last_validation_ = std::chrono::steady_clock::now();
+  };
   // A loader of unknown length (num_batches() == -1) trains until it is exhausted: the batch
   // after the current one is fetched ahead so that is_last_batch is known before the step.
   // With several ranks and no known length, the ranks agree after every fetch whether all of
@@ -77,8 +99,12 @@ void TrainingEpochLoop::run(BatchLoader& train) {
     is_last_batch_ = !next.has_value();
     epoch_was_empty_ = false;
     run_batch(batch, batch_idx, staged);
-    if (validate_this_epoch && val_check_batches_ > 0 && (batch_idx + 1) % val_check_batches_ == 0 && !is_last_batch_)
-      val_loop_.run(/*sanity=*/false);
+    if (validation_due(batch_idx)) {
+      if (is_last_batch_)
+        validate_at_end = true;  // where the epoch's own validation runs: before on_train_epoch_end
+      else
+        validate();
+    }
     if (vote ? vote->after_batch() : interrupt_due(t)) interrupt_at_safe_point(t);  // after the step and its validation
     // Mid-epoch, the fit loop's epoch limit cannot hold yet: this checks max_steps and a requested
     // stop (max_time's among them).
@@ -88,7 +114,8 @@ void TrainingEpochLoop::run(BatchLoader& train) {
   if (vote && vote->finish()) interrupt_at_safe_point(t);  // the last batch's vote
   epoch_end_phase_ = true;
   // End-of-epoch validation runs before on_train_epoch_end (Lightning).
-  if (validate_this_epoch) val_loop_.run(/*sanity=*/false);
+  if (validate_at_end) validate();
+  if (num_batches_ < 0) batches_before_epoch_ += batches_done_;
   {
     // Lightning: values logged at epoch end are epoch-level by default and land in this epoch.
     LogContext log(t.binding_, &store, /*training=*/false, true);

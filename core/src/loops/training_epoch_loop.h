@@ -8,6 +8,8 @@
 
 #include <ATen/core/Dict.h>
 
+#include <chrono>
+
 #include "../capture/step_capture.h"
 #include "../hook_dispatcher.h"
 #include "evaluation_loop.h"
@@ -33,11 +35,17 @@ class TrainingEpochLoop {
   void prepare_optimizer_steps();
 
   // Batch counts for the coming epochs (-1: a loader of unknown length) and the validation
-  // cadence inside an epoch (0: only at its end).
-  void configure(int64_t num_batches, int64_t val_check_batches) {
+  // cadence: every `val_check_batches` batches (0: at the epoch's end only; with
+  // check_val_every_n_epoch = 0 counted across epochs), or, when `val_check_seconds` > 0, after
+  // the batch that ends that much wall-clock time since the last validation (Lightning's
+  // time-based val_check_interval).
+  void configure(int64_t num_batches, int64_t val_check_batches, double val_check_seconds = 0) {
     num_batches_ = num_batches;
     val_check_batches_ = val_check_batches;
+    val_check_seconds_ = val_check_seconds;
   }
+  // Training starts: the wall-clock validation interval counts from here.
+  void start_validation_clock() { last_validation_ = std::chrono::steady_clock::now(); }
   // Runs the epoch `position.epoch` over `train`, validating with val_loop() when due.
   // Ends with the epoch counted: position.epoch is one higher afterwards.
   void run(BatchLoader& train);
@@ -90,8 +98,11 @@ class TrainingEpochLoop {
 
   int64_t num_batches_ = -1;
   int64_t val_check_batches_ = 0;
-  int64_t batches_done_ = 0;  // in the current epoch: what a checkpoint written now records
-  int64_t resume_skip_ = 0;   // batches the next epoch skips (a mid-epoch checkpoint was loaded)
+  double val_check_seconds_ = 0;
+  std::chrono::steady_clock::time_point last_validation_ = std::chrono::steady_clock::now();
+  int64_t batches_before_epoch_ = 0;  // batches of earlier epochs (check_val_every_n_epoch = 0)
+  int64_t batches_done_ = 0;          // in the current epoch: what a checkpoint written now records
+  int64_t resume_skip_ = 0;           // batches the next epoch skips (a mid-epoch checkpoint was loaded)
   bool epoch_end_phase_ = false;
   bool epoch_was_empty_ = false;
   bool is_last_batch_ = false;
