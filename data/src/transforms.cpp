@@ -5,6 +5,7 @@
 #include <ATen/ATen.h>
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cmath>
 
 namespace fulgur::data {
@@ -16,6 +17,10 @@ uint64_t mix(uint64_t z) {  // SplitMix64's finalizer
   z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
   return z ^ (z >> 31);
 }
+
+// Python's round(): halves go to the even neighbour (std::lround takes 12.5 to 13, Python to 12).
+// torchvision's parameter code rounds with it; so must ours, to pick the same pixels.
+int64_t round_half_even(double x) { return static_cast<int64_t>(std::nearbyint(x)); }
 
 void require(bool ok, const std::string& message) {
   if (!ok) throw Error(ErrorKind::invalid_argument, message);
@@ -57,18 +62,19 @@ class Normalize final : public Transform {
     const int64_t c = s.input.size(0);
     require(static_cast<int64_t>(mean_.size()) == c || mean_.size() == 1,
             fmt::format("normalize: {} means for an image of {} channels", mean_.size(), c));
-    // One conversion pass into a contiguous float image, then x * a + b per channel, with the
-    // uint8 scaling folded into a and b: ((x / 255) - mean) / std.
-    const double scale = s.input.scalar_type() == at::kByte ? 1.0 / 255.0 : 1.0;
-    at::Tensor a = at::empty({c, 1, 1}, at::kFloat), b = at::empty({c, 1, 1}, at::kFloat);
+    // torchvision's operations in its order, each rounded to float32 as there, so the values are
+    // its values to the bit: ToDtype(float32, scale=True) multiplies by 1/255, Normalize
+    // subtracts the mean, then divides by the std. (A fused x * a + b, one pass fewer, was off by
+    // up to 7e-7.)
+    at::Tensor mean = at::empty({c, 1, 1}, at::kFloat), stdev = at::empty({c, 1, 1}, at::kFloat);
     for (int64_t i = 0; i < c; ++i) {
-      const double m = mean_[mean_.size() == 1 ? 0 : i], d = std_[std_.size() == 1 ? 0 : i];
-      a.data_ptr<float>()[i] = static_cast<float>(scale / d);
-      b.data_ptr<float>()[i] = static_cast<float>(-m / d);
+      mean.data_ptr<float>()[i] = static_cast<float>(mean_[mean_.size() == 1 ? 0 : i]);
+      stdev.data_ptr<float>()[i] = static_cast<float>(std_[std_.size() == 1 ? 0 : i]);
     }
     at::Tensor out = at::empty(s.input.sizes(), at::kFloat);
     out.copy_(s.input);
-    out.mul_(a).add_(b);
+    if (s.input.scalar_type() == at::kByte) out.mul_(1.0 / 255.0);
+    out.sub_(mean).div_(stdev);
     s.input = std::move(out);
     return s;
   }
@@ -77,17 +83,21 @@ class Normalize final : public Transform {
   std::vector<double> mean_, std_;
 };
 
-// Resizes a (C, H, W) image; uint8 images go through ATen's uint8 kernel (channels-last, the
-// layout decoded images already have), as torchvision's tensor Resize does.
+// Resizes a (C, H, W) image as torchvision.transforms.v2.functional.resize does (bilinear,
+// align_corners=False, antialiased unless told otherwise): uint8 images go through ATen's uint8
+// kernel (channels-last, the layout decoded images already have), which torchvision also uses on
+// AVX2 / AVX-512 hosts (elsewhere it resizes in float32 and rounds: up to 1 level apart, mean
+// about 0.15 on noise); other integer images are resized in float32, rounded and cast back.
 at::Tensor resize_image(const at::Tensor& image, int64_t h, int64_t w, bool antialias) {
   at::Tensor x = image.unsqueeze(0);
-  const bool byte = image.scalar_type() == at::kByte;
+  const bool byte = image.scalar_type() == at::kByte, cast = !byte && !image.is_floating_point();
   if (byte)
     x = x.contiguous(at::MemoryFormat::ChannelsLast);
-  else if (!x.is_floating_point())
+  else if (cast)
     x = x.to(at::kFloat);
   at::Tensor y = antialias ? at::_upsample_bilinear2d_aa(x, {h, w}, /*align_corners=*/false)
                            : at::upsample_bilinear2d(x, {h, w}, /*align_corners=*/false);
+  if (cast) y = y.round_().to(image.scalar_type());
   return y.squeeze(0);
 }
 
@@ -146,17 +156,17 @@ class RandomResizedCrop final : public Transform {
     for (int attempt = 0; attempt < 10; ++attempt) {
       const double target_area = area * rng.uniform(o_.scale_.first, o_.scale_.second);
       const double aspect = std::exp(rng.uniform(log_lo, log_hi));
-      const auto w = static_cast<int64_t>(std::lround(std::sqrt(target_area * aspect)));
-      const auto h = static_cast<int64_t>(std::lround(std::sqrt(target_area / aspect)));
+      const int64_t w = round_half_even(std::sqrt(target_area * aspect));
+      const int64_t h = round_half_even(std::sqrt(target_area / aspect));
       if (0 < w && w <= width && 0 < h && h <= height)
         return {rng.integer(0, height - h), rng.integer(0, width - w), h, w};
     }
     const double in_ratio = static_cast<double>(width) / static_cast<double>(height);
     int64_t w = width, h = height;
     if (in_ratio < std::min(o_.ratio_.first, o_.ratio_.second)) {
-      h = std::lround(static_cast<double>(w) / std::min(o_.ratio_.first, o_.ratio_.second));
+      h = round_half_even(static_cast<double>(w) / std::min(o_.ratio_.first, o_.ratio_.second));
     } else if (in_ratio > std::max(o_.ratio_.first, o_.ratio_.second)) {
-      w = std::lround(static_cast<double>(h) * std::max(o_.ratio_.first, o_.ratio_.second));
+      w = round_half_even(static_cast<double>(h) * std::max(o_.ratio_.first, o_.ratio_.second));
     }
     return {(height - h) / 2, (width - w) / 2, h, w};
   }
@@ -180,14 +190,22 @@ class Resize final : public Transform {
   int64_t size_;
 };
 
+// torchvision.transforms.v2.functional.center_crop: the margin is halved with Python's round()
+// (a margin of 3 leaves 2 above, not 1), and an image smaller than the crop is first padded with
+// zeros (the odd pixel of padding goes to the bottom / right).
 class CenterCrop final : public Transform {
  public:
   CenterCrop(int64_t h, int64_t w) : h_(h), w_(w) {}
   Sample apply(Sample s, SampleRng&) const override {
     require_image(s, "center_crop");
-    const int64_t h = s.input.size(1), w = s.input.size(2);
-    require(h >= h_ && w >= w_, fmt::format("center_crop: crop {}x{} is larger than the image {}x{}", h_, w_, h, w));
-    s.input = s.input.narrow(1, (h - h_) / 2, h_).narrow(2, (w - w_) / 2, w_);
+    at::Tensor x = s.input;
+    if (h_ > x.size(1) || w_ > x.size(2)) {
+      const int64_t ph = std::max<int64_t>(h_ - x.size(1), 0), pw = std::max<int64_t>(w_ - x.size(2), 0);
+      x = at::constant_pad_nd(x, {pw / 2, (pw + 1) / 2, ph / 2, (ph + 1) / 2}, 0);
+    }
+    const int64_t top = round_half_even(static_cast<double>(x.size(1) - h_) / 2);
+    const int64_t left = round_half_even(static_cast<double>(x.size(2) - w_) / 2);
+    s.input = x.narrow(1, top, h_).narrow(2, left, w_);
     return s;
   }
 
