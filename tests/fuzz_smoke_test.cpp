@@ -96,5 +96,10 @@ TEST_CASE("fuzz smoke: ELF-note reader") { smoke("elf_note", fuzz::elf_note, 200
 TEST_CASE("fuzz smoke: checkpoint reader") { smoke("checkpoint", fuzz::checkpoint, 300); }
 TEST_CASE("fuzz smoke: safetensors reader") { smoke("safetensors", fuzz::safetensors, 1000); }
 TEST_CASE("fuzz smoke: IDX reader") { smoke("idx", fuzz::idx, 500); }
+TEST_CASE("fuzz smoke: CSV records and CsvDataset") { smoke("csv", fuzz::csv, 500); }
+TEST_CASE("fuzz smoke: JPEG and PNG through ImageFolder") { smoke("image", fuzz::image, 300); }
+TEST_CASE("fuzz smoke: tar shard reader") { smoke("tar", fuzz::tar, 500); }
+TEST_CASE("fuzz smoke: token file reader") { smoke("token", fuzz::token, 500); }
+TEST_CASE("fuzz smoke: distributed checkpoint metadata") { smoke("dcp_metadata", fuzz::dcp_metadata, 300); }
 
 }  // namespace fulgur
