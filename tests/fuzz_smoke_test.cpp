@@ -6,6 +6,7 @@
 #include "test_support.h"
 
 #include <fulgur/checkpoint_io.h>
+#include <fulgur/distributed_checkpoint.h>
 
 #include <ATen/core/ivalue.h>
 
@@ -178,6 +179,53 @@ TEST_CASE("checkpoint reader: zip records and end records that do not fit the fi
   const fs::path zip64 = dir / "zip64.ckpt";
   test::write_bytes(zip64, locator);
   check_unreadable(zip64, "the zip64 end-of-central-directory locator points at offset 1073741824");
+}
+
+// A dcp_metadata seed (4-byte length, `.metadata`, rank 0's data file) as a checkpoint directory.
+std::string dcp_directory(const test::TempDir& dir, const std::string& seed) {
+  const std::string bytes =
+      test::read_bytes(fs::path(FULGUR_TEST_SOURCE_DIR) / "tests/fuzz/corpus/dcp_metadata" / seed);
+  REQUIRE(bytes.size() >= 4);
+  uint32_t length = 0;
+  std::memcpy(&length, bytes.data(), 4);
+  REQUIRE(bytes.size() - 4 >= length);
+  test::write_bytes(dir / ".metadata", bytes.substr(4, length));
+  test::write_bytes(dir / "__0_0.distcp", bytes.substr(4 + length));
+  return dir.path().string();
+}
+
+// The same two faults in a distributed checkpoint: an entry's torch.save pickle declaring a ~4 GiB
+// string (LibTorch's unpickler allocated it: 4.4 GB peak RSS for a 3.7 KB checkpoint), and a
+// `.metadata` declaring a 6e11-element tensor over a 2x3 entry (at::empty threw a c10::Error
+// out of read_all, not a fulgur::Error).
+TEST_CASE("distributed checkpoint reader: corrupt entries and shapes are errors, not huge allocations") {
+  {
+    test::TempDir dir;
+    const dcp::Reader reader(dcp_directory(dir, "regression_4gib_string_entry.dcp"));
+    const int64_t peak_before = peak_rss_bytes();
+    try {
+      (void)reader.read_value("name");
+      FAIL("reading the corrupt entry did not fail");
+    } catch (const Error& e) {
+      CHECK(e.kind() == ErrorKind::checkpoint);
+      CHECK_MESSAGE(std::string(e.what()).find("the entry of 'name'") != std::string::npos, e.what());
+      CHECK_MESSAGE(std::string(e.what()).find("its pickle is cut short") != std::string::npos, e.what());
+    }
+    CHECK(peak_rss_bytes() - peak_before < (int64_t{1} << 30));
+  }
+  {
+    test::TempDir dir;
+    const dcp::Reader reader(dcp_directory(dir, "regression_huge_shape.dcp"));
+    try {
+      (void)reader.read("w");
+      FAIL("reading the corrupt tensor did not fail");
+    } catch (const Error& e) {
+      CHECK(e.kind() == ErrorKind::checkpoint);
+      CHECK_MESSAGE(std::string(e.what()).find("declares sizes (2, 300000000000), more than the 1577 bytes of its "
+                                               "entry in '__0_0.distcp' can hold") != std::string::npos,
+                    e.what());
+    }
+  }
 }
 
 TEST_CASE("fuzz smoke: TOML config parse and schema validation") { smoke("config", fuzz::config, 300); }
