@@ -45,6 +45,11 @@ void jpeg_on_message(j_common_ptr cinfo, int level) {
   }
 }
 
+// The most pixels decoded: twice Pillow's decompression-bomb threshold (Image.MAX_IMAGE_PIXELS,
+// 89478485), where Pillow refuses too. The header's dimensions size the output tensor before any
+// pixel is read, so a 100-byte file declaring 60000 x 60000 would otherwise allocate 10 GB.
+constexpr uint64_t kMaxPixels = 2 * 89478485ULL;
+
 struct Jpeg {
   jpeg_decompress_struct cinfo;
   JpegError err;
@@ -60,6 +65,17 @@ bool jpeg_read_header_safe(Jpeg& j, const uint8_t* data, size_t size, int channe
   if (setjmp(j.err.jump)) return false;
   jpeg_mem_src(&j.cinfo, data, static_cast<unsigned long>(size));
   jpeg_read_header(&j.cinfo, TRUE);
+  // Before jpeg_start_decompress, which allocates (and clears) buffers for the whole image when
+  // it is progressive or multi-scan: a 652-byte JPEG declaring 60000 x 60000 took it 28 s.
+  if (uint64_t{j.cinfo.image_width} * j.cinfo.image_height > kMaxPixels) {
+    std::snprintf(j.err.message, sizeof j.err.message,
+                  "%u x %u = %llu pixels, more than the %llu decoded (a corrupt "
+                  "header or a decompression bomb; Pillow refuses it too)",
+                  j.cinfo.image_width, j.cinfo.image_height,
+                  static_cast<unsigned long long>(uint64_t{j.cinfo.image_width} * j.cinfo.image_height),
+                  static_cast<unsigned long long>(kMaxPixels));
+    return false;
+  }
   j.cinfo.out_color_space = channels == 1 ? JCS_GRAYSCALE : JCS_RGB;
   jpeg_start_decompress(&j.cinfo);
   return !j.err.warned;
@@ -68,16 +84,25 @@ bool jpeg_read_header_safe(Jpeg& j, const uint8_t* data, size_t size, int channe
 bool jpeg_decode_safe(Jpeg& j, uint8_t* out) {
   if (setjmp(j.err.jump)) return false;
   const size_t row = static_cast<size_t>(j.cinfo.output_width) * static_cast<size_t>(j.cinfo.output_components);
-  while (j.cinfo.output_scanline < j.cinfo.output_height) {
+  // Stops at the first warning: the rest of a truncated file would only be grey fill.
+  while (j.cinfo.output_scanline < j.cinfo.output_height && !j.err.warned) {
     JSAMPROW rows[1] = {out + row * j.cinfo.output_scanline};
     jpeg_read_scanlines(&j.cinfo, rows, 1);
   }
+  if (j.err.warned) return false;
   jpeg_finish_decompress(&j.cinfo);
   return !j.err.warned;
 }
 
 [[noreturn]] void corrupt(const std::string& what, const std::string& why) {
   throw Error(ErrorKind::io, fmt::format("{}: not a valid image: {}", what, why));
+}
+
+void check_dimensions(uint64_t width, uint64_t height, const std::string& what, const char* format) {
+  if (width * height > kMaxPixels)
+    corrupt(what, fmt::format("{}: {} x {} = {} pixels, more than the {} decoded (a corrupt header or a "
+                              "decompression bomb; Pillow refuses it too)",
+                              format, width, height, width * height, kMaxPixels));
 }
 
 at::Tensor decode_jpeg(const uint8_t* data, size_t size, int64_t channels, const std::string& what) {
@@ -88,6 +113,7 @@ at::Tensor decode_jpeg(const uint8_t* data, size_t size, int64_t channels, const
   } destroy{j};
   if (!jpeg_read_header_safe(j, data, size, static_cast<int>(channels)))
     corrupt(what, fmt::format("JPEG: {}", j.err.message));
+  check_dimensions(j.cinfo.output_width, j.cinfo.output_height, what, "JPEG");
   // HWC, the order libjpeg writes; the (C, H, W) view below is channels-last in memory, the layout
   // ATen's fast uint8 resize kernels take.
   at::Tensor hwc = at::empty({j.cinfo.output_height, j.cinfo.output_width, j.cinfo.output_components}, at::kByte);
@@ -103,6 +129,8 @@ at::Tensor decode_png(const uint8_t* data, size_t size, int64_t channels, const 
   // Alpha is removed the way libpng's simplified API does with no background given (composited
   // over black); Pillow's convert("RGB") discards it instead, so semi-transparent pixels differ.
   image.format = channels == 1 ? PNG_FORMAT_GRAY : PNG_FORMAT_RGB;
+  if (image.width * uint64_t{image.height} > kMaxPixels) png_image_free(&image);
+  check_dimensions(image.width, image.height, what, "PNG");
   at::Tensor hwc = at::empty({image.height, image.width, channels}, at::kByte);
   if (!png_image_finish_read(&image, nullptr, hwc.data_ptr<uint8_t>(), 0, nullptr)) {
     std::string message = image.message;

@@ -134,7 +134,9 @@ std::optional<TarShards::Member> TarShards::next_member(bool) {
     for (size_t i = 0; i < kBlock; ++i) sum += (i >= 148 && i < 156) ? ' ' : static_cast<unsigned char>(h[i]);
     if (sum != stored) throw Corrupt{fmt::format("tar header checksum {} does not match {}", sum, stored)};
     int64_t size = 0;
-    if (!parse_number(h.data() + 124, 12, size) || size < 0) throw Corrupt{"bad size field in a tar header"};
+    // Sizes near INT64_MAX would overflow when rounded up to whole blocks.
+    if (!parse_number(h.data() + 124, 12, size) || size < 0 || size > INT64_MAX - static_cast<int64_t>(kBlock))
+      throw Corrupt{"bad size field in a tar header"};
     std::string name = field_string(h.data(), 100);
     if (std::memcmp(h.data() + 257, "ustar", 5) == 0) {
       std::string prefix = field_string(h.data() + 345, 155);
@@ -172,9 +174,17 @@ std::optional<TarShards::Member> TarShards::next_member(bool) {
 void TarShards::consume(Member& m, bool want) {
   const int64_t padded = (m.size + static_cast<int64_t>(kBlock) - 1) / static_cast<int64_t>(kBlock) * kBlock;
   if (want) {
-    m.data.assign(static_cast<size_t>(m.size), '\0');
-    in_->read(m.data.data(), m.size);
-    if (in_->gcount() != m.size) throw Corrupt{fmt::format("truncated in member '{}'", m.name)};
+    // In pieces, so that memory follows the bytes that are there, not the size the header claims
+    // (a 1 KB shard whose header says 8 GiB must be "truncated", not an 8 GiB allocation).
+    constexpr int64_t kPiece = int64_t{1} << 20;
+    m.data.clear();
+    for (int64_t done = 0; done < m.size;) {
+      const int64_t piece = std::min(kPiece, m.size - done);
+      m.data.resize(static_cast<size_t>(done + piece));
+      in_->read(m.data.data() + done, piece);
+      if (in_->gcount() != piece) throw Corrupt{fmt::format("truncated in member '{}'", m.name)};
+      done += piece;
+    }
     in_->ignore(padded - m.size);
     if (in_->gcount() != padded - m.size) throw Corrupt{fmt::format("truncated after member '{}'", m.name)};
     return;

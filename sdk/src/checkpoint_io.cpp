@@ -29,6 +29,8 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <optional>
+#include <string_view>
 #include <system_error>
 #include <vector>
 
@@ -234,24 +236,34 @@ std::string torch_reason(const c10::Error& e) { return e.what_without_backtrace(
   throw Error(ErrorKind::checkpoint, fmt::format("cannot read checkpoint '{}': {}", path, problem));
 }
 
-// Whether `tail` (the last bytes of a file) ends with a complete zip end-of-central-directory
-// record: its signature, 18 fixed bytes, then a comment whose length it states, ending the file.
-bool has_end_of_central_directory(const std::string& tail) {
+// `bytes[at, at + n)` (n <= 8) as an unsigned little-endian integer; the caller checks the bounds.
+uint64_t le(std::string_view bytes, size_t at, size_t n) {
+  uint64_t v = 0;
+  for (size_t i = 0; i < n; ++i) v |= uint64_t{static_cast<unsigned char>(bytes[at + i])} << (8 * i);
+  return v;
+}
+
+// Where in `tail` (the last bytes of a file) a complete zip end-of-central-directory record starts:
+// its signature, 18 fixed bytes, then a comment whose length it states, ending the file.
+std::optional<size_t> end_of_central_directory(std::string_view tail) {
   constexpr std::string_view kSignature("PK\x05\x06", 4);
   constexpr size_t kRecordSize = 22;
   for (size_t at = tail.rfind(kSignature); at != std::string::npos; at = tail.rfind(kSignature, at - 1)) {
-    if (at + kRecordSize <= tail.size()) {
-      const size_t comment_length = static_cast<unsigned char>(tail[at + 20]) |
-                                    (static_cast<size_t>(static_cast<unsigned char>(tail[at + 21])) << 8);
-      if (at + kRecordSize + comment_length == tail.size()) return true;
-    }
+    if (at + kRecordSize <= tail.size() && at + kRecordSize + le(tail, at + 20, 2) == tail.size()) return at;
     if (at == 0) break;
   }
-  return false;
+  return std::nullopt;
 }
 
+// The largest size deflate can expand `compressed` bytes to (its best ratio is about 1032:1).
+constexpr uint64_t max_inflated_size(uint64_t compressed) { return compressed * 1032 + 1024; }
+
 // Cheap checks that turn the common failures (missing, empty, not a zip, cut short) into a
-// precise message before miniz reports them as "failed finding central directory".
+// precise message before miniz reports them as "failed finding central directory", and then the
+// zip structure against the file's size: the (zip64) end records, the central directory, and each
+// record's local header and sizes. LibTorch allocates what a record declares before reading it
+// (getRecord sizes its buffer by the central directory's uncompressed size), so an archive that
+// declares more than it can hold must stop here, not in a multi-gigabyte allocation.
 void check_archive_framing(const std::string& path) {
   struct stat info {};
   if (::stat(path.c_str(), &info) != 0) {
@@ -264,8 +276,14 @@ void check_archive_framing(const std::string& path) {
 
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd < 0) unreadable(path, os_reason(errno));
-  auto read_at = [&](uint64_t offset, size_t count) {
-    std::string bytes(count, '\0');
+  struct Closer {
+    int fd;
+    ~Closer() { ::close(fd); }
+  } closer{fd};
+  // Up to `count` bytes at `offset` (fewer at the end of the file); callers bound `count` by the
+  // file's size.
+  auto read_at = [&](uint64_t offset, uint64_t count) {
+    std::string bytes(static_cast<size_t>(count), '\0');
     size_t done = 0;
     while (done < count) {
       const ssize_t n = ::pread(fd, bytes.data() + done, count - done, static_cast<off_t>(offset + done));
@@ -279,8 +297,8 @@ void check_archive_framing(const std::string& path) {
   const std::string head = read_at(0, 4);
   // The end-of-central-directory record (22 bytes + a comment of up to 64 KiB) closes every zip.
   const uint64_t tail_size = std::min<uint64_t>(size, 22 + 65535);
-  const std::string tail = read_at(size - tail_size, static_cast<size_t>(tail_size));
-  ::close(fd);
+  const uint64_t tail_offset = size - tail_size;
+  const std::string tail = read_at(tail_offset, tail_size);
 
   if (head.size() < 4 || head.compare(0, 4, "PK\x03\x04", 4) != 0) {
     if (!head.empty() && static_cast<unsigned char>(head[0]) == 0x80)
@@ -289,10 +307,106 @@ void check_archive_framing(const std::string& path) {
                  "libtorch cannot read; load and re-save it in Python with torch.save(obj, path)");
     unreadable(path, "not a PyTorch zip archive (it does not start with the zip signature)");
   }
-  if (!has_end_of_central_directory(tail))
+  const std::optional<size_t> eocd_in_tail = end_of_central_directory(tail);
+  if (!eocd_in_tail)
     unreadable(path, fmt::format("the file is truncated: the zip end-of-central-directory record is missing "
                                  "({} bytes on disk); it was probably cut short while being written or copied",
                                  size));
+
+  auto corrupt = [&](std::string_view what) {
+    unreadable(path, fmt::format("the zip structure is corrupt ({} bytes on disk): {}", size, what));
+  };
+  const std::string_view eocd = std::string_view(tail).substr(*eocd_in_tail);
+  const uint64_t eocd_offset = tail_offset + *eocd_in_tail;
+  uint64_t entries = le(eocd, 10, 2), cd_size = le(eocd, 12, 4), cd_offset = le(eocd, 16, 4);
+  uint64_t cd_end_limit = eocd_offset;  // the central directory ends before the end records
+  // The zip64 locator (20 bytes) right before the end record points at the zip64 end record,
+  // which holds the 64-bit counts and offsets (LibTorch always writes both).
+  if (eocd_offset >= 20) {
+    const std::string locator = read_at(eocd_offset - 20, 20);
+    if (locator.size() == 20 && locator.compare(0, 4, "PK\x06\x07", 4) == 0) {
+      const uint64_t record_offset = le(locator, 8, 8);
+      if (record_offset > eocd_offset - 20 || eocd_offset - 20 - record_offset < 56)
+        corrupt(
+            fmt::format("the zip64 end-of-central-directory locator points at offset {}, outside the space "
+                        "before it (which ends at {})",
+                        record_offset, eocd_offset - 20));
+      const std::string record = read_at(record_offset, 56);
+      if (record.size() < 56 || record.compare(0, 4, "PK\x06\x06", 4) != 0)
+        corrupt(fmt::format("there is no zip64 end-of-central-directory record at offset {}", record_offset));
+      entries = le(record, 32, 8);
+      cd_size = le(record, 40, 8);
+      cd_offset = le(record, 48, 8);
+      cd_end_limit = record_offset;
+    }
+  }
+  if (cd_offset > cd_end_limit || cd_size > cd_end_limit - cd_offset)
+    corrupt(
+        fmt::format("the central directory ({} bytes at offset {}) does not fit before the end records at "
+                    "offset {}",
+                    cd_size, cd_offset, cd_end_limit));
+  constexpr uint64_t kHeaderSize = 46;  // a central directory header without its name and fields
+  if (entries > cd_size / kHeaderSize)
+    corrupt(fmt::format("the end record declares {} records, more than a {}-byte central directory can hold", entries,
+                        cd_size));
+
+  const std::string cd = read_at(cd_offset, cd_size);
+  if (cd.size() != cd_size) corrupt("the central directory cannot be read in full");
+  size_t at = 0;
+  for (uint64_t i = 0; i < entries; ++i) {
+    if (cd.size() - at < kHeaderSize || cd.compare(at, 4, "PK\x01\x02", 4) != 0)
+      corrupt(fmt::format("central directory header {} of {} (at offset {}) is missing or cut short", i + 1, entries,
+                          cd_offset + at));
+    const uint64_t method = le(cd, at + 10, 2);
+    uint64_t compressed = le(cd, at + 20, 4), uncompressed = le(cd, at + 24, 4), local = le(cd, at + 42, 4);
+    const uint64_t name_length = le(cd, at + 28, 2), extra_length = le(cd, at + 30, 2),
+                   comment_length = le(cd, at + 32, 2);
+    if (cd.size() - at - kHeaderSize < name_length + extra_length + comment_length)
+      corrupt(fmt::format("central directory header {} of {} (at offset {}) runs past the central directory", i + 1,
+                          entries, cd_offset + at));
+    const std::string name = cd.substr(at + kHeaderSize, name_length);
+    // The zip64 extra field holds, in this order, each of the three values saturated above.
+    const std::string_view extra = std::string_view(cd).substr(at + kHeaderSize + name_length, extra_length);
+    for (size_t e = 0; e + 4 <= extra.size();) {
+      const uint64_t id = le(extra, e, 2), length = le(extra, e + 2, 2);
+      if (length > extra.size() - e - 4)
+        corrupt(fmt::format("record '{}' has an extra field that runs past its header", name));
+      if (id == 1) {
+        size_t f = e + 4;
+        for (uint64_t* value : {&uncompressed, &compressed, &local}) {
+          if (*value != 0xFFFFFFFF) continue;
+          if (f + 8 > e + 4 + length)
+            corrupt(fmt::format("record '{}' has a zip64 extra field that is too short", name));
+          *value = le(extra, f, 8);
+          f += 8;
+        }
+      }
+      e += 4 + length;
+    }
+    at += kHeaderSize + name_length + extra_length + comment_length;
+
+    // The record: a local header (30 bytes, its own name and extra field), then the data, all
+    // before the central directory.
+    constexpr uint64_t kLocalSize = 30;
+    const std::string local_header = local <= cd_offset ? read_at(local, kLocalSize) : std::string();
+    if (local_header.size() < kLocalSize || local_header.compare(0, 4, "PK\x03\x04", 4) != 0)
+      corrupt(fmt::format("record '{}' has no local header at offset {}", name, local));
+    const uint64_t data_offset = local + kLocalSize + le(local_header, 26, 2) + le(local_header, 28, 2);
+    if (data_offset > cd_offset || compressed > cd_offset - data_offset)
+      corrupt(
+          fmt::format("record '{}' ({} bytes at offset {}) runs past the start of the central directory at "
+                      "offset {}",
+                      name, compressed, data_offset, cd_offset));
+    if (method == 0 && uncompressed != compressed)
+      corrupt(fmt::format("record '{}' is stored uncompressed but declares {} bytes in {} bytes of data", name,
+                          uncompressed, compressed));
+    if (method == 8 && uncompressed > max_inflated_size(compressed))
+      corrupt(fmt::format("record '{}' declares {} bytes, more than its {} compressed bytes can hold", name,
+                          uncompressed, compressed));
+    if (method != 0 && method != 8)
+      corrupt(fmt::format("record '{}' uses zip compression method {} (PyTorch archives are stored or deflated)", name,
+                          method));
+  }
 }
 
 }  // namespace

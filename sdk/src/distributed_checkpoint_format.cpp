@@ -14,12 +14,15 @@
 
 #include <ATen/core/ivalue.h>
 #include <c10/util/Exception.h>
+#include <caffe2/serialize/in_memory_adapter.h>
 #include <caffe2/serialize/inline_container.h>
+#include <torch/csrc/jit/serialization/import_read.h>
 #include <torch/csrc/jit/serialization/pickle.h>
 #include <torch/csrc/jit/serialization/pickler.h>
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <array>
 #include <map>
 #include <stdexcept>
@@ -332,6 +335,8 @@ Index decode_metadata(std::string_view bytes) {
       const std::string where = fmt::format("the metadata of '{}'", item.key);
       item.dtype = decode_dtype(field(*v, "properties", where), item.key);
       item.shape = int_tuple(field(*v, "size", where), where + " size");
+      if (std::any_of(item.shape.begin(), item.shape.end(), [](int64_t n) { return n < 0; }))
+        bad(fmt::format("'{}' has a negative size", item.key));
       const PyValue& chunks = field(*v, "chunks", where);
       if (chunks.kind != PyValue::Kind::list) bad(where + " has no chunk list");
       for (const PyPtr& c : chunks.items) {
@@ -342,7 +347,8 @@ Index decode_metadata(std::string_view bytes) {
         if (chunk.offsets.size() != item.shape.size() || chunk.sizes.size() != item.shape.size())
           bad(fmt::format("a chunk of '{}' has a different rank than the tensor", item.key));
         for (size_t d = 0; d < item.shape.size(); ++d)
-          if (chunk.offsets[d] < 0 || chunk.sizes[d] < 0 || chunk.offsets[d] + chunk.sizes[d] > item.shape[d])
+          if (chunk.offsets[d] < 0 || chunk.sizes[d] < 0 || chunk.offsets[d] > item.shape[d] ||
+              chunk.sizes[d] > item.shape[d] - chunk.offsets[d])
             bad(fmt::format("a chunk of '{}' lies outside the tensor", item.key));
         auto it = tensor_ranges.find({item.key, chunk.offsets});
         if (it == tensor_ranges.end())
@@ -387,7 +393,24 @@ std::string torch_save_bytes(const c10::IValue& value) {
 
 c10::IValue torch_load_bytes(std::string bytes) {
   try {
-    return torch::jit::pickle_load(std::vector<char>(bytes.begin(), bytes.end()));
+    // What torch::jit::pickle_load does, with the checks read_checkpoint_file makes first: LibTorch
+    // sizes a record's buffer, and the unpickler a string, by what the bytes declare, before it
+    // finds them missing (a corrupt entry could otherwise cost gigabytes).
+    caffe2::serialize::PyTorchStreamReader reader(
+        std::make_shared<caffe2::serialize::MemoryReadAdapter>(bytes.data(), static_cast<off_t>(bytes.size())));
+    for (const std::string& name : reader.getAllRecords())
+      if (const size_t declared = reader.getRecordSize(name); declared > bytes.size() * 1032 + 1024)
+        throw std::runtime_error(
+            fmt::format("its record '{}' declares {} bytes in an entry of {} bytes", name, declared, bytes.size()));
+    if (reader.hasRecord("data.pkl")) {
+      auto [record, size] = reader.getRecord("data.pkl");
+      const std::string problem =
+          fulgur::detail::pickle_memo_problem(std::string_view(static_cast<const char*>(record.get()), size));
+      if (!problem.empty()) throw std::runtime_error(problem);
+    }
+    return torch::jit::readArchiveAndTensors("data", /*pickle_prefix=*/"", /*tensor_prefix=*/"",
+                                             /*type_resolver=*/std::nullopt, /*obj_loader=*/std::nullopt,
+                                             /*device=*/std::nullopt, reader);
   } catch (const c10::Error& e) {
     throw std::runtime_error(e.what_without_backtrace());
   }

@@ -222,6 +222,35 @@ at::Tensor Reader::read(const std::string& key, const std::vector<int64_t>& offs
         fmt::format("cannot read the region at offsets ({}) of sizes ({}) of '{}' in distributed checkpoint "
                     "'{}': the tensor's shape is ({})",
                     fmt::join(offsets, ", "), fmt::join(sizes, ", "), key, impl_->dir, fmt::join(item.shape, ", ")));
+  // Before allocating the region: the chunks that overlap it must be able to fill it, each from
+  // the bytes its file holds for it. Otherwise shapes in a corrupt `.metadata` would size the
+  // allocation (a few bytes declaring a 1e12-element tensor).
+  const int64_t element_size = static_cast<int64_t>(c10::elementSize(item.dtype));
+  int64_t wanted = 1, coverable = 0;
+  for (size_t d = 0; d < rank; ++d)
+    if (__builtin_mul_overflow(wanted, sizes[d], &wanted)) wanted = INT64_MAX;
+  for (const detail::StoredChunk& chunk : item.chunks) {
+    if (chunk.offsets.size() != rank || chunk.sizes.size() != rank) continue;
+    int64_t count = 1, held = 1;
+    for (size_t d = 0; d < rank; ++d) {
+      const int64_t lo = std::max(offsets[d], chunk.offsets[d]);
+      const int64_t hi = std::min(offsets[d] + sizes[d], chunk.offsets[d] + std::max<int64_t>(chunk.sizes[d], 0));
+      if (__builtin_mul_overflow(count, std::max<int64_t>(hi - lo, 0), &count)) count = INT64_MAX;
+      if (__builtin_mul_overflow(held, std::max<int64_t>(chunk.sizes[d], 0), &held)) held = INT64_MAX;
+    }
+    if (count == 0) continue;
+    if (held > chunk.range.length / element_size)
+      impl_->fail(fmt::format(
+          "the chunk of '{}' at offsets ({}) declares sizes ({}), more than the {} bytes of its "
+          "entry in '{}' can hold; the checkpoint's .metadata is corrupt",
+          key, fmt::join(chunk.offsets, ", "), fmt::join(chunk.sizes, ", "), chunk.range.length, chunk.range.file));
+    if (__builtin_add_overflow(coverable, count, &coverable)) coverable = INT64_MAX;
+  }
+  if (coverable < wanted)
+    impl_->fail(
+        fmt::format("its chunks of '{}' hold at most {} of the {} elements at offsets ({}) of sizes ({}); the "
+                    "checkpoint is incomplete",
+                    key, coverable, wanted, fmt::join(offsets, ", "), fmt::join(sizes, ", ")));
   at::Tensor out = at::empty(sizes, at::TensorOptions().dtype(item.dtype));
   if (out.numel() == 0) return out;
   int64_t covered = 0;

@@ -20,7 +20,8 @@ c10::IValue plain_containers(const c10::IValue& value);
 
 // LibTorch's unpickler grows its memo table to the largest index a BINPUT/LONG_BINPUT names, so
 // a small corrupt pickle can make it allocate gigabytes (see pickle::memo_index_possible). This
-// walks every opcode up to STOP and returns the problem with the first impossible index, or
+// walks every opcode up to STOP and returns the problem with the first impossible index or the
+// first argument longer than the bytes left (torch allocates what it declares before reading), or
 // empty; at a byte that is no opcode of protocols 2 to 4 it stops: torch cannot read on there
 // either.
 std::string pickle_memo_problem(std::string_view pickle);

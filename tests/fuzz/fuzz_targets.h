@@ -10,11 +10,16 @@
 
 namespace fulgur::fuzz {
 
-int config(const uint8_t* data, size_t size);       // TOML config, parse + schema validation
-int elf_note(const uint8_t* data, size_t size);     // plugin ELF-note reader
-int checkpoint(const uint8_t* data, size_t size);   // checkpoint archive reader
-int idx(const uint8_t* data, size_t size);          // Fashion-MNIST IDX reader (plain and gzip)
-int safetensors(const uint8_t* data, size_t size);  // safetensors reader (smoke only: no libFuzzer target yet)
+int config(const uint8_t* data, size_t size);        // TOML config, parse + schema validation
+int elf_note(const uint8_t* data, size_t size);      // plugin ELF-note reader
+int checkpoint(const uint8_t* data, size_t size);    // checkpoint archive reader
+int idx(const uint8_t* data, size_t size);           // Fashion-MNIST IDX reader (plain and gzip)
+int safetensors(const uint8_t* data, size_t size);   // safetensors reader
+int csv(const uint8_t* data, size_t size);           // CSV record reader/writer and CsvDataset
+int image(const uint8_t* data, size_t size);         // JPEG / PNG decoding through ImageFolder
+int tar(const uint8_t* data, size_t size);           // WebDataset tar shard reader
+int token(const uint8_t* data, size_t size);         // token file reader (GPT example's data)
+int dcp_metadata(const uint8_t* data, size_t size);  // distributed checkpoint `.metadata` + read
 
 }  // namespace fulgur::fuzz
 

@@ -75,6 +75,79 @@ def main():
                 "i": torch.tensor([1, -2]), "b": torch.tensor([True, False])}, metadata={"format": "pt"}))
     write("safetensors", "empty.safetensors", save({}))
 
+    data_seeds()
+
+
+def data_seeds():
+    """The seeds of the data readers and the distributed checkpoint (no plugin needed)."""
+    # CSV: the first byte picks the delimiter (bits 0-1: , TAB ; |), skip_corrupt (bit 2), the
+    # "label" target (bit 3), a fixed vocabulary for "c" (bit 4) and the columns x, c (bit 5).
+    write("csv", "numeric_target.csv", b"\x08x,y,label\n1.5,2,a\n-3,4e2,b\n0,0,a\n")
+    write("csv", "quoted_categorical.csv", b'\x18x,c,label\r\n"1",a,"x, ""y"""\r\n2,b,"multi\nline"\r\n')
+    write("csv", "tsv_skip_corrupt.tsv", b"\x05x\tc\n1\ta\nnot-a-number\tb\n3\n")
+    write("csv", "columns.csv", b"\x28x,c,z,label\n1,a,9,p\n2,b,8,q\n")
+
+    # Images: the first byte picks grey output (bit 0) and skip_corrupt (bit 1).
+    from PIL import Image
+    def image_bytes(mode, size, fmt, **kw):
+        img = Image.new(mode, size)
+        img.putdata([tuple((x * 37 + y * 11 + c * 5) % 256 for c in range(len(mode))) if len(mode) > 1
+                     else (x * 37 + y * 11) % 256 for y in range(size[1]) for x in range(size[0])]
+                    if mode != "P" else [(x + y) % 4 for y in range(size[1]) for x in range(size[0])])
+        if mode == "P":
+            img.putpalette([0, 0, 0, 255, 0, 0, 0, 255, 0, 0, 0, 255])
+        buffer = io.BytesIO()
+        img.save(buffer, fmt, **kw)
+        return buffer.getvalue()
+    write("image", "rgb.png", b"\x00" + image_bytes("RGB", (4, 3), "PNG"))
+    write("image", "grey_as_grey.png", b"\x01" + image_bytes("L", (3, 2), "PNG"))
+    write("image", "rgba.png", b"\x00" + image_bytes("RGBA", (2, 2), "PNG"))
+    write("image", "palette.png", b"\x02" + image_bytes("P", (5, 3), "PNG"))
+    write("image", "rgb.jpg", b"\x00" + image_bytes("RGB", (8, 8), "JPEG", quality=50))
+    write("image", "grey_progressive.jpg", b"\x01" + image_bytes("L", (9, 5), "JPEG", progressive=True))
+
+    # Tar shards: the first byte picks skip_corrupt (bit 0), the .cls target (bit 1, else .txt) and a
+    # .json extra (bit 2).
+    import tarfile
+    def shard(members, fmt):
+        buffer = io.BytesIO()
+        with tarfile.open(fileobj=buffer, mode="w", format=fmt) as tar:
+            for name, data in members:
+                info = tarfile.TarInfo(name)
+                info.size = len(data)
+                info.mtime = 0
+                tar.addfile(info, io.BytesIO(data))
+        return buffer.getvalue()
+    samples = [("s/000.jpg", b"\xff\xd8jpeg0"), ("s/000.cls", b"3"), ("s/000.json", b"{}"), ("s/000.txt", b"t"),
+               ("s/001.jpg", b"\xff\xd8jpeg1"), ("s/001.cls", b"1\n"), ("s/001.json", b"[]"), ("s/001.txt", b"u")]
+    write("tar", "ustar.tar", b"\x06" + shard(samples, tarfile.USTAR_FORMAT))
+    long_name = "d" * 120 + "/000"
+    write("tar", "pax_long_name.tar",
+          b"\x02" + shard([(long_name + ".jpg", b"x"), (long_name + ".cls", b"7")], tarfile.PAX_FORMAT))
+    write("tar", "gnu_long_name_missing_member.tar",
+          b"\x03" + shard([(long_name + ".jpg", b"x"), ("e/002.jpg", b"y"), ("e/002.cls", b"2")], tarfile.GNU_FORMAT))
+
+    # Token files: byte 0 picks uint32 (bit 0) and skip_corrupt (bit 1); byte 1 the block size, byte 2
+    # the stride, byte 3 the vocabulary size / 64; then the tokens.
+    write("token", "uint16.bin", bytes([0, 4, 0, 1]) + struct.pack("<12H", *range(12)))
+    write("token", "uint32_stride.bin", bytes([1, 3, 2, 0]) + struct.pack("<9I", *range(100, 109)))
+    write("token", "out_of_vocab_skip.bin", bytes([2, 2, 1, 1]) + struct.pack("<8H", 1, 2, 3, 64, 5, 6, 7, 8))
+
+    # Distributed checkpoints as Python's torch.distributed.checkpoint writes them (one process):
+    # a 4-byte length, `.metadata`, then rank 0's data file.
+    import tempfile
+    import torch
+    import torch.distributed.checkpoint as dcp
+    def dcp_seed(name, state):
+        with tempfile.TemporaryDirectory() as d:
+            dcp.save(state, checkpoint_id=d, no_dist=True)
+            metadata = open(os.path.join(d, ".metadata"), "rb").read()
+            data = open(os.path.join(d, "__0_0.distcp"), "rb").read()
+        write("dcp_metadata", name, struct.pack("<I", len(metadata)) + metadata + data)
+    dcp_seed("tensors.dcp", {"w": torch.arange(6.0).reshape(2, 3), "b": torch.ones(2, dtype=torch.bfloat16)})
+    dcp_seed("nested_values.dcp", {"model": {"w": torch.tensor([1, 2], dtype=torch.int64)}, "epoch": 3,
+                                   "opt": {"param_groups": [{"lr": 0.1, "params": [0]}]}})
+
 
 if __name__ == "__main__":
     main()
