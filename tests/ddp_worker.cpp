@@ -11,6 +11,8 @@
 //   FULGUR_TEST_BLOCKS=1: fc1 and fc2 run as blocks (fulgur::run_block): units of zero_stage = 3;
 //   FULGUR_TEST_CHECKPOINT=1 adds activation checkpointing to them. The metrics file then records
 //   the storage fc1.weight holds after fit (0 when resharded); the weights are read whole.
+//   FULGUR_TEST_SEQUENTIAL=1: fc1, tanh and fc2 are held in a torch::nn::Sequential ("layers")
+//   that forward calls (fsdp's auto_wrap_policy routes its elements through fulgur::run_block).
 //   FULGUR_TEST_BUILT_BLOCKS=1: fc1 and fc2 are made in configure_model, each marked complete with
 //   fulgur::built_block (zero_stage = 3 shards them as they are built); with
 //   FULGUR_TEST_SCRAMBLE_INIT the ranks other than 0 then draw from other seeds instead.
@@ -47,7 +49,13 @@ namespace {
 
 struct Mlp : fulgur::Module {
   Mlp() {
-    if (!std::getenv("FULGUR_TEST_BUILT_BLOCKS")) {
+    if (std::getenv("FULGUR_TEST_SEQUENTIAL")) {
+      // The same layers (and initial weights) held in a Sequential, which calls them: what fsdp's
+      // auto_wrap_policy can route through run_block. Parameter names: layers.0.*, layers.2.*.
+      fc1 = torch::nn::Linear(16, 32);
+      fc2 = torch::nn::Linear(32, 4);
+      layers = register_module("layers", torch::nn::Sequential(fc1, torch::nn::Tanh(), fc2));
+    } else if (!std::getenv("FULGUR_TEST_BUILT_BLOCKS")) {
       fc1 = register_module("fc1", torch::nn::Linear(16, 32));
       fc2 = register_module("fc2", torch::nn::Linear(32, 4));
     }
@@ -66,7 +74,9 @@ struct Mlp : fulgur::Module {
   }
   at::Tensor forward(const at::Tensor& x) {
     at::Tensor out;
-    if (std::getenv("FULGUR_TEST_BLOCKS")) {
+    if (layers) {
+      out = layers->forward(x);
+    } else if (std::getenv("FULGUR_TEST_BLOCKS")) {
       const auto options = fulgur::BlockOptions().checkpoint_activations(std::getenv("FULGUR_TEST_CHECKPOINT"));
       const at::Tensor h = fulgur::run_block(
           *fc1, x, [fc1 = fc1](const at::Tensor& in) mutable { return torch::tanh(fc1->forward(in)); }, options);
@@ -115,6 +125,7 @@ struct Mlp : fulgur::Module {
     return {fulgur::OptimizerConfig(std::make_shared<torch::optim::SGD>(parameters(), torch::optim::SGDOptions(0.1)))};
   }
   torch::nn::Linear fc1{nullptr}, fc2{nullptr}, frozen{nullptr};
+  torch::nn::Sequential layers{nullptr};
   at::Tensor scale;
   int64_t rank = 0;
   int64_t calls = 0;
@@ -246,7 +257,8 @@ int main(int argc, char** argv) {
     }
     torch::save(weights, fmt::format("{}/weights_rank{}.pt", argv[2], rank));
     std::ofstream metrics(fmt::format("{}/metrics_rank{}.txt", argv[2], rank));
-    if (std::getenv("FULGUR_TEST_BLOCKS")) metrics << "fc1_weight_bytes " << fc1_weight_bytes << '\n';
+    if (std::getenv("FULGUR_TEST_BLOCKS") || std::getenv("FULGUR_TEST_SEQUENTIAL"))
+      metrics << "fc1_weight_bytes " << fc1_weight_bytes << '\n';
     for (const auto& [k, v] : trainer.callback_metrics()) metrics << k << ' ' << fmt::format("{:.9g}", v) << '\n';
     metrics << "global_step " << trainer.global_step() << '\n';
     metrics << "current_epoch " << trainer.current_epoch() << '\n';

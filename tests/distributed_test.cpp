@@ -27,6 +27,7 @@
 
 #include "../core/src/distributed/nccl_backend.h"
 #include "test_support.h"
+#include "training_job.h"
 
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
@@ -842,6 +843,97 @@ TEST_CASE("fsdp: state_dict_type other than full or sharded is refused") {
   auto run = run_worker(toml, {}, sharding_env());
   CHECK(run->result.status != 0);
   CHECK(contains(run->result.output, "state_dict_type = \"local\" is not known"));
+}
+
+TEST_CASE("fsdp: the Fashion-MNIST MLP under ZeRO-3 on 2 ranks is refused, naming its layers and the fix") {
+  // The shipped example program: its MLP calls fc1 and fc2 itself (no fulgur::run_block).
+  TempDir dir;
+  const fs::path plugins = fulgur::test::job::plugin_dir(dir, {});
+  auto run = [&](const std::string& strategy_options) {
+    const fs::path toml = dir / "job.toml";
+    fulgur::test::write_bytes(toml,
+                              fulgur::test::job::toml(dir.path(), plugins, 1, 2, "strategy = \"fsdp\"\ndevices = 2\n",
+                                                      "[strategy]\nzero_stage = 3\n" + strategy_options));
+    return fulgur::test::job::run_example(toml, dir.path());
+  };
+  const auto none = run("");
+  CHECK(none.exit_code != 0);
+  CHECK(contains(none.output, "zero_stage = 3 would shard none of the model's 203530 parameters (4 tensors"));
+  const auto size = run("auto_wrap_policy = \"size\"\nauto_wrap_min_params = 1000\n");
+  CHECK(size.exit_code != 0);
+  CHECK(contains(size.output, "selects 2 submodule(s) whose forward the model's own code calls: 'fc1' ("));
+  CHECK(contains(size.output, "200960 parameters"));
+}
+
+// ---- fsdp ZeRO-3: units from the Module or from auto_wrap_policy, never none (#33 item 3) -------
+
+TEST_CASE("fsdp: ZeRO-3 refuses a model none of whose parameters is in a unit, and says at info how much it shards") {
+  // fc1 and fc2 called by the model's own code: nothing to gather around, nothing sharded. Once
+  // this trained silently as ZeRO-2 ("0 units" in the debug log only).
+  auto none = run_worker(worker_config("fsdp:3", "2", 12, 3), {}, sharding_env());
+  CHECK(none->result.status != 0);
+  CHECK(contains(none->result.output,
+                 "zero_stage = 3 would shard none of the model's 717 parameters (9 tensors: fc1.bias, fc1.weight"));
+  CHECK(contains(none->result.output, "auto_wrap_policy = \"root\""));
+  CHECK(contains(none->result.output, "fulgur::run_block"));
+  // A size policy selects fc1 and fc2, which no Sequential calls: refused, naming them.
+  auto direct = run_worker(with_strategy_option(worker_config("fsdp:3", "2", 12, 3),
+                                                "auto_wrap_policy = \"size\"\nauto_wrap_min_params = 100"),
+                           {}, sharding_env());
+  CHECK(direct->result.status != 0);
+  CHECK(contains(direct->result.output, "selects 2 submodule(s) whose forward the model's own code calls: 'fc1' ("));
+  CHECK(contains(direct->result.output, "'fc2' ("));
+  // Whole parameters accepted explicitly (FSDP's root unit alone): trains, and says so.
+  auto root = run_worker(with_strategy_option(worker_config("fsdp:3", "2", 12, 3), "auto_wrap_policy = \"root\""), {},
+                         sharding_env());
+  REQUIRE_SUCCESS(root);
+  CHECK(contains(root->result.output, "zero_stage = 3 shards 0 of 717 parameters (0.0%) in 0 units"));
+  // Blocks: fc1 (16x32 + 32) and fc2 (32x4 + 4) are units; the 0-dim scale and the frozen layer
+  // (and the unused one) stay whole, and the line at the default level says which.
+  auto blocks = run_worker(worker_config("fsdp:3", "2", 12, 3), {}, block_env());
+  REQUIRE_SUCCESS(blocks);
+  CHECK(contains(blocks->result.output,
+                 "zero_stage = 3 shards 676 of 717 parameters (94.3%) in 2 units (0 auto-wrapped); 41 parameters in "
+                 "5 tensors outside units"));
+  // The policy belongs to stage 3.
+  auto stage2 = run_worker(with_strategy_option(worker_config("fsdp:2", "2", 12, 3), "auto_wrap_policy = \"size\""), {},
+                           sharding_env());
+  CHECK(stage2->result.status != 0);
+  CHECK(contains(stage2->result.output, "auto_wrap_policy = \"size\" applies to zero_stage = 3"));
+}
+
+TEST_CASE(
+    "fsdp: auto_wrap_policy makes a Sequential's layers ZeRO-3 units, freed between uses, and reaches the weights "
+    "of one process") {
+  auto env = sharding_env();
+  env.erase("FULGUR_TEST_SHARDING_MODEL");  // only the Sequential's two Linears hold parameters
+  env.erase("FULGUR_TEST_UNUSED_LAYER");
+  env["FULGUR_TEST_SEQUENTIAL"] = "1";
+  auto single = run_worker(worker_config("single_device", "1", 24, 6, 2), {}, env);
+  REQUIRE_SUCCESS(single);
+  env["FULGUR_TEST_SCRAMBLE_INIT"] = "1";  // rank 0's initial weights must win
+  env["FULGUR_LOG_LEVEL"] = "debug";
+  const std::string size = "auto_wrap_policy = \"size\"\nauto_wrap_min_params = 100";
+  const std::string modules = "auto_wrap_policy = \"modules\"\nauto_wrap_modules = [\"Linear\"]";
+  for (const std::string& policy : {size, modules}) {
+    CAPTURE(policy);
+    auto run = run_worker(with_strategy_option(worker_config("fsdp:3", "2", 12, 6, 2), policy), {}, env);
+    REQUIRE_SUCCESS(run);
+    const std::string& out = run->result.output;
+    CHECK(contains(out, "zero_stage = 3 shards 676 of 676 parameters (100.0%) in 2 units (2 auto-wrapped)"));
+    CHECK(contains(out, "makes 2 unit(s): 'layers.0' (torch::nn::Linear"));
+    // Each layer gathered for its forward and its backward, one reduce-scatter each.
+    CHECK(contains(out, "reduce-scatters (2 units)"));
+    for (int r = 0; r < 2; ++r) {
+      CHECK(max_difference(weights(*run, r), weights(*single, 0)) < 1e-5);
+      CHECK(metrics(*run, r).at("fc1_weight_bytes") == 0);  // freed outside its uses
+    }
+  }
+  // A size too large for any layer selects nothing: refused, not silently ZeRO-2.
+  auto nothing =
+      run_worker(with_strategy_option(worker_config("fsdp:3", "2", 12, 3), "auto_wrap_policy = \"size\""), {}, env);
+  CHECK(nothing->result.status != 0);
+  CHECK(contains(nothing->result.output, "(auto_wrap_min_params = 100000000) selects no submodule of the model"));
 }
 
 TEST_CASE("activation checkpointing: blocks that recompute reach the same weights under one process, ddp and ZeRO-3") {

@@ -192,7 +192,9 @@ TEST_CASE(
   TempDir dir;
   const fs::path plugins = job::plugin_dir(dir, {"signal-at-step"});
   const std::string fsdp = "strategy = \"fsdp\"\ndevices = 2\n";
-  const std::string sharded = "[strategy]\nzero_stage = 3\nstate_dict_type = \"sharded\"\n";
+  // The MLP runs no fulgur::run_block blocks: its parameters stay whole, accepted explicitly.
+  const std::string sharded =
+      "[strategy]\nzero_stage = 3\nstate_dict_type = \"sharded\"\nauto_wrap_policy = \"root\"\n";
   const fs::path ref = dir.subdir("reference");
   std::ofstream(ref / "job.toml") << job::toml(ref, plugins, 1, 16, fsdp,
                                                job::checkpointing(ref / "ckpt", 4) + sharded);

@@ -6,6 +6,7 @@
 // library and may use only the SDK.
 #pragma once
 
+#include <fulgur/blocks.h>
 #include <fulgur/error.h>
 #include <fulgur/trainer_context.h>
 
@@ -68,10 +69,19 @@ inline std::string shape(const at::Tensor& t) {
 
 // An average of a model's tensors kept beside it (ema, swa). Floating tensors are averaged;
 // others (BatchNorm's num_batches_tracked) are copied on each update.
+//
+// Under a strategy that shards parameters (fsdp, zero_stage = 3) they hold no values outside the
+// blocks that use them: every method that reads or writes the model's tensors makes them whole
+// first with fulgur::FullParameters (a collective: every rank calls these methods together, as
+// the callbacks do, with the same decisions), and the strategy writes what was changed back to its
+// shards when the guard goes. The average itself is whole on every rank, as under ddp. Without
+// sharding the guard does nothing.
 class AveragedWeights {
  public:
-  // `device` empty: where the model's tensors are.
+  // `device` empty: where the model's tensors are. `model` must outlive this object's use.
   void init(torch::nn::Module& model, bool with_buffers, const std::string& device) {
+    model_ = &model;
+    FullParameters whole(model);
     live_ = model_tensors(model, with_buffers);
     average_.clear();
     backup_.clear();
@@ -93,6 +103,7 @@ class AveragedWeights {
   // with `weight_of_new(n_averaged)` (EMA: 1 - decay; a plain mean: 1 / (n + 1)).
   template <class WeightOfNew>
   void update(WeightOfNew weight_of_new) {
+    FullParameters whole(*model_);
     at::NoGradGuard no_grad;
     for (size_t i = 0; i < live_.size(); ++i) {
       at::Tensor source = live_[i].tensor.detach();
@@ -109,6 +120,7 @@ class AveragedWeights {
   // Puts the average into the model, keeping the model's own values to put back.
   void swap_in() {
     if (swapped_) return;
+    FullParameters whole(*model_);
     at::NoGradGuard no_grad;
     if (backup_.size() != live_.size()) {
       backup_.clear();
@@ -122,6 +134,7 @@ class AveragedWeights {
   }
   void swap_out() {
     if (!swapped_) return;
+    FullParameters whole(*model_);
     at::NoGradGuard no_grad;
     for (size_t i = 0; i < live_.size(); ++i) live_[i].tensor.detach().copy_(backup_[i]);
     swapped_ = false;
@@ -129,6 +142,7 @@ class AveragedWeights {
   bool swapped() const { return swapped_; }
   // Copies the average into the model for good.
   void copy_to_model() {
+    FullParameters whole(*model_);
     at::NoGradGuard no_grad;
     swapped_ = false;
     for (size_t i = 0; i < live_.size(); ++i) live_[i].tensor.detach().copy_(average_[i]);
@@ -175,6 +189,7 @@ class AveragedWeights {
   }
 
  private:
+  torch::nn::Module* model_ = nullptr;
   std::vector<NamedTensor> live_;
   std::vector<at::Tensor> average_;
   std::vector<at::Tensor> backup_;

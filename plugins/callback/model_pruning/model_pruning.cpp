@@ -16,6 +16,7 @@
 // run keeps them.
 //
 // Not offered: random pruning, the lottery ticket reset and resample_parameters.
+#include <fulgur/blocks.h>
 #include <fulgur/plugin.h>
 
 #include "../common/callback_conventions.h"
@@ -120,6 +121,7 @@ class ModelPruning final : public fulgur::CallbackBase<ModelPruning> {
 
   void on_fit_start(fulgur::TrainerContext& trainer) override {
     pruned_.clear();
+    model_ = &trainer.model();
     const std::set<std::string> wanted(names_.begin(), names_.end());
     for (const auto& item : trainer.model().named_parameters(/*recurse=*/true)) {
       const std::string& name = item.key();
@@ -208,13 +210,19 @@ class ModelPruning final : public fulgur::CallbackBase<ModelPruning> {
     }
   }
 
+  // Under a strategy that shards parameters (fsdp, zero_stage = 3), the weights are made whole
+  // around reading and zeroing them (a collective: every rank prunes and masks together, with the
+  // same masks) and the strategy writes the zeros back to its shards; otherwise the guard does
+  // nothing.
   void apply_masks() {
+    fulgur::FullParameters whole(*model_);
     at::NoGradGuard no_grad;
     for (auto& p : pruned_) p.param.detach().mul_(p.mask);
   }
 
   // Prunes round(amount * unpruned) of the unpruned weights with the smallest magnitude.
   void prune() {
+    fulgur::FullParameters whole(*model_);  // nests with apply_masks' at the end
     at::NoGradGuard no_grad;
     if (global_) {
       std::vector<at::Tensor> scores;
@@ -286,6 +294,7 @@ class ModelPruning final : public fulgur::CallbackBase<ModelPruning> {
     return total > 0 ? zeros / total : 0.0;
   }
 
+  torch::nn::Module* model_ = nullptr;  // the model whose weights are pruned (on_fit_start)
   double amount_;
   std::vector<std::string> names_;
   bool global_;

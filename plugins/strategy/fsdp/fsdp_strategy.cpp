@@ -9,6 +9,8 @@
 //   zero_stage = 1  gradients are all-reduced, each rank keeps its rows of them   8Ψ + 8Ψ/N bytes*
 //   zero_stage = 2  gradients are reduce-scattered: each rank receives only its rows 4Ψ + 12Ψ/N
 //   zero_stage = 3  parameters are sharded too: whole only around the blocks that use them  16Ψ/N
+//   (the blocks: the Module's fulgur::run_block calls, and the submodules auto_wrap_policy routes
+//   there, auto_wrap.h; a model none of whose parameters is in a unit is refused)
 //   (* fp32 parameters and Adam, Ψ parameters, N ranks; DeepSpeed's accounting)
 //
 // Stages 1 and 2: after the step, one all-gather of the updated rows refreshes the full
@@ -18,7 +20,10 @@
 // stays, so autograd and the Module see the same parameters). The blocks a Module runs through
 // fulgur::run_block are gathered around their forward and backward and their gradients
 // reduce-scattered as soon as their backward is done (zero3_units.h). Parameters outside blocks
-// stay whole, as in stage 2.
+// stay whole, as in stage 2 (FSDP's root unit); the first backward logs (info) how much of the
+// model is sharded. fulgur::FullParameters makes every parameter whole and, when released, writes
+// this rank's rows of them back to the shards (FSDP's summon_full_params with writeback): what a
+// callback changes in the weights (ema, swa, model_pruning) is what the next gather sees.
 //
 // Clipping by norm uses the global norm across shards, and a skipped step (inf/NaN gradients under
 // a loss scaler) is skipped on every rank together. Checkpoints hold the full, unsharded model and
@@ -43,6 +48,7 @@
 #include <ATen/ops/empty_like.h>
 #include <ATen/ops/zeros.h>
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <torch/nn/module.h>
 #include <torch/optim/adam.h>
 #include <torch/optim/adamw.h>
@@ -61,6 +67,7 @@
 #include <vector>
 
 #include "../common/process_group_strategy.h"
+#include "auto_wrap.h"
 #include "fsdp_state.h"
 #include "sharded_parameter.h"
 #include "zero3_units.h"
@@ -112,6 +119,22 @@ class FsdpStrategy final : public fulgur::process_group::ProcessGroupStrategy, p
        "reduction and the updated rows back after each step; for accelerator = \"cuda\" (on cpu it only "
        "adds copies, with a warning)",
        false),
+      (string, auto_wrap_policy,
+       "zero_stage = 3: which submodules are units besides the Module's fulgur::run_block blocks (FSDP's "
+       "auto_wrap_policy): \"blocks\" (none: a model whose blocks hold no parameter is refused, since nothing "
+       "would be sharded), \"root\" (none, and parameters outside blocks may stay whole, as FSDP's root unit: "
+       "ZeRO-2's memory for them), \"size\" (every submodule with at least auto_wrap_min_params parameters not "
+       "in a smaller unit: size_based_auto_wrap_policy), \"modules\" (every submodule whose class is in "
+       "auto_wrap_modules: ModuleWrapPolicy); a selected submodule must be an element of a torch::nn::Sequential "
+       "(LibTorch modules have no forward hooks; the Sequential calls it through run_block)",
+       "blocks"),
+      (integer, auto_wrap_min_params,
+       "auto_wrap_policy = \"size\": the parameters a submodule must hold to be a unit (FSDP's min_num_params)",
+       100000000),
+      (string_list, auto_wrap_modules,
+       "auto_wrap_policy = \"modules\": module classes that become units, as Module::name() calls them "
+       "(\"torch::nn::Linear\", \"Linear\", \"MyBlockImpl\" or \"MyBlock\")",
+       []),
       (string, backend, "Process group backend: \"auto\" (the accelerator's), \"gloo\", \"nccl\"", "auto"),
       (floating, timeout, "Seconds a collective or the rendezvous may wait for the other ranks before failing",
        1800.0));
@@ -119,7 +142,8 @@ class FsdpStrategy final : public fulgur::process_group::ProcessGroupStrategy, p
   explicit FsdpStrategy(const Options& options)
       : ProcessGroupStrategy("fsdp", options.given()),
         sharded_checkpoints_(parse_state_dict_type(options)),
-        sharding_(parse_sharding(options)) {}
+        sharding_(parse_sharding(options)),
+        auto_wrap_(parse_auto_wrap(options, sharding_)) {}
   ~FsdpStrategy() override { fulgur::remove_block_hooks(this); }
 
   void setup_environment(const fulgur::StrategyEnvironment& environment) override {
@@ -225,6 +249,8 @@ class FsdpStrategy final : public fulgur::process_group::ProcessGroupStrategy, p
       // Shards kept from a previous stage of another model (a new Module for this stage) go.
       std::erase_if(shards_.by_tensor, [&](const auto& entry) { return !listed.contains(&entry.second); });
       fulgur::install_block_hooks(this);
+      auto_wrapped_ = fulgur::fsdp::auto_wrap(module, auto_wrap_).units;
+      units_checked_ = false;
     }
   }
 
@@ -269,6 +295,7 @@ class FsdpStrategy final : public fulgur::process_group::ProcessGroupStrategy, p
 
   void backward(const at::Tensor& loss, fulgur::Precision& precision, bool sync_gradients) override {
     if (sharding_.zero_stage == 3) {
+      if (!units_checked_) check_units();
       units_.begin_backward(sync_gradients);
       precision.scale_loss(loss).backward();
       units_.finish_backward();
@@ -496,7 +523,84 @@ class FsdpStrategy final : public fulgur::process_group::ProcessGroupStrategy, p
     mark->view(-1)[0] = std::numeric_limits<double>::quiet_NaN();
   }
 
+  // Stage 3, at the first backward (the training forward has claimed every unit it runs): how much
+  // of the model is sharded, said at the default log level, and refused when nothing is, which
+  // would be ZeRO-2 under another name.
+  void check_units() {
+    units_checked_ = true;
+    int64_t total = 0, sharded = 0;
+    std::vector<std::string> whole;
+    std::set<const ShardedParameter*> seen;  // a tied parameter counts once
+    for (const auto& [name, p] : shards_.named) {
+      if (!seen.insert(p).second) continue;
+      total += p->full.numel();
+      if (p->in_block)
+        sharded += p->full.numel();
+      else
+        whole.push_back(name);
+    }
+    const int64_t units = units_.unit_count();
+    if (sharded == 0 && total > 0 && auto_wrap_.kind != fulgur::fsdp::AutoWrapPolicy::Kind::root) {
+      whole.resize(std::min<size_t>(whole.size(), 5));
+      throw Error(ErrorKind::config,
+                  fmt::format("strategy 'fsdp': zero_stage = 3 would shard none of the model's {} parameters ({} "
+                              "tensors: {}{}): no fulgur::run_block block and no auto-wrapped submodule holds "
+                              "them, so every rank would keep them whole (ZeRO-2's memory). Run the model's layers "
+                              "through fulgur::run_block (fulgur/blocks.h), or set [strategy] auto_wrap_policy = "
+                              "\"size\" or \"modules\" for layers held in a torch::nn::Sequential, or accept "
+                              "whole parameters with auto_wrap_policy = \"root\", or use zero_stage = 2",
+                              total, seen.size(), fmt::join(whole, ", "), seen.size() > whole.size() ? ", ..." : ""));
+    }
+    if (cluster_.global_rank != 0) return;
+    const double percent = total > 0 ? 100.0 * static_cast<double>(sharded) / static_cast<double>(total) : 0.0;
+    std::string rest;
+    if (!whole.empty()) {
+      const size_t n = whole.size();
+      whole.resize(std::min<size_t>(n, 3));
+      rest = fmt::format(
+          "; {} parameters in {} tensors outside units ({}{}) stay whole on every rank, as FSDP's "
+          "root unit",
+          total - sharded, n, fmt::join(whole, ", "), n > whole.size() ? ", ..." : "");
+    }
+    fulgur::log::info(
+        fmt::format("strategy 'fsdp': zero_stage = 3 shards {} of {} parameters ({:.1f}%) in {} units "
+                    "({} auto-wrapped){}",
+                    sharded, total, percent, units, auto_wrapped_, rest));
+  }
+
   // ---- options ---------------------------------------------------------------------------------
+
+  static fulgur::fsdp::AutoWrapPolicy parse_auto_wrap(const Options& options,
+                                                      const fulgur::fsdp::ShardingOptions& sharding) {
+    using Kind = fulgur::fsdp::AutoWrapPolicy::Kind;
+    fulgur::fsdp::AutoWrapPolicy policy;
+    const std::string& kind = options.auto_wrap_policy;
+    if (kind == "blocks")
+      policy.kind = Kind::blocks;
+    else if (kind == "root")
+      policy.kind = Kind::root;
+    else if (kind == "size")
+      policy.kind = Kind::size;
+    else if (kind == "modules")
+      policy.kind = Kind::modules;
+    else
+      options.reject("auto_wrap_policy",
+                     "is not known; use \"blocks\" (the Module's run_block blocks), \"root\" (the same; parameters "
+                     "outside them may stay whole), \"size\" (with auto_wrap_min_params) or \"modules\" (with "
+                     "auto_wrap_modules)");
+    policy.min_params = options.auto_wrap_min_params;
+    policy.modules = options.auto_wrap_modules;
+    options.check(policy.min_params >= 1, "auto_wrap_min_params", "must be >= 1");
+    options.check(sharding.zero_stage == 3 || kind == "blocks", "auto_wrap_policy",
+                  fmt::format("applies to zero_stage = 3 (sharded parameters); stage {} keeps whole parameters: "
+                              "remove the option",
+                              sharding.zero_stage));
+    options.check(policy.kind == Kind::modules || policy.modules.empty(), "auto_wrap_modules",
+                  "applies to auto_wrap_policy = \"modules\": set it, or remove auto_wrap_modules");
+    options.check(policy.kind != Kind::modules || !policy.modules.empty(), "auto_wrap_policy",
+                  "needs auto_wrap_modules: the module classes that become units (e.g. [\"Linear\"])");
+    return policy;
+  }
 
   static std::optional<at::ScalarType> parse_dtype(const Options& options, const char* option,
                                                    const std::string& value) {
@@ -548,6 +652,9 @@ class FsdpStrategy final : public fulgur::process_group::ProcessGroupStrategy, p
 
   const bool sharded_checkpoints_;  // state_dict_type = "sharded"
   const fulgur::fsdp::ShardingOptions sharding_;
+  const fulgur::fsdp::AutoWrapPolicy auto_wrap_;
+  int64_t auto_wrapped_ = 0;       // stage 3: submodules the policy routes through run_block
+  bool units_checked_ = true;      // stage 3: check_units ran since setup_module
   fulgur::fsdp::RankGroup group_;  // communicator_, cluster_ and device_ as setup_environment left them
   fulgur::fsdp::Shards shards_;
   fulgur::fsdp::Zero3Units units_{shards_, sharding_, group_};

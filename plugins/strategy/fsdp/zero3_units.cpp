@@ -132,12 +132,26 @@ void Zero3Units::hold_full_parameters() {
 }
 
 void Zero3Units::release_full_parameters() {
-  if (full_parameters_held_ > 0 && --full_parameters_held_ == 0)
+  if (full_parameters_held_ > 0 && --full_parameters_held_ == 0) {
+    write_back_rows();
     for (ShardedParameter* p : shards_.ordered)
       if (p->in_block) {
         release(*p);
         if (options_.param_dtype) set_storage_dtype(*p, *options_.param_dtype);
       }
+  }
+}
+
+// Whole parameters a callback may have changed (ema swapping in its average, pruning zeroing
+// weights): this rank's rows go back to the shards, from which every later gather and the
+// optimizer start. Every rank changed the same values, so the shards stay one model. A local copy.
+void Zero3Units::write_back_rows() {
+  torch::NoGradGuard no_grad;
+  for (ShardedParameter* p : shards_.ordered) {
+    if (!p->materialised || p->local_rows() == 0) continue;
+    p->shard.copy_(p->rows_of(p->full_alias, p->begin, p->local_rows()).reshape(p->shard_shape()));
+    if (p->host.defined()) p->host.copy_(p->shard);
+  }
 }
 
 void Zero3Units::gather_group(const std::vector<ShardedParameter*>& group, bool refresh, bool drain) {

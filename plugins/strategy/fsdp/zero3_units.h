@@ -68,7 +68,8 @@ class Zero3Units {
   void after_step();
 
   /// fulgur::FullParameters: every parameter whole, in the shards' dtype (param_dtype is for
-  /// computing, not for saving); guards nest.
+  /// computing, not for saving); guards nest. The last release writes this rank's rows of the whole
+  /// parameters back to the shards (FSDP's writeback): what was changed in them meanwhile stays.
   void hold_full_parameters();
   void release_full_parameters();
 
@@ -80,6 +81,12 @@ class Zero3Units {
   void refresh_whole();
   /// Completes every prefetch under way.
   void drain_prefetches();
+  /// Units that hold at least one parameter.
+  int64_t unit_count() const {
+    int64_t n = 0;
+    for (const auto& [module, unit] : units_) n += unit.parameters.empty() ? 0 : 1;
+    return n;
+  }
   /// Forgets the units and forward orders (they refer to the shards; run_block makes them again).
   void clear();
 
@@ -109,6 +116,7 @@ class Zero3Units {
   InFlightGather start_gather(const std::vector<ShardedParameter*>& group, bool async);
   void finish_gather(const std::vector<ShardedParameter*>& group, InFlightGather& gather);
   void gather_unit(Unit& unit);
+  void write_back_rows();
   void prefetch_after(const Unit& unit, int step);
   bool prefetch_in_flight() const;
   void reduce_scatter_group(const std::vector<ShardedParameter*>& candidates);
