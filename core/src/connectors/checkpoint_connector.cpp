@@ -1,8 +1,8 @@
-// Checkpoints: Lightning's top-level keys in an ordinary PyTorch zip archive (Python's
-// torch.load(path, weights_only=True) opens it), Python-style dotted parameter names, optimizer
-// states in Python's layout for the common optimizers, and everything exact resume needs
-// (the loops' state, RNG, scheduler and precision state). What is written and read goes through
-// the strategy in parts, so a sharded strategy can gather or write shards.
+// Checkpoints: Lightning 2.6's layout (a Lightning Trainer resumes from them) in an ordinary
+// PyTorch zip archive (Python's torch.load(path, weights_only=True) opens it), Python-style dotted
+// parameter names, optimizer states in Python's layout for the common optimizers, and everything
+// exact resume needs (the loops' state, RNG, scheduler and precision state). What is written and
+// read goes through the strategy in parts, so a sharded strategy can gather or write shards.
 #include "checkpoint_connector.h"
 
 #include <fulgur/error.h>
@@ -58,7 +58,12 @@ c10::IValue CheckpointConnector::dump_metadata(bool weights_only) {
   auto ckpt = string_dict();
   ckpt.insert("epoch", position.epoch);
   ckpt.insert("global_step", position.global_step);
-  ckpt.insert("pytorch-lightning_version", "2.6.0");  // the layout this file follows
+  // The layout is Lightning 2.6's, and the claim is kept because it is true: Lightning's Trainer
+  // resumes from this file (each loop writes Lightning's progress keys beside Fulgur's own, which
+  // Lightning skips: lightning_progress.h), LightningModule.load_from_checkpoint reads its
+  // state_dict and hyper_parameters, and a version at or above 2.0.0 keeps Lightning's
+  // checkpoint migrations from rewriting it (tests/lightning_checkpoint_test.cpp runs both).
+  ckpt.insert("pytorch-lightning_version", "2.6.0");
   ckpt.insert("fulgur_version", kFulgurVersion);
   // Each rank's data shard depends on the number of processes: a mid-epoch resume must match it.
   ckpt.insert("world_size", t.cluster().world_size);
