@@ -1,14 +1,16 @@
-// Checkpoints as Lightning checkpoints (issue #34, item 9). `fulgur fit` trains the
+// Checkpoints as Lightning checkpoints (issue #34, items 9 and 10). `fulgur fit` trains the
 // Fashion-MNIST MLP from a TOML and its checkpoints go to the venv's PyTorch Lightning 2.6 in a
 // real Python process (tests/python/lightning_checkpoint.py): Trainer.fit(ckpt_path=...) resumes
 // at Fulgur's epoch and step with its weights and Adam state, and load_from_checkpoint reads the
-// weights and hyper_parameters. Fulgur still resumes bit for bit, from both layouts.
+// weights and hyper_parameters. Then [trainer] strict_loading on a checkpoint whose weights do
+// not match the model, both ways.
 #include "test_support.h"
 #include "training_job.h"
 
 #include <fulgur/checkpoint_io.h>
 
 #include <ATen/core/ivalue.h>
+#include <ATen/ops/ones.h>
 #include <doctest/doctest.h>
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -55,6 +57,12 @@ bool lightning_agrees(const std::vector<std::string>& args) {
   INFO(command << "\n" << output);
   CHECK(status == 0);
   return status == 0 && contains(output, "python-ok");
+}
+
+size_t count(const std::string& text, const std::string& part) {
+  size_t n = 0;
+  for (size_t at = text.find(part); at != std::string::npos; at = text.find(part, at + 1)) ++n;
+  return n;
 }
 
 }  // namespace
@@ -124,5 +132,37 @@ TEST_CASE("Lightning layout: Fulgur resumes bit for bit from its checkpoints, an
     REQUIRE_MESSAGE(run.exit_code == 0, run.output);
     REQUIRE(fs::exists(dir / out / "epoch=1-step=8.ckpt"));
     CHECK(job::same_weights(dir / out / "epoch=1-step=8.ckpt", straight));
+  }
+}
+
+TEST_CASE("strict_loading: true refuses unmatched weight keys naming them, false loads the rest with one warning") {
+  TempDir dir;
+  REQUIRE_MESSAGE(fulgur_fit(dir.path(), toml(dir.path(), 1, "")).exit_code == 0, "first run");
+  // The checkpoint of epoch 0, edited: fc2.bias gone, a key the model lacks added.
+  auto checkpoint = job::checkpoint_dict(dir / "ckpt" / "epoch=0-step=4.ckpt");
+  auto weights = checkpoint.at("state_dict").toGenericDict();
+  weights.erase("fc2.bias");
+  weights.insert("extra.weight", at::ones({3}));
+  const fs::path edited = dir / "edited.ckpt";
+  fulgur::write_checkpoint_file(c10::IValue(checkpoint), edited.string());
+  const std::string resume = fmt::format("ckpt_path = \"{}\"\n", edited.string());
+
+  SUBCASE("strict_loading = true (the default) refuses it and names both keys and the way out") {
+    const ProcessRun run = fulgur_fit(dir.path(), toml(dir.path(), 2, resume, "resumed"));
+    CHECK(run.exit_code != 0);
+    // `fulgur fit` checks the file against the model before training (cli_runner.cpp).
+    FULGUR_CHECK_CONTAINS(run.output, "1 of its weights are not in the model (e.g. 'extra.weight')");
+    FULGUR_CHECK_CONTAINS(run.output, "1 of the model's are missing from it (e.g. 'fc2.bias')");
+    FULGUR_CHECK_CONTAINS(run.output, "strict_loading = false loads the weights that match");
+    CHECK(!fs::exists(dir / "resumed"));
+  }
+  SUBCASE("strict_loading = false resumes with what matches and warns once, listing the others") {
+    const ProcessRun run = fulgur_fit(dir.path(), toml(dir.path(), 2, resume + "strict_loading = false\n", "resumed"));
+    REQUIRE_MESSAGE(run.exit_code == 0, run.output);
+    CHECK(count(run.output, "strict_loading = false, so the model loads") == 1);
+    FULGUR_CHECK_CONTAINS(run.output, "missing keys (left as the model initialized them): fc2.bias");
+    FULGUR_CHECK_CONTAINS(run.output, "unexpected keys (ignored): extra.weight");
+    // It resumed at step 4 (a fresh start would also have saved epoch 0's steps 3 and 4).
+    CHECK(job::files_in(dir / "resumed") == std::vector<std::string>{"epoch=1-step=6.ckpt", "epoch=1-step=8.ckpt"});
   }
 }

@@ -976,6 +976,9 @@ TEST_CASE("every [trainer] key changes what a run does, or its value is rejected
       {"logger", "false", ""},
       {"barebones", "true", ""},
       {"ckpt_path", "\"no/such/file.ckpt\"", "", "no/such/file.ckpt"},
+      // What it changes needs a checkpoint that does not match the model: lightning_checkpoint_test.cpp
+      // drives both values through `fulgur fit` in real processes.
+      {"strict_loading", "\"no\"", "", "strict_loading"},
       // What they change needs a signal: signal_test.cpp drives that in real processes.
       {"interrupt_checkpoint", "\"ckpt/..\"", "", "interrupt_checkpoint"},
       {"requeue_signal", "\"SIGNOPE\"", "", "requeue_signal = \"SIGNOPE\""},
