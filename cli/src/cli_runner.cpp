@@ -232,8 +232,10 @@ std::optional<c10::impl::GenericDict> read_checkpoint_state(const std::string& p
   return ckpt.toGenericDict().at("state_dict").toGenericDict();
 }
 
+// With [trainer] strict_loading = false only shapes must match: the restore loads the keys that
+// match and warns about the others (checkpoint_connector.cpp).
 void check_checkpoint_matches(const c10::impl::GenericDict& state, const std::string& path, const std::string& flag,
-                              Module& model, const std::string& model_name) {
+                              Module& model, const std::string& model_name, bool strict) {
   std::map<std::string, std::vector<int64_t>> expected;
   for (const auto& p : model.named_parameters(/*recurse=*/true)) expected[p.key()] = p.value().sizes().vec();
   for (const auto& b : model.named_buffers(/*recurse=*/true)) expected[b.key()] = b.value().sizes().vec();
@@ -252,13 +254,20 @@ void check_checkpoint_matches(const c10::impl::GenericDict& state, const std::st
   std::vector<std::string> missing;
   for (const auto& [key, shape] : expected)
     if (!seen.count(key)) missing.push_back(key);
+  if (!strict) {
+    unexpected.clear();
+    missing.clear();
+  }
   if (unexpected.empty() && missing.empty() && mismatched.empty()) return;
   auto first = [](const std::vector<std::string>& v) { return v.empty() ? std::string() : " (e.g. '" + v[0] + "')"; };
+  const std::string hint = mismatched.empty() ? "; [trainer] strict_loading = false loads the weights that match and "
+                                                "leaves the others as the model initialized them"
+                                              : "";
   throw UsageError(fmt::format(
       "{}: '{}' holds the weights of another model than {}: {} of its weights are not in the model{}, {} of the "
-      "model's are missing from it{}, {} differ in shape{}",
+      "model's are missing from it{}, {} differ in shape{}{}",
       flag, path, model_name, unexpected.size(), first(unexpected), missing.size(), first(missing), mismatched.size(),
-      first(mismatched)));
+      first(mismatched), hint));
 }
 
 // Writes the merged config into the run's log directory once the loggers have made it (rank 0).
@@ -374,7 +383,9 @@ int run(const CliApp& app, const CliArgs& args) {
   const std::string model_name = app.make_model
                                      ? (app.model_type.empty() ? std::string("this program's model") : app.model_type)
                                      : fmt::format("model '{}'", config.model_plugin.name);
-  if (ckpt_state) check_checkpoint_matches(*ckpt_state, ckpt, ckpt_flag, *user.model, model_name);
+  if (ckpt_state)
+    check_checkpoint_matches(*ckpt_state, ckpt, ckpt_flag, *user.model, model_name,
+                             config.trainer.get_bool("strict_loading"));
   ckpt_state.reset();  // the stage reads the file itself; do not hold a second copy of the weights
   auto save_config = std::make_shared<SaveConfig>(config_text);
   trainer.add_callback(save_config, "save_config");

@@ -114,6 +114,9 @@ const std::vector<OptionSchema>& trainer_option_schema() {
         {"logger", T::boolean, "true", "Use the default logger when no [[loggers]] are configured"},
         {"barebones", T::boolean, "false", "Disable every feature that costs time: loggers, callbacks, profiler"},
         {"ckpt_path", T::string, "\"\"", "Checkpoint to resume fit from: a path, \"last\" or \"best\""},
+        {"strict_loading", T::boolean, "true",
+         "Loading a checkpoint's weights: refuse missing or unexpected keys (false: load those that match, "
+         "warn about the rest)"},
         {"interrupt_checkpoint", T::string, "\"interrupted.ckpt\"",
          "Checkpoint written when SIGTERM/SIGINT stop fit (relative to default_root_dir; \"\": default signal action)"},
         {"requeue_signal", T::string, "\"SIGUSR1\"",

@@ -34,7 +34,8 @@ struct ResolvedTrainerConfig {
   double gradient_clip_val = 0;
   GradClipAlgorithm gradient_clip_algorithm = GradClipAlgorithm::norm;
   bool inference_mode = true, detect_anomaly = false;
-  bool barebones = false;  // no sanity check, log() a no-op (plugin_connector drops the rest)
+  bool strict_loading = true;  // Lightning's LightningModule.strict_loading, for every ckpt_path
+  bool barebones = false;      // no sanity check, log() a no-op (plugin_connector drops the rest)
   StepCaptureMode cuda_graphs = StepCaptureMode::off;
   // An integer is a count of batches, a float a fraction (apply_batch_limit).
   OptionValue limit_train_batches, limit_val_batches, limit_test_batches, limit_predict_batches, overfit_batches;

@@ -1,8 +1,8 @@
-// Checkpoints: Lightning's top-level keys in an ordinary PyTorch zip archive (Python's
-// torch.load(path, weights_only=True) opens it), Python-style dotted parameter names, optimizer
-// states in Python's layout for the common optimizers, and everything exact resume needs
-// (the loops' state, RNG, scheduler and precision state). What is written and read goes through
-// the strategy in parts, so a sharded strategy can gather or write shards.
+// Checkpoints: Lightning 2.6's layout (a Lightning Trainer resumes from them) in an ordinary
+// PyTorch zip archive (Python's torch.load(path, weights_only=True) opens it), Python-style dotted
+// parameter names, optimizer states in Python's layout for the common optimizers, and everything
+// exact resume needs (the loops' state, RNG, scheduler and precision state). What is written and
+// read goes through the strategy in parts, so a sharded strategy can gather or write shards.
 #include "checkpoint_connector.h"
 
 #include <fulgur/error.h>
@@ -14,6 +14,11 @@
 #include <spdlog/spdlog.h>
 #include <torch/nn/module.h>
 #include <torch/optim/optimizer.h>
+
+#include <algorithm>
+#include <iterator>
+#include <set>
+#include <vector>
 
 #include "../ivalue_dict.h"
 #include "../trainer_engine.h"
@@ -58,7 +63,12 @@ c10::IValue CheckpointConnector::dump_metadata(bool weights_only) {
   auto ckpt = string_dict();
   ckpt.insert("epoch", position.epoch);
   ckpt.insert("global_step", position.global_step);
-  ckpt.insert("pytorch-lightning_version", "2.6.0");  // the layout this file follows
+  // The layout is Lightning 2.6's, and the claim is kept because it is true: Lightning's Trainer
+  // resumes from this file (each loop writes Lightning's progress keys beside Fulgur's own, which
+  // Lightning skips: lightning_progress.h), LightningModule.load_from_checkpoint reads its
+  // state_dict and hyper_parameters, and a version at or above 2.0.0 keeps Lightning's
+  // checkpoint migrations from rewriting it (tests/lightning_checkpoint_test.cpp runs both).
+  ckpt.insert("pytorch-lightning_version", "2.6.0");
   ckpt.insert("fulgur_version", kFulgurVersion);
   // Each rank's data shard depends on the number of processes: a mid-epoch resume must match it.
   ckpt.insert("world_size", t.cluster().world_size);
@@ -192,7 +202,45 @@ CheckpointConnector::ReadCheckpoint CheckpointConnector::read(const std::string&
 
 void CheckpointConnector::restore_model(const ReadCheckpoint& checkpoint) {
   TrainerEngine& t = trainer_;
-  t.plugins_.strategy->load_module_state_dict(*t.module_, *checkpoint.model_state, /*strict=*/true, checkpoint.path);
+  // [trainer] strict_loading (Lightning's LightningModule.strict_loading): false loads the keys
+  // that match and warns once about the others; shapes must match either way (as in torch).
+  const bool strict = t.trainer_config_.strict_loading;
+  if (!strict) warn_unmatched_keys(*checkpoint.model_state, checkpoint.path);
+  try {
+    t.plugins_.strategy->load_module_state_dict(*t.module_, *checkpoint.model_state, strict, checkpoint.path);
+  } catch (const Error& e) {
+    const std::string what = e.what();
+    if (strict && e.kind() == ErrorKind::checkpoint &&
+        (what.find("missing keys") != std::string::npos || what.find("unexpected keys") != std::string::npos))
+      throw Error(e.kind(), what +
+                                "\n  to load the keys that match and leave the others as they are, set "
+                                "[trainer] strict_loading = false");
+    throw;
+  }
+}
+
+void CheckpointConnector::warn_unmatched_keys(const c10::IValue& model_state, const std::string& path) {
+  TrainerEngine& t = trainer_;
+  // A strategy that reads shards may hand over another layout: then only it knows the keys.
+  if (!model_state.isGenericDict()) return;
+  std::set<std::string> model_keys;
+  for (const auto& item : t.module_->named_parameters(/*recurse=*/true)) model_keys.insert(item.key());
+  for (const auto& item : t.module_->named_buffers(/*recurse=*/true)) model_keys.insert(item.key());
+  std::vector<std::string> missing, unexpected;
+  std::set<std::string> saved_keys;
+  for (const auto& entry : model_state.toGenericDict())
+    if (entry.key().isString()) saved_keys.insert(entry.key().toStringRef());
+  std::set_difference(model_keys.begin(), model_keys.end(), saved_keys.begin(), saved_keys.end(),
+                      std::back_inserter(missing));
+  std::set_difference(saved_keys.begin(), saved_keys.end(), model_keys.begin(), model_keys.end(),
+                      std::back_inserter(unexpected));
+  if (missing.empty() && unexpected.empty()) return;
+  std::string message = fmt::format("checkpoint {}: strict_loading = false, so the model loads the {} keys that match",
+                                    path, saved_keys.size() - unexpected.size());
+  if (!missing.empty())
+    message += fmt::format("; missing keys (left as the model initialized them): {}", fmt::join(missing, ", "));
+  if (!unexpected.empty()) message += fmt::format("; unexpected keys (ignored): {}", fmt::join(unexpected, ", "));
+  if (t.global_rank() == 0) spdlog::warn("{}", message);
 }
 
 void CheckpointConnector::restore_callbacks(const ReadCheckpoint& checkpoint) {

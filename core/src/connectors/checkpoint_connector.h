@@ -31,6 +31,7 @@ class CheckpointConnector {
   // checkpoint exists yet (a first run starts fresh, with a warning, as Lightning does).
   std::string resolve(const std::string& ckpt_path, Stage stage);
   ReadCheckpoint read(const std::string& path, bool with_optimizer_states);
+  // The model's weights; [trainer] strict_loading decides whether unmatched keys are refused.
   void restore_model(const ReadCheckpoint& checkpoint);
   // on_load_checkpoint of every callback, then each stateful callback's own state.
   void restore_callbacks(const ReadCheckpoint& checkpoint);
@@ -40,6 +41,9 @@ class CheckpointConnector {
  private:
   // Every top-level key but the model and optimizer states.
   c10::IValue dump_metadata(bool weights_only);
+  // strict_loading = false: one warning naming the model's keys the checkpoint lacks and the
+  // checkpoint's keys the model lacks (rank 0).
+  void warn_unmatched_keys(const c10::IValue& model_state, const std::string& path);
 
   TrainerEngine& trainer_;
 };

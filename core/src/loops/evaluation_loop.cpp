@@ -8,6 +8,7 @@
 
 #include "../ivalue_dict.h"
 #include "../trainer_engine.h"
+#include "lightning_progress.h"
 #include "loop_scopes.h"
 
 namespace fulgur {
@@ -106,6 +107,11 @@ c10::IValue EvaluationLoop::state_dict() const {
   state.insert("dataloader_idx", dataloader_idx_);
   state.insert("batches_done", batches_done_);
   state.insert("completed_passes", completed_passes_);
+  // Lightning's _EvaluationLoop reads these two: the last pass ended after batches_done_ batches
+  // (Fulgur writes no checkpoint inside a pass), as Lightning's own checkpoint after it says.
+  state.insert("state_dict", lightning::empty_state());
+  const auto batches = lightning::Counts::all(batches_done_);
+  state.insert("batch_progress", lightning::batch_progress(batches, batches, batches_done_ > 0));
   return state;
 }
 

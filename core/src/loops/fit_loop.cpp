@@ -8,6 +8,7 @@
 
 #include "../ivalue_dict.h"
 #include "../trainer_engine.h"
+#include "lightning_progress.h"
 #include "loop_scopes.h"
 
 namespace fulgur {
@@ -157,6 +158,18 @@ c10::IValue FitLoop::state_dict() const {
   state.insert("epoch", position_.epoch);
   state.insert("cpu_rng_state", cpu_rng_state());
   epoch_loop_.state_dict(state);
+  // Lightning 2.6's _FitLoop reads "state_dict" and "epoch_progress" (the epoch loop adds its
+  // "epoch_loop.*" keys). The epoch counters as Lightning's checkpoint at the same hook has them:
+  // in the epoch-end phase epoch e is processed but not completed (Lightning then resumes at
+  // epoch e + 1), mid-epoch it is started but not processed, between epochs all equal e.
+  const int64_t e = position_.epoch;
+  lightning::Counts epochs = lightning::Counts::all(e);
+  if (epoch_loop_.in_epoch_end_phase())
+    epochs = {e + 1, e + 1, e + 1, e};
+  else if (epoch_loop_.batches_done_in_epoch() > 0)
+    epochs = {e + 1, e + 1, e, e};
+  state.insert("state_dict", lightning::empty_state());
+  state.insert("epoch_progress", lightning::progress(epochs, epochs));
   return state;
 }
 

@@ -38,7 +38,8 @@ class FitLoop {
   TrainingEpochLoop& epoch_loop() { return epoch_loop_; }
   const TrainingEpochLoop& epoch_loop() const { return epoch_loop_; }
 
-  // The checkpoint's loops.fit_loop: epoch, the CPU RNG, and the epoch loop's state.
+  // The checkpoint's loops.fit_loop: epoch, the CPU RNG, and the epoch loop's state, with the
+  // same position in Lightning 2.6's keys (lightning_progress.h). Only Fulgur's keys are read back.
   c10::IValue state_dict() const;
   // Restores it. A checkpoint written during the epoch-end work counts that epoch as complete
   // and runs what followed the callbacks (epoch schedulers that need no metric, as Lightning).

@@ -4,6 +4,7 @@
 
 #include "../ivalue_dict.h"
 #include "../trainer_engine.h"
+#include "lightning_progress.h"
 #include "loop_scopes.h"
 
 namespace fulgur {
@@ -44,6 +45,10 @@ c10::IValue PredictionLoop::state_dict() const {
   auto state = string_dict();
   state.insert("batches_done", batches_done_);
   state.insert("completed_passes", completed_passes_);
+  // Lightning's _PredictionLoop reads these two (its batch_progress is a plain _Progress).
+  state.insert("state_dict", lightning::empty_state());
+  const auto batches = lightning::Counts::all(batches_done_);
+  state.insert("batch_progress", lightning::progress(batches, batches));
   return state;
 }
 

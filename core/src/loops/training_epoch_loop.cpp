@@ -7,10 +7,13 @@
 
 #include <torch/optim/optimizer.h>
 
+#include <algorithm>
+
 #include "../capture/device_step.h"
 #include "../ivalue_dict.h"
 #include "../trainer_engine.h"
 #include "fit_loop.h"
+#include "lightning_progress.h"
 #include "loop_scopes.h"
 
 namespace fulgur {
@@ -272,7 +275,44 @@ void TrainingEpochLoop::state_dict(c10::impl::GenericDict& fit_loop_state) const
   fit_loop_state.insert("batches_that_stepped", batches_that_stepped_);
   fit_loop_state.insert("batches_done_in_epoch", batches_done_);
   fit_loop_state.insert("epoch_end_phase", epoch_end_phase_);
-  fit_loop_state.insert("val_loop", val_loop_.state_dict());
+  const c10::IValue val_state = val_loop_.state_dict();
+  fit_loop_state.insert("val_loop", val_state);
+
+  // The same position in Lightning 2.6's _TrainingEpochLoop layout, as Lightning's own checkpoint
+  // written at the equivalent hook holds it (its restart logic reads the differences between the
+  // counters): mid-epoch as from on_train_batch_end (batch k processed, not yet completed), in the
+  // epoch-end phase as from on_train_epoch_end (every batch completed), else a fresh epoch.
+  const TrainerEngine& t = trainer_;
+  const bool mid_epoch = batches_done_ > 0 && !epoch_end_phase_;
+  lightning::Counts current = lightning::Counts::all(epoch_end_phase_ || mid_epoch ? batches_done_ : 0);
+  if (mid_epoch) --current.completed;
+  const int64_t earlier = num_batches_ > 0 ? position_.epoch * num_batches_ : 0;  // batches of the epochs before
+  const bool last = (mid_epoch && is_last_batch_) || epoch_end_phase_;
+  fit_loop_state.insert("epoch_loop.batch_progress", lightning::batch_progress(current.plus(earlier), current, last));
+  // Lightning counts batch k's optimizer step into _batches_that_stepped after on_train_batch_end
+  // and adds it back on restore when that batch was not accumulating: write its count from before.
+  const int64_t accumulate = t.trainer_config_.accumulate_grad_batches;
+  const bool lightning_adds_one = mid_epoch && (batches_done_ % accumulate == 0 || is_last_batch_);
+  auto epoch_state = string_dict();
+  epoch_state.insert("_batches_that_stepped", batches_that_stepped_ - (lightning_adds_one ? 1 : 0));
+  fit_loop_state.insert("epoch_loop.state_dict", epoch_state);
+  // Lightning restores schedulers from lr_schedulers; its scheduler counter only counts calls.
+  fit_loop_state.insert("epoch_loop.scheduler_progress", lightning::ready_completed_progress(0, 0));
+  // Lightning's global_step: the automatic loop's optimizer steps, or the manual loop's.
+  const bool automatic = !t.module_ || t.module_->automatic_optimization;
+  const int64_t steps = position_.global_step;
+  const int64_t epoch_batches = epoch_end_phase_ || mid_epoch ? batches_done_ : 0;
+  const int64_t epoch_steps =
+      std::min(steps, epoch_batches / accumulate + (epoch_batches % accumulate != 0 && last ? 1 : 0));
+  fit_loop_state.insert("epoch_loop.automatic_optimization.state_dict", lightning::empty_state());
+  fit_loop_state.insert("epoch_loop.automatic_optimization.optim_progress",
+                        lightning::optimization_progress(automatic ? steps : 0, automatic ? epoch_steps : 0));
+  fit_loop_state.insert("epoch_loop.manual_optimization.state_dict", lightning::empty_state());
+  fit_loop_state.insert("epoch_loop.manual_optimization.optim_step_progress",
+                        lightning::ready_completed_progress(automatic ? 0 : steps, automatic ? 0 : epoch_steps));
+  const auto& val = val_state.toGenericDict();
+  fit_loop_state.insert("epoch_loop.val_loop.state_dict", val.at("state_dict"));
+  fit_loop_state.insert("epoch_loop.val_loop.batch_progress", val.at("batch_progress"));
 }
 
 bool TrainingEpochLoop::load_state_dict(const c10::impl::GenericDict& fit_loop_state, const std::string& path) {

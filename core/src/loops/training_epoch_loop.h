@@ -72,13 +72,16 @@ class TrainingEpochLoop {
   bool step_row_due() const { return step_row_due_; }
   // The epoch's batches are done and its end-of-epoch work runs.
   bool in_epoch_end_phase() const { return epoch_end_phase_; }
+  // Batches of the current epoch done so far (what a checkpoint written now records).
+  int64_t batches_done_in_epoch() const { return batches_done_; }
   // The last epoch's loader yielded no batch at all.
   bool last_epoch_was_empty() const { return epoch_was_empty_; }
   // Batches the next epoch skips because a mid-epoch checkpoint was loaded.
   int64_t batches_to_skip() const { return resume_skip_; }
 
   // Progress inside the epoch (batches done, the end-of-epoch phase) and the global step, in the
-  // fit loop's checkpoint entry (flat, as Fulgur 0.1 wrote it) plus the validation loop's own.
+  // fit loop's checkpoint entry (flat, as Fulgur 0.1 wrote it) plus the validation loop's own,
+  // and the same position in Lightning 2.6's "epoch_loop.*" keys (lightning_progress.h).
   void state_dict(c10::impl::GenericDict& fit_loop_state) const;
   // Restores what state_dict wrote; returns whether the checkpoint was written at an epoch's end.
   bool load_state_dict(const c10::impl::GenericDict& fit_loop_state, const std::string& path);
