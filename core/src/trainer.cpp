@@ -19,6 +19,7 @@
 #include <cstdlib>
 #include <thread>
 
+#include "device_rng.h"
 #include "distributed/local_launcher.h"
 #include "distributed/process_group.h"
 #include "trainer_engine.h"
@@ -45,6 +46,9 @@ TrainerEngine::TrainerEngine(Config config)
   }
 
   plugins_ = connect_plugins(config_, trainer_config_.fast_dev_run > 0);
+  // The accelerator's own generators too: a plugin backend registers with libtorch only now.
+  if (const int64_t seed = t.get_int("seed"); seed >= 0)
+    seed_device_generators(*plugins_.accelerator, static_cast<uint64_t>(seed));
   profiler_ptr_ = plugins_.profiler.get();
   std::vector<Logger*> loggers;
   for (auto& l : plugins_.loggers) loggers.push_back(l.get());
