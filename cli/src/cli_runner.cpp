@@ -390,7 +390,15 @@ int run(const CliApp& app, const CliArgs& args) {
     if (trainer.is_global_zero()) print_metrics("test", results);
   } else {
     auto predictions = trainer.predict(*user.model, *user.data, ckpt);
-    if (trainer.is_global_zero()) std::printf("predict: %zu batches\n", predictions.size());
+    if (trainer.is_global_zero()) {
+      // Where the returned outputs live (the CPU: the loop moves each batch's there).
+      std::set<std::string> devices;
+      for (const at::Tensor& p : predictions)
+        if (p.defined()) devices.insert(p.device().str());
+      std::string where;
+      for (const std::string& d : devices) where += (where.empty() ? " on " : ", ") + d;
+      std::printf("predict: %zu batches%s\n", predictions.size(), where.c_str());
+    }
   }
   if (trainer.is_global_zero()) {
     if (!save_config->path.empty()) std::printf("config: %s\n", save_config->path.c_str());
