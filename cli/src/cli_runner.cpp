@@ -358,7 +358,6 @@ int run(const CliApp& app, const CliArgs& args) {
       args.subcommand == "fit" ? config.trainer.get_string("ckpt_path") : args.ckpt_path.value_or("");
   const std::string ckpt_flag =
       args.ckpt_path ? "--ckpt_path" : fmt::format("{}: [trainer] ckpt_path", config.file.string());
-  std::optional<c10::impl::GenericDict> ckpt_state = read_checkpoint_state(ckpt, ckpt_flag);
 
   // 2. The Trainer, then the model (its initial weights follow [trainer] seed) and the data.
   const std::string config_text = saved_config_text(config, args, app.program);
@@ -370,6 +369,9 @@ int run(const CliApp& app, const CliArgs& args) {
   } catch (const Error& e) {
     throw UsageError(e.what());
   }
+  // Read once the Trainer exists: its accelerator may be a plugin device that registers its
+  // device type with libtorch then, and the checkpoint's storages name that device ("emu:0").
+  std::optional<c10::impl::GenericDict> ckpt_state = read_checkpoint_state(ckpt, ckpt_flag);
   Trainer& trainer = *trainer_slot;
   const std::string model_name = app.make_model
                                      ? (app.model_type.empty() ? std::string("this program's model") : app.model_type)
