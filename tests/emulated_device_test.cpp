@@ -207,7 +207,7 @@ TEST_CASE("emulated device: a SIGKILL mid-run resumes bitwise, dropout included 
   CHECK_FALSE(same_weights(control / "ckpt" / "last.ckpt", ref / "ckpt" / "last.ckpt"));
 }
 
-TEST_CASE("emulated device: predict returns outputs on the CPU; return_predictions = false collects none") {
+TEST_CASE("emulated device: predict returns outputs on the CPU, and return_predictions = false collects none") {
   if (!have_fashion_mnist()) return;
   TempDir dir;
   std::ofstream(dir / "job.toml") << fashion_toml(dir.path(), "emulated", 2);
