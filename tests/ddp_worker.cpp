@@ -9,8 +9,9 @@
 //   FULGUR_TEST_SHARDING_MODEL=1: adds a 0-dim parameter and a frozen layer (what sharding must handle).
 //   FULGUR_TEST_OPTIMIZER=adamw: AdamW with weight decay instead of SGD.
 //   FULGUR_TEST_BLOCKS=1: fc1 and fc2 run as blocks (fulgur::run_block): units of zero_stage = 3;
-//   FULGUR_TEST_CHECKPOINT=1 adds activation checkpointing to them. The metrics file then records
-//   the storage fc1.weight holds after fit (0 when resharded); the weights are read whole.
+//   FULGUR_TEST_CHECKPOINT=1 adds activation checkpointing to them, FULGUR_TEST_DROPOUT=1 dropout
+//   inside fc1's. The metrics file then records the storage fc1.weight holds after fit (0 when
+//   resharded); the weights are read whole.
 //   FULGUR_TEST_SEQUENTIAL=1: fc1, tanh and fc2 are held in a torch::nn::Sequential ("layers")
 //   that forward calls (fsdp's auto_wrap_policy routes its elements through fulgur::run_block).
 //   FULGUR_TEST_BUILT_BLOCKS=1: fc1 and fc2 are made in configure_model, each marked complete with
@@ -39,6 +40,7 @@
 #include <torch/torch.h>
 
 #include <csignal>
+#include <cstdio>
 #include <cstdlib>
 #include <fstream>
 #include <iostream>
@@ -78,8 +80,15 @@ struct Mlp : fulgur::Module {
       out = layers->forward(x);
     } else if (std::getenv("FULGUR_TEST_BLOCKS")) {
       const auto options = fulgur::BlockOptions().checkpoint_activations(std::getenv("FULGUR_TEST_CHECKPOINT"));
+      // FULGUR_TEST_DROPOUT: dropout inside the block, so that its recomputation must redraw the
+      // same mask (the device generator's state restored, on a device with one).
+      const double p = std::getenv("FULGUR_TEST_DROPOUT") ? 0.3 : 0.0;
       const at::Tensor h = fulgur::run_block(
-          *fc1, x, [fc1 = fc1](const at::Tensor& in) mutable { return torch::tanh(fc1->forward(in)); }, options);
+          *fc1, x,
+          [fc1 = fc1, p, training = is_training()](const at::Tensor& in) mutable {
+            return torch::dropout(torch::tanh(fc1->forward(in)), p, training && p > 0);
+          },
+          options);
       out = fulgur::run_block(fc2, h, options);
     } else {
       out = fc2->forward(torch::tanh(fc1->forward(x)));
@@ -250,10 +259,13 @@ int main(int argc, char** argv) {
 
     const std::string rank = std::getenv("RANK") ? std::getenv("RANK") : "0";
     const size_t fc1_weight_bytes = module->fc1->weight.storage().nbytes();
+    std::printf("rank %s: parameters on %s\n", rank.c_str(), module->fc1->weight.device().str().c_str());
+    std::fflush(stdout);
     std::vector<at::Tensor> weights;
     {
       fulgur::FullParameters whole(*module);  // under zero_stage = 3: gathered for the copy
-      for (const auto& p : module->parameters()) weights.push_back(p.detach().clone());
+      // On the CPU: the file is read by the test, where no plugin device is registered.
+      for (const auto& p : module->parameters()) weights.push_back(p.detach().to(at::kCPU, false, /*copy=*/true));
     }
     torch::save(weights, fmt::format("{}/weights_rank{}.pt", argv[2], rank));
     std::ofstream metrics(fmt::format("{}/metrics_rank{}.txt", argv[2], rank));

@@ -979,6 +979,7 @@ TEST_CASE("every [trainer] key changes what a run does, or its value is rejected
       {"enable_model_summary", "true", "", nullptr, "Total params"},
       {"inference_mode", "false", ""},
       {"detect_anomaly", "true", ""},
+      {"return_predictions", "false", ""},
       {"logger", "false", ""},
       {"barebones", "true", ""},
       {"ckpt_path", "\"no/such/file.ckpt\"", "", "no/such/file.ckpt"},

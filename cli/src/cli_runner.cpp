@@ -367,7 +367,6 @@ int run(const CliApp& app, const CliArgs& args) {
       args.subcommand == "fit" ? config.trainer.get_string("ckpt_path") : args.ckpt_path.value_or("");
   const std::string ckpt_flag =
       args.ckpt_path ? "--ckpt_path" : fmt::format("{}: [trainer] ckpt_path", config.file.string());
-  std::optional<c10::impl::GenericDict> ckpt_state = read_checkpoint_state(ckpt, ckpt_flag);
 
   // 2. The Trainer, then the model (its initial weights follow [trainer] seed) and the data.
   const std::string config_text = saved_config_text(config, args, app.program);
@@ -379,6 +378,9 @@ int run(const CliApp& app, const CliArgs& args) {
   } catch (const Error& e) {
     throw UsageError(e.what());
   }
+  // Read once the Trainer exists: its accelerator may be a plugin device that registers its
+  // device type with libtorch then, and the checkpoint's storages name that device ("emu:0").
+  std::optional<c10::impl::GenericDict> ckpt_state = read_checkpoint_state(ckpt, ckpt_flag);
   Trainer& trainer = *trainer_slot;
   const std::string model_name = app.make_model
                                      ? (app.model_type.empty() ? std::string("this program's model") : app.model_type)
@@ -401,7 +403,15 @@ int run(const CliApp& app, const CliArgs& args) {
     if (trainer.is_global_zero()) print_metrics("test", results);
   } else {
     auto predictions = trainer.predict(*user.model, *user.data, ckpt);
-    if (trainer.is_global_zero()) std::printf("predict: %zu batches\n", predictions.size());
+    if (trainer.is_global_zero()) {
+      // Where the returned outputs live (the CPU: the loop moves each batch's there).
+      std::set<std::string> devices;
+      for (const at::Tensor& p : predictions)
+        if (p.defined()) devices.insert(p.device().str());
+      std::string where;
+      for (const std::string& d : devices) where += (where.empty() ? " on " : ", ") + d;
+      std::printf("predict: %zu batches%s\n", predictions.size(), where.c_str());
+    }
   }
   if (trainer.is_global_zero()) {
     if (!save_config->path.empty()) std::printf("config: %s\n", save_config->path.c_str());

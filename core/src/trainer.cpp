@@ -19,6 +19,7 @@
 #include <cstdlib>
 #include <thread>
 
+#include "device_rng.h"
 #include "distributed/local_launcher.h"
 #include "distributed/process_group.h"
 #include "trainer_engine.h"
@@ -38,7 +39,11 @@ TrainerEngine::TrainerEngine(Config config)
   // is one) for the rest of the process, so the accelerator's libraries (libtorch_cuda for the
   // cuda plugin) must be in by then, or that device is off for good. cuda_accelerator_test.cpp
   // ("cuda hooks: ...") runs every entry point to hold this order.
-  if (const int64_t seed = t.get_int("seed"); seed >= 0) torch::manual_seed(static_cast<uint64_t>(seed));
+  // The accelerator's own generators too: torch::manual_seed may not reach a plugin backend's.
+  if (const int64_t seed = t.get_int("seed"); seed >= 0) {
+    torch::manual_seed(static_cast<uint64_t>(seed));
+    seed_device_generators(*plugins_.accelerator, static_cast<uint64_t>(seed));
+  }
   if (const std::string& deterministic = t.get_string("deterministic"); deterministic != "false") {
     // As Lightning's deterministic=True: torch refuses nondeterministic kernels ("warn": warns
     // about them instead), cuDNN picks deterministic algorithms, and cuBLAS gets the fixed

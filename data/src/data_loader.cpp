@@ -3,6 +3,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Context.h>
+#include <ATen/DeviceAccelerator.h>
 #include <fmt/format.h>
 #include <spdlog/spdlog.h>
 
@@ -17,6 +18,14 @@
 namespace fulgur::data {
 
 namespace {
+
+// pin_memory pins for the process's accelerator (cuda, or a PrivateUse1 plugin device, ...) when
+// one is usable; without one there is nothing to pin for (as torch.utils.data.DataLoader).
+bool can_pin_memory() {
+  const std::optional<c10::DeviceType> accelerator = at::getAccelerator(/*checked=*/false);
+  return accelerator && at::globalContext().getAcceleratorHooksInterface(accelerator).isAvailable();
+}
+
 constexpr int64_t kUnknown = std::numeric_limits<int64_t>::max();
 
 // A batch or the error that prevented it.
@@ -153,7 +162,7 @@ struct DataLoader::Impl {
       }
       if (kept.empty()) return r;  // every sample skipped: no batch
       Batch batch = options.collate_ ? options.collate_(kept) : collate_stack(kept);
-      if (options.pin_memory_ && at::globalContext().hasCUDA()) {
+      if (options.pin_memory_ && can_pin_memory()) {
         if (batch.input.defined()) batch.input = batch.input.pin_memory();
         if (batch.target.defined()) batch.target = batch.target.pin_memory();
         for (auto& t : batch.extra)

@@ -71,11 +71,11 @@ struct NumericContext {
   std::vector<Autocast> autocast;
   caffe2::TypeMeta default_dtype;
 
-  static constexpr c10::DeviceType kDeviceTypes[] = {c10::DeviceType::CPU, c10::DeviceType::CUDA};
-
   static NumericContext capture() {
     NumericContext context;
-    for (c10::DeviceType type : kDeviceTypes)
+    // Every device type autocast knows (cpu, cuda, xpu, a PrivateUse1 backend, ...), not only
+    // cpu and cuda: a plugin device's autocast region must be restored as well.
+    for (c10::DeviceType type : at::autocast::_AUTOCAST_SUPPORTED_DEVICES)
       context.autocast.push_back(
           {type, at::autocast::is_autocast_enabled(type), at::autocast::get_autocast_dtype(type)});
     context.default_dtype = c10::get_default_dtype();

@@ -8,6 +8,7 @@
 // gloo object is built or called here), so the header version only has to declare the names.
 #include "distributed/process_group.h"
 
+#include "distributed/host_staged_backend.h"
 #include "distributed/local_launcher.h"
 #include "distributed/nccl_backend.h"
 
@@ -52,6 +53,10 @@ c10d::ReduceOp to_c10d(ReduceOp op) {
       return c10d::ReduceOp::SUM;
   }
 }
+
+// The accelerator device types c10d dispatches collectives for that Gloo cannot move itself.
+constexpr c10::DeviceType kHostStagedDeviceTypes[] = {c10::DeviceType::PrivateUse1, c10::DeviceType::XPU,
+                                                      c10::DeviceType::MTIA};
 
 bool is_loopback(const std::string& addr) { return addr == "localhost" || addr.starts_with("127."); }
 
@@ -441,8 +446,13 @@ std::shared_ptr<Communicator> connect_process_group(const ClusterInfo& cluster, 
       auto gloo = make_gloo_backend(prefixed, cluster, options.timeout);
       group->setDefaultBackend(c10d::ProcessGroup::BackendType::GLOO);
       group->setBackend(c10::DeviceType::CPU, c10d::ProcessGroup::BackendType::GLOO, gloo);
-      // Gloo also moves CUDA tensors (through host memory), as torch.distributed allows.
+      // Gloo also moves CUDA tensors (through host memory), as torch.distributed allows. Any
+      // other accelerator's tensors (a PrivateUse1 plugin device, XPU, ...) are staged through
+      // host memory around Gloo: without it c10d finds no backend for their device type.
       group->setBackend(c10::DeviceType::CUDA, c10d::ProcessGroup::BackendType::GLOO, gloo);
+      const auto staged = make_host_staged_backend(gloo);
+      for (c10::DeviceType type : kHostStagedDeviceTypes)
+        group->setBackend(type, c10d::ProcessGroup::BackendType::CUSTOM, staged);
     } else {
       auto nccl = make_nccl_backend(prefixed, rank, size, options.timeout);
       group->setDefaultBackend(c10d::ProcessGroup::BackendType::NCCL);

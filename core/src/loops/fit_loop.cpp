@@ -6,6 +6,7 @@
 #include <fmt/format.h>
 #include <spdlog/spdlog.h>
 
+#include "../device_rng.h"
 #include "../ivalue_dict.h"
 #include "../trainer_engine.h"
 #include "lightning_progress.h"
@@ -157,6 +158,7 @@ c10::IValue FitLoop::state_dict() const {
   auto state = string_dict();
   state.insert("epoch", position_.epoch);
   state.insert("cpu_rng_state", cpu_rng_state());
+  save_device_rng_state(state, trainer_.device());
   epoch_loop_.state_dict(state);
   // Lightning 2.6's _FitLoop reads "state_dict" and "epoch_progress" (the epoch loop adds its
   // "epoch_loop.*" keys). The epoch counters as Lightning's checkpoint at the same hook has them:
@@ -179,6 +181,7 @@ void FitLoop::load_state_dict(const c10::IValue& state, const std::string& path)
   // Checkpoints from before max_time became the Timer also hold "elapsed_seconds": the Timer keeps
   // that time in its own state now (callbacks["Timer"]), so it is not read.
   set_cpu_rng_state(require_key(dict, "cpu_rng_state", path, "").toTensor());
+  load_device_rng_state(dict, trainer_.device(), path);
   if (epoch_loop_.load_state_dict(dict, path)) {
     // Saved during the epoch-end work: that epoch is complete. Finish what comes after the
     // callbacks (epoch schedulers; plateau ones need metrics that are not saved, as in Lightning).

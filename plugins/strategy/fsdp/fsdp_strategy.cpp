@@ -434,11 +434,11 @@ class FsdpStrategy final : public fulgur::process_group::ProcessGroupStrategy, p
     int64_t bytes = 0;
     for (ShardedParameter* p : shards_.ordered)
       if (p->host.defined()) bytes += static_cast<int64_t>(p->host.nbytes());
-    if (!device_.is_cuda() && cluster_.global_rank == 0)
+    if (device_.is_cpu() && cluster_.global_rank == 0)
       fulgur::log::warn(
           fmt::format("strategy 'fsdp': offload_optimizer = true on {}: the parameters already live in host memory, "
                       "so the optimizer steps copies of this rank's rows there ({} bytes more) and saves nothing; it "
-                      "is meant for accelerator = \"cuda\"",
+                      "is meant for an accelerator with its own memory",
                       device_.str(), bytes));
     if (fulgur::log::enabled(fulgur::log::Level::debug))
       fulgur::log::debug(
