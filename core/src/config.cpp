@@ -65,8 +65,8 @@ const std::vector<OptionSchema>& trainer_option_schema() {
          "\"gpu\" (the available accelerator of highest priority that is not the cpu)"},
         {"strategy", T::string, plugin_default("strategy"), "Strategy plugin by name (fulgur plugins list)"},
         {"precision", T::string, plugin_default("precision"),
-         "Precision plugin by name (fulgur plugins list); Lightning's short forms 16, \"bf16\", 32 and 64 mean "
-         "\"16-mixed\", \"bf16-mixed\", \"32-true\" and \"64-true\""},
+         "Precision plugin by name (fulgur plugins list), or one of Lightning's short forms that a plugin declares "
+         "(16, \"bf16\", 32, 64)"},
         {"devices", T::string, "\"auto\"", "Devices per node: a count, \"auto\", -1 (all) or \"0,1\""},
         {"num_nodes", T::integer, "1", "Number of nodes"},
         {"max_epochs", T::integer, "1000",
@@ -200,11 +200,10 @@ std::optional<OptionValue> lightning_spelling(std::string_view key, const toml::
 }  // namespace
 
 std::string canonical_precision(std::string_view name) {
-  // Lightning's _PRECISION_INPUT_STR_ALIAS: the short forms name the same plugins as the long ones.
-  if (name == "16") return "16-mixed";
-  if (name == "bf16") return "bf16-mixed";
-  if (name == "32") return "32-true";
-  if (name == "64") return "64-true";
+  // Lightning's short precision spellings, as the build's plugins declare them (ALIASES in
+  // plugins/CMakeLists.txt): the core names no plugin.
+  for (const builtin::Alias& a : builtin::kAliases)
+    if (a.kind == "precision" && a.alias == name) return std::string(a.name);
   return std::string(name);
 }
 
@@ -712,7 +711,7 @@ std::string choose_auto_accelerator(const PluginSelection& sel, const PluginRegi
       ErrorKind::config,
       fmt::format("{}: accelerator = \"{}\" found no available {}accelerator; tried {}{}", sel.where.str(), spelled,
                   devices_only ? "GPU " : "", tried.empty() ? "none" : fmt::format("{}", fmt::join(tried, "; ")),
-                  devices_only ? " (use accelerator = \"cpu\" or \"auto\" on a machine without a GPU)" : ""));
+                  devices_only ? " (on a machine without a GPU, use accelerator = \"auto\")" : ""));
 }
 
 }  // namespace

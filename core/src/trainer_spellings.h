@@ -10,8 +10,8 @@
 
 namespace fulgur {
 
-/// The precision plugin a Lightning precision spelling means: "16" -> "16-mixed", "bf16" ->
-/// "bf16-mixed", "32" -> "32-true", "64" -> "64-true"; any other name unchanged.
+/// The precision plugin a Lightning precision spelling means (the aliases the build's plugins
+/// declare, e.g. 16 for 16-mixed); any other name unchanged.
 std::string canonical_precision(std::string_view name);
 
 /// `value` of [trainer] `key` in its canonical form (today: precision names, as above).
