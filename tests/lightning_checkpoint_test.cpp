@@ -115,11 +115,11 @@ TEST_CASE("Lightning layout: Fulgur resumes bit for bit from its checkpoints, an
         lightning_keys.push_back(key);
     }
     CHECK(!lightning_keys.empty());
-    for (const std::string& key : lightning_keys) state.erase(key);
+    for (const std::string& key : lightning_keys) (void)state.erase(key);
     if (auto val = state.find("val_loop"); val != state.end()) {
       auto val_state = val->value().toGenericDict();
-      val_state.erase("state_dict");
-      val_state.erase("batch_progress");
+      (void)val_state.erase("state_dict");
+      (void)val_state.erase("batch_progress");
     }
   }
   const fs::path previous = dir / "previous_layout.ckpt";
@@ -141,7 +141,7 @@ TEST_CASE("strict_loading: true refuses unmatched weight keys naming them, false
   // The checkpoint of epoch 0, edited: fc2.bias gone, a key the model lacks added.
   auto checkpoint = job::checkpoint_dict(dir / "ckpt" / "epoch=0-step=4.ckpt");
   auto weights = checkpoint.at("state_dict").toGenericDict();
-  weights.erase("fc2.bias");
+  (void)weights.erase("fc2.bias");
   weights.insert("extra.weight", at::ones({3}));
   const fs::path edited = dir / "edited.ckpt";
   fulgur::write_checkpoint_file(c10::IValue(checkpoint), edited.string());
