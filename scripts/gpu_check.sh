@@ -102,7 +102,7 @@ figure_of() {
   [ -f "$log" ] || return 0
   case "$1" in
     seeded_example)
-      echo "$(grep -o 'FULGUR_CUDA_HOOKS: [a-z]* ([^)]*)' "$log" | tail -1 | cut -d' ' -f2-); $(grep -o 'test accuracy: [0-9.]*%' "$log" | tail -1)" ;;
+      echo "$(grep -o 'FULGUR_CUDA_HOOKS: [a-z]* ([^)]*)' "$log" | tail -1 | cut -d' ' -f2-); $(grep -o 'test/acc [0-9.]*' "$log" | tail -1)" ;;
     gpu_tests)
       grep -E '[0-9]+% tests passed' "$log" | tail -1 ;;
     fashion_mnist_*)
@@ -192,7 +192,7 @@ seeded_example() {
     examples/fashion_mnist/fashion_mnist.toml >"$dir/job.toml"
   (cd "$dir" && LD_PRELOAD="$report" "$build_abs/bin/fulgur" fit --config job.toml --trainer.limit_train_batches=200) || return 1
   (cd "$dir" && "$build_abs/bin/fulgur" test --config job.toml --ckpt_path=last --trainer.limit_test_batches=50 2>&1 |
-    sed -n 's/.*test\/acc[^0-9]*\([0-9.]*\).*/test accuracy: \1%/p' | tail -1) || true
+    sed -n 's/.*test\/acc[^0-9]*\([0-9.]*\).*/test\/acc \1/p' | tail -1) || true
   find "$dir" -name '*.ckpt' -delete
 }
 step seeded_example seeded_example
