@@ -178,20 +178,13 @@ std::string unknown_key_message(std::string_view key, std::string_view owner, co
 // `skip` names keys handled elsewhere (e.g. "name").
 namespace {
 
-// Lightning's other spellings of [trainer] values that the key's schema type does not cover:
-// fast_dev_run = true (one batch), precision = 16 (a number), deterministic = true (the key holds
-// true, false or "warn"), check_val_every_n_epoch = "none" (TOML has no None) and a wall-clock
-// val_check_interval ("DD:HH:MM:SS").
-std::optional<OptionValue> lightning_spelling(std::string_view key, const toml::node& node) {
-  if (key == "fast_dev_run" && node.is_boolean()) return OptionValue{int64_t{*node.value<bool>() ? 1 : 0}};
-  if (key == "precision" && node.is_integer()) return OptionValue{std::to_string(*node.value<int64_t>())};
-  if (key == "deterministic" && node.is_boolean())
-    return OptionValue{std::string(*node.value<bool>() ? "true" : "false")};
-  if (key == "check_val_every_n_epoch" && node.is_string()) {
-    const std::string text = *node.value<std::string>();
-    if (text == "none" || text == "None") return OptionValue{int64_t{0}};
-  }
-  if (key == "val_check_interval" && node.is_string()) return OptionValue{*node.value<std::string>()};
+// A TOML value as the option value of its own type (bool, integer, float, string), or nullopt for
+// arrays and tables: what lightning_spelling looks at.
+std::optional<OptionValue> natural_value(const toml::node& node) {
+  if (node.is_boolean()) return OptionValue{*node.value<bool>()};
+  if (node.is_integer()) return OptionValue{*node.value<int64_t>()};
+  if (node.is_floating_point()) return OptionValue{*node.value<double>()};
+  if (node.is_string()) return OptionValue{*node.value<std::string>()};
   return std::nullopt;
 }
 
@@ -206,6 +199,22 @@ std::string canonical_precision(std::string_view name) {
     if (a.kind == "precision" && a.alias == name) return std::string(a.name);
   return std::string(name);
 }
+
+std::optional<OptionValue> lightning_spelling(std::string_view key, const OptionValue& value) {
+  if (const bool* flag = std::get_if<bool>(&value)) {
+    if (key == "fast_dev_run") return OptionValue{int64_t{*flag ? 1 : 0}};
+    if (key == "deterministic") return OptionValue{std::string(*flag ? "true" : "false")};
+  }
+  if (const int64_t* number = std::get_if<int64_t>(&value))
+    if (key == "precision") return OptionValue{std::to_string(*number)};
+  if (const std::string* text = std::get_if<std::string>(&value)) {
+    if (key == "check_val_every_n_epoch" && (*text == "none" || *text == "None")) return OptionValue{int64_t{0}};
+    if (key == "val_check_interval") return value;  // checked as "DD:HH:MM:SS" with the other values
+  }
+  return std::nullopt;
+}
+
+int64_t default_max_epochs(int64_t max_steps) { return max_steps >= 0 ? -1 : 1000; }
 
 OptionValue canonical_trainer_value(std::string_view key, OptionValue value) {
   if (key == "precision")
@@ -243,7 +252,8 @@ Options typed_options(const std::vector<RawOption>& raw, const std::vector<Optio
       }
       if (integers) value = OptionValue{array.size() == 1 ? "[" + joined + "]" : joined};
     }
-    if (!value && owner == "[trainer]") value = lightning_spelling(r.key, node);
+    if (!value && owner == "[trainer]")
+      if (std::optional<OptionValue> natural = natural_value(node)) value = lightning_spelling(r.key, *natural);
     if (!value)
       fail(r.where, fmt::format("{}: '{}' must be {}, found {}{}", owner, r.key, to_string(spec->type), found,
                                 spec->default_value ? fmt::format(" (default: {})", spec->default_text) : ""));
@@ -429,8 +439,8 @@ Config config_from_root(std::shared_ptr<toml::table> root, const fs::path& origi
     config.trainer = typed_options(raw, trainer_option_schema(), "[trainer]", where);
     // Lightning's max_epochs = None: 1000 epochs, or no epoch limit when max_steps is given. The
     // resolved value is what the config holds (and to_toml writes), so a saved config reruns alike.
-    if (!config.trainer_locations.contains("max_epochs") && config.trainer.get_int("max_steps") >= 0)
-      config.trainer.set("max_epochs", int64_t{-1});
+    if (!config.trainer_locations.contains("max_epochs"))
+      config.trainer.set("max_epochs", default_max_epochs(config.trainer.get_int("max_steps")));
     fs::path root_dir = config.trainer.get_string("default_root_dir");
     const auto given = config.trainer_locations.find("default_root_dir");
     const fs::path root_base = given == config.trainer_locations.end() ? base : base_of(given->second);

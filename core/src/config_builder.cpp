@@ -63,19 +63,19 @@ ConfigBuilder::ConfigBuilder() {
 ConfigBuilder& ConfigBuilder::set(const std::string& key, OptionValue value) {
   const OptionSchema& s = schema_entry(key);
   // Lightning's spellings, as in TOML: fast_dev_run(true), deterministic(true), precision("16").
-  if (const bool* flag = std::get_if<bool>(&value)) {
-    if (key == "fast_dev_run") value = int64_t{*flag ? 1 : 0};
-    if (key == "deterministic") value = std::string(*flag ? "true" : "false");
+  if (!type_matches(s.type, value)) {
+    std::optional<OptionValue> spelled = lightning_spelling(key, value);
+    if (!spelled)
+      throw Error(ErrorKind::config, fmt::format("ConfigBuilder: [trainer] {} must be {}, got {}", key,
+                                                 to_string(s.type), format_option_value(value)));
+    value = std::move(*spelled);
   }
   value = canonical_trainer_value(key, std::move(value));
-  if (!type_matches(s.type, value))
-    throw Error(ErrorKind::config, fmt::format("ConfigBuilder: [trainer] {} must be {}, got {}", key, to_string(s.type),
-                                               format_option_value(value)));
   config_.trainer.set(key, std::move(value));
   // Where a value came from, for messages, and which keys were given (max_epochs below).
   config_.trainer_locations[key] = SourceLocation{fmt::format("ConfigBuilder: set(\"{}\")", key), 0, 0};
   if (key == "max_steps" && !config_.trainer_locations.contains("max_epochs"))
-    config_.trainer.set("max_epochs", int64_t{config_.trainer.get_int("max_steps") >= 0 ? -1 : 1000});
+    config_.trainer.set("max_epochs", default_max_epochs(config_.trainer.get_int("max_steps")));
   if (key == "accelerator") config_.accelerator.name = config_.trainer.get_string(key);
   if (key == "strategy") config_.strategy.name = config_.trainer.get_string(key);
   if (key == "precision") config_.precision.name = config_.trainer.get_string(key);
