@@ -130,6 +130,7 @@ ResolvedTrainerConfig ResolvedTrainerConfig::from_config(const Config& config) {
   s.overfit_batches = t.values().at("overfit_batches");
   s.overfit = as_number(s.overfit_batches) > 0;
   s.use_distributed_sampler = t.get_bool("use_distributed_sampler");
+  s.return_predictions = t.get_bool("return_predictions");
   s.val_check_interval = t.values().at("val_check_interval");
   // barebones: no sanity check either (Lightning turns num_sanity_val_steps off with it).
   s.barebones = t.get_bool("barebones");

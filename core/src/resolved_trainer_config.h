@@ -41,6 +41,7 @@ struct ResolvedTrainerConfig {
   OptionValue limit_train_batches, limit_val_batches, limit_test_batches, limit_predict_batches, overfit_batches;
   bool overfit = false;                 // overfit_batches > 0: train and validate on the same few batches
   bool use_distributed_sampler = true;  // loaders get set_replica(rank, world) (false: each reads all)
+  bool return_predictions = true;       // predict collects its outputs (false: writer-only runs)
   OptionValue val_check_interval;
 };
 

@@ -14,7 +14,6 @@ std::vector<at::Tensor> PredictionLoop::run(BatchLoader& loader) {
   HookDispatcher& hooks = t.hooks_;
   Module& module = *t.module_;
   std::vector<at::Tensor> predictions;
-  const bool return_predictions = t.config_.trainer.get_bool("return_predictions");
   EvalMode eval_mode(module, t.trainer_config_.inference_mode);
   LogContext log(t.binding_, nullptr, false, false, "predict_step");  // Lightning forbids logging in predict
   batches_done_ = 0;
@@ -35,7 +34,7 @@ std::vector<at::Tensor> PredictionLoop::run(BatchLoader& loader) {
     hooks.call(Hook::predict_batch_end, [&](Callback& c) { c.on_predict_batch_end(t, prediction, batch, batch_idx); });
     // On the CPU as they are collected: a device holds one batch's output at a time, not the
     // whole pass (as Lightning moves predictions to the CPU). Nothing at all for writer-only runs.
-    if (return_predictions)
+    if (t.trainer_config_.return_predictions)
       predictions.push_back(prediction.defined() && !prediction.device().is_cpu() ? prediction.detach().to(c10::kCPU)
                                                                                   : prediction);
     batches_done_ = batch_idx + 1;
