@@ -31,6 +31,7 @@
 #include <fulgur/error.h>
 #include <fulgur/metrics.h>
 #include <fulgur/module.h>
+#include <fulgur/nn/batch_norm.h>
 #include <fulgur/precision.h>
 #include <fulgur/strategy.h>
 #include <fulgur/trainer.h>
@@ -63,6 +64,13 @@ struct Mlp : fulgur::Module {
     }
     // A layer that gets no gradient (ddp needs find_unused_parameters for it).
     if (std::getenv("FULGUR_TEST_UNUSED_LAYER")) register_module("unused", torch::nn::Linear(4, 4));
+    // FULGUR_TEST_BATCH_NORM=fulgur|torch: a batch norm after fc1 ([trainer] sync_batchnorm).
+    if (const char* bn = std::getenv("FULGUR_TEST_BATCH_NORM")) {
+      if (std::string(bn) == "torch")
+        torch_norm = register_module("norm", torch::nn::BatchNorm1d(32));
+      else
+        norm = register_module("norm", fulgur::nn::BatchNorm(32));
+    }
     if (std::getenv("FULGUR_TEST_SHARDING_MODEL")) {
       scale = register_parameter("scale", torch::ones({}));  // 0-dim: one row, owned by one rank
       frozen = register_module("frozen", torch::nn::Linear(4, 4));
@@ -90,6 +98,10 @@ struct Mlp : fulgur::Module {
           },
           options);
       out = fulgur::run_block(fc2, h, options);
+    } else if (norm) {
+      out = fc2->forward(torch::tanh(norm->forward(fc1->forward(x))));
+    } else if (torch_norm) {
+      out = fc2->forward(torch::tanh(torch_norm->forward(fc1->forward(x))));
     } else {
       out = fc2->forward(torch::tanh(fc1->forward(x)));
     }
@@ -135,6 +147,8 @@ struct Mlp : fulgur::Module {
   }
   torch::nn::Linear fc1{nullptr}, fc2{nullptr}, frozen{nullptr};
   torch::nn::Sequential layers{nullptr};
+  fulgur::nn::BatchNorm norm{nullptr};
+  torch::nn::BatchNorm1d torch_norm{nullptr};
   at::Tensor scale;
   int64_t rank = 0;
   int64_t calls = 0;
@@ -266,6 +280,9 @@ int main(int argc, char** argv) {
       fulgur::FullParameters whole(*module);  // under zero_stage = 3: gathered for the copy
       // On the CPU: the file is read by the test, where no plugin device is registered.
       for (const auto& p : module->parameters()) weights.push_back(p.detach().to(at::kCPU, false, /*copy=*/true));
+      // Floating buffers too (a batch norm's running statistics).
+      for (const auto& b : module->buffers())
+        if (b.is_floating_point()) weights.push_back(b.detach().to(at::kCPU, false, /*copy=*/true));
     }
     torch::save(weights, fmt::format("{}/weights_rank{}.pt", argv[2], rank));
     std::ofstream metrics(fmt::format("{}/metrics_rank{}.txt", argv[2], rank));

@@ -260,6 +260,51 @@ TEST_CASE("#34.15 use_distributed_sampler = false gives every rank the whole loa
   CHECK(steps_in_one_epoch(false) == 12);
 }
 
+// `config` with one more [trainer] line.
+std::string with_trainer_line(std::string config, const std::string& line) {
+  const std::string at = "logger = false\n";
+  config.replace(config.find(at), at.size(), at + line + "\n");
+  return config;
+}
+
+TEST_CASE("#34.15 sync_batchnorm: 2 ranks with batch B normalize and train as 1 process with batch 2B") {
+  // The worker's MLP with a fulgur::nn::BatchNorm after its first layer. Weights here include the
+  // running mean and variance. Without synchronization each rank normalizes with its own half of
+  // the batch, which one process never does: the last check shows the comparison can tell.
+  auto env = clean_env();
+  env["FULGUR_TEST_BATCH_NORM"] = "fulgur";
+  auto single =
+      run_worker(with_trainer_line(worker_config("single_device", "1", 16, 6), "sync_batchnorm = true"), {}, env);
+  REQUIRE_SUCCESS(single);
+  CHECK(contains(single->result.output, "sync_batchnorm: one process"));
+  for (const char* strategy : {"ddp", "fsdp:2"}) {
+    CAPTURE(strategy);
+    auto synced = run_worker(with_trainer_line(worker_config(strategy, "2", 8, 6), "sync_batchnorm = true"), {}, env);
+    REQUIRE_SUCCESS(synced);
+    CHECK(
+        contains(synced->result.output, "1 fulgur::nn::BatchNorm layer normalize with the statistics of all 2 ranks"));
+    CHECK(max_difference(weights(*synced, 0), weights(*synced, 1)) == 0.0);
+    CHECK(max_difference(weights(*synced, 0), weights(*single, 0)) < 1e-5);
+  }
+  auto local = run_worker(worker_config("ddp", "2", 8, 6), {}, env);
+  REQUIRE_SUCCESS(local);
+  CHECK(max_difference(weights(*local, 0), weights(*single, 0)) > 1e-4);
+}
+
+TEST_CASE("#34.15 sync_batchnorm refuses torch::nn::BatchNorm layers, naming them and the layer to use") {
+  auto env = clean_env();
+  env["FULGUR_TEST_BATCH_NORM"] = "torch";
+  auto run = run_worker(with_trainer_line(worker_config("ddp", "2", 8, 2), "sync_batchnorm = true"), {}, env);
+  CHECK(run->result.status != 0);
+  CHECK(contains(run->result.output,
+                 "sync_batchnorm = true: the model's batch-norm layer 'norm' "
+                 "(torch::nn::BatchNorm1d) cannot be synchronized"));
+  CHECK(contains(run->result.output, "fulgur::nn::BatchNorm"));
+  // The same model without the key trains with local statistics, as torch::nn::BatchNorm1d does.
+  auto unsynced = run_worker(worker_config("ddp", "2", 8, 2), {}, env);
+  REQUIRE_SUCCESS(unsynced);
+}
+
 TEST_CASE("ddp: loaders of unknown length that end at different batches end every rank's epoch together") {
   // 96 samples, batch 8: 6 batches per rank, but rank 1's loader ends after 5 and neither knows its
   // length. The ranks agree on the end of each epoch: 5 steps per epoch on both, so the 12th step

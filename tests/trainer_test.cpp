@@ -979,6 +979,8 @@ TEST_CASE("every [trainer] key changes what a run does, or its value is rejected
       {"enable_model_summary", "true", "", nullptr, "Total params"},
       {"inference_mode", "false", ""},
       {"detect_anomaly", "true", ""},
+      // What it changes needs two ranks and a batch norm: distributed_test.cpp.
+      {"sync_batchnorm", "\"yes\"", "", "sync_batchnorm"},
       {"return_predictions", "false", ""},
       {"logger", "false", ""},
       {"barebones", "true", ""},

@@ -111,6 +111,9 @@ const std::vector<OptionSchema>& trainer_option_schema() {
         {"enable_model_summary", T::boolean, "true", "Add the default model summary callback if none is configured"},
         {"inference_mode", T::boolean, "true", "Evaluate under inference mode (else no_grad)"},
         {"detect_anomaly", T::boolean, "false", "Enable autograd anomaly detection"},
+        {"sync_batchnorm", T::boolean, "false",
+         "fulgur::nn::BatchNorm layers normalize with the statistics of every data-parallel rank's batch "
+         "(torch::nn::BatchNorm layers are refused: declare them as fulgur::nn::BatchNorm)"},
         {"return_predictions", T::boolean, "true",
          "predict returns every batch's output, moved to the CPU (false: collect nothing, for runs that only write "
          "predictions through a callback such as prediction_writer)"},

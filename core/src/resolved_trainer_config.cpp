@@ -122,6 +122,7 @@ ResolvedTrainerConfig ResolvedTrainerConfig::from_config(const Config& config) {
   s.cuda_graphs = graphs == "on" ? StepCaptureMode::on : graphs == "try" ? StepCaptureMode::try_ : StepCaptureMode::off;
   s.inference_mode = t.get_bool("inference_mode");
   s.detect_anomaly = t.get_bool("detect_anomaly");
+  s.sync_batchnorm = t.get_bool("sync_batchnorm");
   s.strict_loading = t.get_bool("strict_loading");
   s.limit_train_batches = t.values().at("limit_train_batches");
   s.limit_val_batches = t.values().at("limit_val_batches");

@@ -42,6 +42,7 @@ struct ResolvedTrainerConfig {
   bool overfit = false;                 // overfit_batches > 0: train and validate on the same few batches
   bool use_distributed_sampler = true;  // loaders get set_replica(rank, world) (false: each reads all)
   bool return_predictions = true;       // predict collects its outputs (false: writer-only runs)
+  bool sync_batchnorm = false;          // fulgur::nn::BatchNorm layers use every data-parallel rank's batch
   OptionValue val_check_interval;
 };
 

@@ -19,6 +19,7 @@
 #include <cstdlib>
 #include <thread>
 
+#include "connectors/layer_sync.h"
 #include "device_rng.h"
 #include "distributed/local_launcher.h"
 #include "distributed/process_group.h"
@@ -285,6 +286,9 @@ void TrainerEngine::build_model(Module& module) {
   strategy.configure_model(
       module, ModelBuild{[&] { hooks_.module("configure_model", [&] { module.configure_model(); }); }, prepare});
   prepare(module);
+  // Lightning converts batch norms before the strategy wraps the model.
+  apply_layer_sync(module, trainer_config_.sync_batchnorm,
+                   LayerSyncGroup{world_communicator(), strategy.data_parallel_size(), config_.strategy.name});
   strategy.setup_module(module);
 }
 

@@ -18,6 +18,7 @@
 #include <fulgur/logger.h>
 #include <fulgur/lr_scheduler.h>
 #include <fulgur/module.h>
+#include <fulgur/nn/batch_norm.h>
 #include <fulgur/option_spec.h>
 #include <fulgur/options.h>
 #include <fulgur/precision.h>
@@ -77,6 +78,10 @@ FULGUR_ABI_PROBE(device_step_precision, fulgur::DeviceStepPrecision)
 // SDK 1.1: loggers that observe checkpoints (fulgur/logger.h).
 FULGUR_ABI_PROBE(checkpoint_observer, fulgur::CheckpointObserver)
 FULGUR_ABI_PROBE(saved_checkpoint, fulgur::SavedCheckpoint)
+
+// SDK 1.2: model-side building blocks (fulgur/nn/).
+FULGUR_ABI_PROBE(nn_batch_norm, fulgur::nn::BatchNormImpl)
+FULGUR_ABI_PROBE(nn_batch_norm_options, fulgur::nn::BatchNormOptions)
 
 // The Trainer as callbacks see it.
 FULGUR_ABI_PROBE(trainer_context, fulgur::TrainerContext)

@@ -73,6 +73,8 @@ class ConfigBuilder {
   ConfigBuilder& enable_model_summary(bool v) { return set("enable_model_summary", v); }
   ConfigBuilder& inference_mode(bool v) { return set("inference_mode", v); }
   ConfigBuilder& detect_anomaly(bool v) { return set("detect_anomaly", v); }
+  /// `[trainer] sync_batchnorm`: fulgur::nn::BatchNorm layers use every data-parallel rank's batch.
+  ConfigBuilder& sync_batchnorm(bool v) { return set("sync_batchnorm", v); }
   ConfigBuilder& default_logger(bool v) { return set("logger", v); }
   ConfigBuilder& barebones(bool v) { return set("barebones", v); }
   ConfigBuilder& ckpt_path(std::string v) { return set("ckpt_path", std::move(v)); }
