@@ -5,6 +5,9 @@
                                          (target docs_cpp_blocks, CTest docs_cpp_blocks_compile)
   doc_blocks.py toml DOCS_DIR FULGUR     every ```toml block through `fulgur config check`
                                          (CTest docs_toml_blocks_check)
+  doc_blocks.py run DOCS_DIR FULGUR      every ```bash block marked `<!-- check: run -->`, run with
+                                         bash -euo pipefail in an empty folder, with the build's
+                                         `fulgur` first on PATH (CTest docs_shell_blocks_run)
 
 A block is checked whole unless the line just before its fence is a marker comment (invisible on
 the site) that says otherwise:
@@ -13,6 +16,8 @@ the site) that says otherwise:
                                          taking PARAMS, e.g. body(fulgur::Module& net)
   <!-- check: fragment REASON -->        not checked, with the reason (an excerpt with `...`, a
                                          TOML table meant to be merged into a whole config)
+  <!-- check: run -->                    a shell block that the test runs (shell blocks are not
+                                         run unless marked: most build, train or need a GPU)
 
 A block that only includes a file (`--8<-- "examples/..."`) is not checked here: that file is
 built and run by its own test (examples/third_party_plugin: third_party_plugin_against_installed_sdk).
@@ -28,7 +33,7 @@ import tempfile
 import tomllib
 
 FENCE = re.compile(r"^(\s*)(```+|~~~+)\s*([A-Za-z0-9_+-]*)(.*)$")
-MARKER = re.compile(r"^\s*<!--\s*check:\s*(body|fragment)\s*(.*?)\s*-->\s*$")
+MARKER = re.compile(r"^\s*<!--\s*check:\s*(body|fragment|run)\s*(.*?)\s*-->\s*$")
 PRELUDE = [
     "fulgur/plugin.h", "fulgur/plugin_options.h", "fulgur/module.h", "fulgur/data_module.h", "fulgur/trainer.h",
     "fulgur/config_builder.h", "fulgur/data.h", "fulgur/metrics.h", "fulgur/weights.h", "fulgur/blocks.h",
@@ -160,12 +165,32 @@ def check_toml(docs_dir, fulgur):
     return 1 if failed or count == 0 else 0
 
 
+def run_shell(docs_dir, fulgur):
+    failed, count = [], 0
+    env = dict(os.environ, PATH=os.path.dirname(os.path.abspath(fulgur)) + os.pathsep + os.environ.get("PATH", ""))
+    for b in blocks(docs_dir):
+        if b.lang not in ("bash", "sh", "shell") or not b.marker or b.marker[0] != "run":
+            continue
+        count += 1
+        with tempfile.TemporaryDirectory() as tmp:
+            r = subprocess.run(["bash", "-euo", "pipefail", "-c", "\n".join(b.text)], capture_output=True, text=True,
+                               cwd=tmp, env=env)
+        if r.returncode != 0:
+            failed.append(f"{b.where}: exit status {r.returncode}:\n{r.stdout[-2000:]}{r.stderr[-2000:]}")
+    print(f"docs: {count} shell blocks marked `check: run` ran, {len(failed)} failed")
+    for f in failed:
+        print(f"FAILED {f}")
+    return 1 if failed or count == 0 else 0
+
+
 def main():
-    if len(sys.argv) != 4 or sys.argv[1] not in ("cpp", "toml"):
+    if len(sys.argv) != 4 or sys.argv[1] not in ("cpp", "toml", "run"):
         sys.exit(__doc__)
     if sys.argv[1] == "cpp":
         write_cpp(sys.argv[2], sys.argv[3])
         return 0
+    if sys.argv[1] == "run":
+        return run_shell(sys.argv[2], sys.argv[3])
     return check_toml(sys.argv[2], sys.argv[3])
 
 
