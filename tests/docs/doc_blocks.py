@@ -1,4 +1,5 @@
-"""The code blocks of the documentation (docs/**/*.md), extracted so the test suite checks them.
+"""The code blocks of the documentation (docs/**/*.md and README.md), extracted so the test suite
+checks them.
 
   doc_blocks.py cpp DOCS_DIR OUT.cpp     every ```cpp block in one translation unit, which CMake
                                          compiles against the SDK, core, data, metrics and cli headers
@@ -52,7 +53,8 @@ class Block:
 
 def blocks(docs_dir):
     root = os.path.dirname(os.path.abspath(docs_dir))
-    pages = []
+    # The pages of the site, and README.md, the front page on the forge.
+    pages = [os.path.join(root, "README.md")]
     for dirpath, _, files in sorted(os.walk(docs_dir)):
         pages += [os.path.join(dirpath, name) for name in sorted(files) if name.endswith(".md")]
     for path in pages:
