@@ -19,9 +19,11 @@ source "$here/env.sh"
 # only its own program reads; jargon-text's one file sits in /usr/share/doc, which slim images drop).
 # abigail-tools: abidw/abidiff (libabigail), which compare the SDK's ABI with the stored 1.0 baseline
 # (tests/abi/abi_check.sh, scripts/abi_check.sh).
+# doxygen: the SDK's API reference in the docs site (scripts/docs.sh), and the docs test's check
+# that every public SDK declaration has its `///` comment (Doxyfile: WARN_IF_UNDOCUMENTED).
 apt_packages=(build-essential cmake ninja-build ccache libboost-dev libgloo-dev libtomlplusplus-dev
   libspdlog-dev libfmt-dev doctest-dev zlib1g-dev dataset-fashion-mnist python3-venv binutils file
-  nlohmann-json3-dev libjpeg62-turbo-dev libpng-dev libcurl4-openssl-dev fortunes abigail-tools)
+  nlohmann-json3-dev libjpeg62-turbo-dev libpng-dev libcurl4-openssl-dev fortunes abigail-tools doxygen)
 missing=()
 for p in "${apt_packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

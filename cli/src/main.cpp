@@ -2,7 +2,9 @@
 // `plugins load`, which exists to run a plugin's loading and construction on purpose.
 //
 //   fulgur plugins list [--config FILE] [--all]
-//   fulgur plugins describe NAME [--kind KIND] [--config FILE]
+//   fulgur plugins describe NAME | --all [--kind KIND] [--config FILE] [--json]
+//                                  (--json: the same data as JSON, what scripts/docs.sh turns into
+//                                  the plugin reference pages)
 //   fulgur plugins load NAME [--kind KIND] [--config FILE]   (loads, creates, destroys it)
 //   fulgur plugins check [NAME | --all] [--kind KIND] [--config FILE] [--timeout S] [--force]
 //                                  (the same in child processes: crashes and hangs are reported)
@@ -26,6 +28,7 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 #include <spdlog/spdlog.h>
+#include <nlohmann/json.hpp>
 
 #include <cstring>
 #include <iostream>
@@ -42,7 +45,7 @@ constexpr const char* kUsage =
     "  fulgur fit|validate|test|predict --config FILE [--config FILE ...] [--SECTION.KEY=VALUE ...]\n"
     "                                   [--ckpt_path=PATH|last|best] [--print-config] [--help]\n"
     "  fulgur plugins list [--config FILE] [--all]\n"
-    "  fulgur plugins describe NAME [--kind KIND] [--config FILE]\n"
+    "  fulgur plugins describe NAME | --all [--kind KIND] [--config FILE] [--json]\n"
     "  fulgur plugins load NAME [--kind KIND] [--config FILE]\n"
     "  fulgur plugins check [NAME | --all] [--kind KIND] [--config FILE] [--timeout SECONDS] [--force]\n"
     "  fulgur config check FILE\n"
@@ -57,6 +60,7 @@ struct Args {
   std::optional<std::string> kind;
   bool all = false;
   bool force = false;
+  bool json = false;
   std::optional<double> timeout;
 };
 
@@ -76,6 +80,8 @@ Args parse_args(int argc, char** argv) {
       args.all = true;
     else if (a == "--force")
       args.force = true;
+    else if (a == "--json")
+      args.json = true;
     else if (a == "--timeout") {
       const std::string text = value("--timeout");
       char* end = nullptr;
@@ -151,19 +157,49 @@ std::optional<PluginKind> kind_arg(const Args& args) {
   return kind;
 }
 
+// One plugin's metadata as JSON: what the text form of `describe` prints, field for field.
+nlohmann::ordered_json describe_json(const PluginCandidate& c) {
+  const auto& m = c.metadata;
+  nlohmann::ordered_json options = nlohmann::ordered_json::array();
+  for (const auto& o : m.options)
+    options.push_back({{"key", o.key},
+                       {"type", to_string(o.type)},
+                       {"required", !o.default_value},
+                       {"default", o.default_value ? o.default_text : ""},
+                       {"help", o.help}});
+  return {{"kind", to_string(m.kind)},
+          {"name", m.name},
+          {"version", m.version},
+          {"description", m.description},
+          {"file", c.file.string()},
+          {"status", to_string(c.status)},
+          {"reason", c.reason},
+          {"sdk", sdk_version_text(m.abi_tag.sdk_version)},
+          {"abi", fmt::format("{}.{}", m.abi_major, m.abi_minor)},
+          {"libtorch", fmt::format("{}.{}", m.abi_tag.torch_major, m.abi_tag.torch_minor)},
+          {"options", std::move(options)}};
+}
+
 int describe_plugin(const Args& args) {
-  if (args.positional.size() != 3) throw Error(ErrorKind::invalid_argument, kUsage);
-  const std::string& name = args.positional[2];
+  // NAME, or --all for every plugin found (the docs' reference pages are made from --all --json).
+  if (args.positional.size() != (args.all ? 2u : 3u)) throw Error(ErrorKind::invalid_argument, kUsage);
   std::optional<Config> config;
   if (args.config) config = load_config(*args.config);
   auto registry = make_registry(config);
   std::optional<PluginKind> kind = kind_arg(args);
   std::vector<const PluginCandidate*> matches;
   for (const auto& c : registry->candidates())
-    if (c.metadata.name == name && (!kind || c.metadata.kind == *kind)) matches.push_back(&c);
-  if (matches.empty()) {
+    if ((args.all || c.metadata.name == args.positional[2]) && (!kind || c.metadata.kind == *kind))
+      matches.push_back(&c);
+  if (matches.empty() && !args.all) {
     // Let resolve() produce the "did you mean" message for the most likely kind.
-    registry->resolve(kind.value_or(PluginKind::callback), name);
+    registry->resolve(kind.value_or(PluginKind::callback), args.positional[2]);
+  }
+  if (args.json) {
+    nlohmann::ordered_json out = nlohmann::ordered_json::array();
+    for (const PluginCandidate* c : matches) out.push_back(describe_json(*c));
+    std::cout << out.dump(2) << "\n";
+    return 0;
   }
   for (const PluginCandidate* c : matches) {
     const auto& m = c->metadata;

@@ -122,6 +122,7 @@ class PluginOptions {
 
  protected:
   PluginOptions() = default;
+  /// The validated table these options were read from, kept so errors can name the owner.
   Options given_;
 };
 
@@ -149,28 +150,44 @@ Derived fill_options(const Options& options) {
 // ---- the preprocessor side of FULGUR_OPTIONS --------------------------------------------------
 // FULGUR_PP_FOR_EACH(m, a, b, c) expands to m(a) m(b) m(c), for up to 256 arguments (rescanned
 // by nested expansion; __VA_OPT__ ends the recursion).
+/// Internal to FULGUR_OPTIONS: `()`, kept apart so FULGUR_PP_FOR_EACH_AGAIN is not expanded at once.
 #define FULGUR_PP_PARENS ()
+/// Internal to FULGUR_OPTIONS: rescans its argument 256 times (4^4), FULGUR_PP_FOR_EACH's budget.
 #define FULGUR_PP_EXPAND(...) FULGUR_PP_EXPAND4(FULGUR_PP_EXPAND4(FULGUR_PP_EXPAND4(FULGUR_PP_EXPAND4(__VA_ARGS__))))
+/// Internal to FULGUR_OPTIONS: 64 rescans.
 #define FULGUR_PP_EXPAND4(...) FULGUR_PP_EXPAND3(FULGUR_PP_EXPAND3(FULGUR_PP_EXPAND3(FULGUR_PP_EXPAND3(__VA_ARGS__))))
+/// Internal to FULGUR_OPTIONS: 16 rescans.
 #define FULGUR_PP_EXPAND3(...) FULGUR_PP_EXPAND2(FULGUR_PP_EXPAND2(FULGUR_PP_EXPAND2(FULGUR_PP_EXPAND2(__VA_ARGS__))))
+/// Internal to FULGUR_OPTIONS: 4 rescans.
 #define FULGUR_PP_EXPAND2(...) FULGUR_PP_EXPAND1(FULGUR_PP_EXPAND1(FULGUR_PP_EXPAND1(FULGUR_PP_EXPAND1(__VA_ARGS__))))
+/// Internal to FULGUR_OPTIONS: one rescan.
 #define FULGUR_PP_EXPAND1(...) __VA_ARGS__
+/// Internal to FULGUR_OPTIONS: FULGUR_PP_FOR_EACH(m, a, b, c) is m(a) m(b) m(c).
 #define FULGUR_PP_FOR_EACH(macro, ...) __VA_OPT__(FULGUR_PP_EXPAND(FULGUR_PP_FOR_EACH_STEP(macro, __VA_ARGS__)))
+/// Internal to FULGUR_OPTIONS: one step of FULGUR_PP_FOR_EACH, `macro(first)` then the rest.
 #define FULGUR_PP_FOR_EACH_STEP(macro, first, ...) \
   macro(first) __VA_OPT__(FULGUR_PP_FOR_EACH_AGAIN FULGUR_PP_PARENS(macro, __VA_ARGS__))
+/// Internal to FULGUR_OPTIONS: names FULGUR_PP_FOR_EACH_STEP on the next rescan (recursion).
 #define FULGUR_PP_FOR_EACH_AGAIN() FULGUR_PP_FOR_EACH_STEP
 
 // One option entry, (type, key, help[, default]), as a member, a schema entry, a read and a count.
+/// Internal to FULGUR_OPTIONS: one option entry as a typed member.
 #define FULGUR_OPTIONS_MEMBER(entry) FULGUR_OPTIONS_MEMBER_ entry
+/// Internal to FULGUR_OPTIONS: FULGUR_OPTIONS_MEMBER with the entry's parentheses removed.
 #define FULGUR_OPTIONS_MEMBER_(option_type, option_key, option_help, ...) \
   ::fulgur::detail::option_cpp_type<::fulgur::OptionType::option_type>::type option_key{};
+/// Internal to FULGUR_OPTIONS: one option entry as a fulgur::OptionSpec of the schema.
 #define FULGUR_OPTIONS_SPEC(entry) FULGUR_OPTIONS_SPEC_ entry
+/// Internal to FULGUR_OPTIONS: FULGUR_OPTIONS_SPEC with the entry's parentheses removed.
 #define FULGUR_OPTIONS_SPEC_(option_type, option_key, option_help, ...)             \
   ::fulgur::OptionSpec{::fulgur::OptionType::option_type, #option_key, option_help, \
                        ::fulgur::detail::option_default_text(__VA_OPT__(#__VA_ARGS__))},
+/// Internal to FULGUR_OPTIONS: one option entry read from the validated table.
 #define FULGUR_OPTIONS_READ(entry) FULGUR_OPTIONS_READ_ entry
+/// Internal to FULGUR_OPTIONS: FULGUR_OPTIONS_READ with the entry's parentheses removed.
 #define FULGUR_OPTIONS_READ_(option_type, option_key, option_help, ...) \
   option_key = ::fulgur::detail::read_option<::fulgur::OptionType::option_type>(fulgur_given_, #option_key);
+/// Internal to FULGUR_OPTIONS: counts one option entry.
 #define FULGUR_OPTIONS_COUNT(entry) +1
 
 /// FULGUR_OPTIONS(Name, (type, key, help[, default])...): the struct `Name` holding a plugin's
