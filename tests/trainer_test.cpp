@@ -988,6 +988,12 @@ TEST_CASE("every [trainer] key changes what a run does, or its value is rejected
       // What it changes needs a checkpoint that does not match the model: lightning_checkpoint_test.cpp
       // drives both values through `fulgur fit` in real processes.
       {"strict_loading", "\"no\"", "", "strict_loading"},
+      // What they change needs a weights file: user_workflows_test.cpp drives them through `fulgur fit`
+      // (each format, the prefix keys, strictness, and a resumed run that keeps its own weights).
+      {"init_weights", "\"no/such/weights.pt\"", "", "no/such/weights.pt"},
+      {"init_weights_strip_prefix", "1", "", "init_weights_strip_prefix"},
+      {"init_weights_add_prefix", "1", "", "init_weights_add_prefix"},
+      {"init_weights_strict", "\"no\"", "", "init_weights_strict"},
       // What they change needs a signal: signal_test.cpp drives that in real processes.
       {"interrupt_checkpoint", "\"ckpt/..\"", "", "interrupt_checkpoint"},
       {"requeue_signal", "\"SIGNOPE\"", "", "requeue_signal = \"SIGNOPE\""},

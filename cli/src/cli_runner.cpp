@@ -12,12 +12,15 @@
 #include <fulgur/suggest.h>
 #include <fulgur/trainer.h>
 #include <fulgur/trainer_context.h>
+#include <fulgur/weights.h>
 
 #include <ATen/core/Dict.h>
 #include <ATen/core/ivalue.h>
 #include <ATen/ops/empty.h>
+#include <c10/util/Exception.h>
 #include <fmt/format.h>
 #include <fmt/ranges.h>
+#include <spdlog/spdlog.h>
 
 #include <cstdio>
 #include <ctime>
@@ -72,6 +75,7 @@ CliArgs parse_cli(int argc, char** argv, const std::string& program) {
     std::string message = fmt::format("unknown subcommand '{}'", args.subcommand);
     if (auto s = closest_match(args.subcommand, kSubcommands); !s.empty())
       message += fmt::format("; did you mean '{}'?", s);
+    if (!message.ends_with('?')) message += '.';
     throw UsageError(message + fmt::format(" Subcommands: {}.", fmt::join(kSubcommands, ", ")));
   }
   for (int i = 2; i < argc; ++i) {
@@ -205,10 +209,35 @@ c10::impl::GenericDict distributed_checkpoint_state(const std::string& path, con
   return state;
 }
 
-// --ckpt_path to a file: it must exist and be a checkpoint (read once: its state_dict is what
-// check_checkpoint_matches compares with the model). Checked before the stage starts so that a typo
-// or another model's file costs nothing. nullopt for "", "last" and "best".
-std::optional<c10::impl::GenericDict> read_checkpoint_state(const std::string& path, const std::string& flag) {
+// What `fit` says about a file it cannot resume: why, and the key that starts from its weights.
+std::string init_weights_hint(const std::string& path) {
+  return fmt::format(
+      "to start a new fit from its weights, set [trainer] init_weights = \"{}\" (--trainer.init_weights=...; "
+      "init_weights_strip_prefix = \"model.\" and the like map its keys) and leave ckpt_path empty",
+      path);
+}
+
+// A dict of name -> tensor (a torch.save(model.state_dict()) file), or nullopt.
+std::optional<c10::impl::GenericDict> bare_state_dict(const c10::IValue& value) {
+  if (!value.isGenericDict() || value.toGenericDict().empty()) return std::nullopt;
+  for (const auto& entry : value.toGenericDict())
+    if (!entry.key().isString() || !entry.value().isTensor()) return std::nullopt;
+  return value.toGenericDict();
+}
+
+c10::impl::GenericDict as_generic_dict(const TensorMap& tensors) {
+  c10::impl::GenericDict state(c10::StringType::get(), c10::TensorType::get());
+  for (const auto& [name, t] : tensors) state.insert(name, t);
+  return state;
+}
+
+// --ckpt_path to a file: it must exist and hold weights (read once: its state_dict is what
+// check_checkpoint_matches compares with the model). For validate, test and predict a safetensors
+// file or a bare state dict will do (weights only); `fit` resumes a run and needs a Fulgur
+// checkpoint. Checked before the stage starts so that a typo or another model's file costs
+// nothing. nullopt for "", "last" and "best".
+std::optional<c10::impl::GenericDict> read_checkpoint_state(const std::string& path, const std::string& flag,
+                                                            bool resume) {
   if (path.empty() || path == "last" || path == "best") return std::nullopt;
   std::error_code ec;
   if (fs::is_directory(path, ec) && dcp::is_distributed_checkpoint(path))
@@ -217,19 +246,75 @@ std::optional<c10::impl::GenericDict> read_checkpoint_state(const std::string& p
     throw UsageError(
         fmt::format("{}: no checkpoint at '{}' (give a file, a distributed checkpoint directory, \"last\" or \"best\")",
                     flag, path));
-  c10::IValue ckpt;
+  const auto weights_only = [&](const char* what) {
+    return UsageError(
+        fmt::format("{}: '{}' holds weights only ({}), and fit resumes a run from a checkpoint with its "
+                    "training state; {}",
+                    flag, path, what, init_weights_hint(path)));
+  };
   try {
-    ckpt = read_checkpoint_file(path);
+    if (detect_weights_format(path) == WeightsFormat::safetensors) {
+      if (resume) throw weights_only("safetensors");
+      return as_generic_dict(read_weights(path, WeightsFormat::safetensors));
+    }
+    const c10::IValue ckpt = read_checkpoint_file(path);
+    if (!ckpt.isGenericDict() || !ckpt.toGenericDict().contains("state_dict") ||
+        !ckpt.toGenericDict().at("state_dict").isGenericDict()) {
+      if (auto state = bare_state_dict(ckpt)) {
+        if (resume) throw weights_only("a state dict");
+        return state;
+      }
+      throw UsageError(
+          fmt::format("{}: '{}' is not a Fulgur or Lightning checkpoint, a state dict of tensors nor a "
+                      "safetensors file; `fulgur weights inspect` shows what it holds",
+                      flag, path));
+    }
+    const auto dict = ckpt.toGenericDict();
+    if (resume && !dict.contains("fulgur_version")) {
+      // Python's Lightning writes its own progress counters under `loops`, not Fulgur's position,
+      // data order and RNG state: the run cannot go on exactly where it stopped.
+      const auto loops = dict.find("loops");
+      const bool fulgur_loops = loops != dict.end() && loops->value().isGenericDict() &&
+                                loops->value().toGenericDict().contains("fit_loop") &&
+                                loops->value().toGenericDict().at("fit_loop").isGenericDict() &&
+                                loops->value().toGenericDict().at("fit_loop").toGenericDict().contains("cpu_rng_state");
+      const auto version = dict.find("pytorch-lightning_version");
+      if (!fulgur_loops && version != dict.end())
+        throw UsageError(fmt::format(
+            "{}: '{}' was written by PyTorch Lightning {}, not by Fulgur: its loop state (Lightning's progress "
+            "counters, without Fulgur's position, data order and RNG state) cannot be resumed exactly; {}",
+            flag, path, version->value().isString() ? version->value().toStringRef() : std::string("?"),
+            init_weights_hint(path)));
+      if (!fulgur_loops)
+        throw UsageError(fmt::format("{}: '{}' holds weights but no training state (no 'loops' entry); {}", flag, path,
+                                     init_weights_hint(path)));
+    }
+    return dict.at("state_dict").toGenericDict();
+  } catch (const UsageError&) {
+    throw;
   } catch (const Error& e) {
     throw UsageError(fmt::format("{}: {}", flag, e.what()));
   }
-  if (!ckpt.isGenericDict() || !ckpt.toGenericDict().contains("state_dict") ||
-      !ckpt.toGenericDict().at("state_dict").isGenericDict())
-    throw UsageError(
-        fmt::format("{}: '{}' is not a Fulgur or Lightning checkpoint (it has no state_dict); for bare weights "
-                    "see `fulgur weights`",
-                    flag, path));
-  return ckpt.toGenericDict().at("state_dict").toGenericDict();
+}
+
+// When the file's keys and the model's differ by a prefix ("model.fc1.weight" / "fc1.weight"),
+// which init_weights key maps them (the same test as fulgur::load_weights' hint).
+std::string prefix_hint(const std::vector<std::string>& missing, const std::vector<std::string>& unexpected,
+                        const std::string& path) {
+  for (const auto& u : unexpected)
+    for (const auto& m : missing) {
+      if (u.size() > m.size() && u.ends_with(m) && u[u.size() - m.size() - 1] == '.')
+        return fmt::format(
+            "; its keys look prefixed: load it with [trainer] init_weights = \"{}\" and "
+            "init_weights_strip_prefix = \"{}\" instead",
+            path, u.substr(0, u.size() - m.size()));
+      if (m.size() > u.size() && m.ends_with(u) && m[m.size() - u.size() - 1] == '.')
+        return fmt::format(
+            "; the model's keys have a prefix its keys lack: load it with [trainer] init_weights = "
+            "\"{}\" and init_weights_add_prefix = \"{}\" instead",
+            path, m.substr(0, m.size() - u.size()));
+    }
+  return {};
 }
 
 // With [trainer] strict_loading = false only shapes must match: the restore loads the keys that
@@ -254,15 +339,17 @@ void check_checkpoint_matches(const c10::impl::GenericDict& state, const std::st
   std::vector<std::string> missing;
   for (const auto& [key, shape] : expected)
     if (!seen.count(key)) missing.push_back(key);
+  const std::string prefix = prefix_hint(missing, unexpected, path);
   if (!strict) {
     unexpected.clear();
     missing.clear();
   }
   if (unexpected.empty() && missing.empty() && mismatched.empty()) return;
   auto first = [](const std::vector<std::string>& v) { return v.empty() ? std::string() : " (e.g. '" + v[0] + "')"; };
-  const std::string hint = mismatched.empty() ? "; [trainer] strict_loading = false loads the weights that match and "
-                                                "leaves the others as the model initialized them"
-                                              : "";
+  const std::string hint = !prefix.empty()      ? prefix
+                           : mismatched.empty() ? "; [trainer] strict_loading = false loads the weights that match and "
+                                                  "leaves the others as the model initialized them"
+                                                : "";
   throw UsageError(fmt::format(
       "{}: '{}' holds the weights of another model than {}: {} of its weights are not in the model{}, {} of the "
       "model's are missing from it{}, {} differ in shape{}{}",
@@ -297,6 +384,13 @@ class SaveConfig : public Callback {
   bool saved_ = false;
 };
 
+// A checkpoint file as the saved config's "reproduce" line names it: absolute, so the line works
+// from any directory ("last" and "best" stay words).
+std::string absolute_ckpt_path(const std::string& path) {
+  if (path.empty() || path == "last" || path == "best") return path;
+  return fs::absolute(path).lexically_normal().string();
+}
+
 std::string saved_config_text(const Config& config, const CliArgs& args, const std::string& program) {
   std::vector<std::string> files;
   for (const auto& f : config.files) files.push_back(f.string());
@@ -311,7 +405,7 @@ std::string saved_config_text(const Config& config, const CliArgs& args, const s
       "# Reproduce the run: {} {} --config <this file>{}\n\n",
       fs::path(program).filename().string(), args.subcommand, when, file_list, flag_list,
       fs::path(program).filename().string(), args.subcommand,
-      args.ckpt_path && args.subcommand != "fit" ? " --ckpt_path=" + *args.ckpt_path : "");
+      args.ckpt_path && args.subcommand != "fit" ? " --ckpt_path=" + absolute_ckpt_path(*args.ckpt_path) : "");
   return header + to_toml(config);
 }
 
@@ -380,7 +474,7 @@ int run(const CliApp& app, const CliArgs& args) {
   }
   // Read once the Trainer exists: its accelerator may be a plugin device that registers its
   // device type with libtorch then, and the checkpoint's storages name that device ("emu:0").
-  std::optional<c10::impl::GenericDict> ckpt_state = read_checkpoint_state(ckpt, ckpt_flag);
+  std::optional<c10::impl::GenericDict> ckpt_state = read_checkpoint_state(ckpt, ckpt_flag, args.subcommand == "fit");
   Trainer& trainer = *trainer_slot;
   const std::string model_name = app.make_model
                                      ? (app.model_type.empty() ? std::string("this program's model") : app.model_type)
@@ -411,6 +505,22 @@ int run(const CliApp& app, const CliArgs& args) {
       std::string where;
       for (const std::string& d : devices) where += (where.empty() ? " on " : ", ") + d;
       std::printf("predict: %zu batches%s\n", predictions.size(), where.c_str());
+      // Not dropped: a list of one tensor per batch, where the run logs (Python: torch.load(path)).
+      if (!predictions.empty()) {
+        const fs::path dir = trainer.log_dir();
+        std::error_code ec;
+        fs::create_directories(dir, ec);
+        const std::string file = (dir / "predictions.pt").string();
+        c10::impl::GenericList list(c10::AnyType::get());
+        for (const at::Tensor& p : predictions) list.push_back(p.defined() ? c10::IValue(p) : c10::IValue());
+        write_checkpoint_file(list, file);
+        std::printf("predictions: %s (a list of %zu tensors, one per batch; torch.load(path) in Python)\n",
+                    file.c_str(), predictions.size());
+      } else if (!config.trainer.get_bool("return_predictions")) {
+        std::printf(
+            "predictions: none collected ([trainer] return_predictions = false); a callback such as "
+            "prediction_writer writes them\n");
+      }
     }
   }
   if (trainer.is_global_zero()) {
@@ -458,6 +568,12 @@ int run_cli(int argc, char** argv, const CliApp& app) {
     return 2;
   } catch (const Error& e) {
     std::fprintf(stderr, "%s %s: error: %s\n", program.c_str(), subcommand.c_str(), e.what());
+    return 1;
+  } catch (const c10::Error& e) {
+    // libtorch's message says what is wrong; its stack frames (where inside libtorch) only at
+    // debug level (FULGUR_LOG_LEVEL=debug).
+    spdlog::debug("libtorch's stack at the error:\n{}", e.what());
+    std::fprintf(stderr, "%s %s: error: %s\n", program.c_str(), subcommand.c_str(), e.what_without_backtrace());
     return 1;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "%s %s: internal error: %s\n", program.c_str(), subcommand.c_str(), e.what());

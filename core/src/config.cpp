@@ -123,6 +123,18 @@ const std::vector<OptionSchema>& trainer_option_schema() {
         {"strict_loading", T::boolean, "true",
          "Loading a checkpoint's weights: refuse missing or unexpected keys (false: load those that match, "
          "warn about the rest)"},
+        {"init_weights", T::string, "\"\"",
+         "Weights the model starts from (fine-tuning): a Fulgur or Lightning checkpoint, a torch.save state dict "
+         "or a safetensors file (relative to the TOML file); loaded after configure_model in every stage, but a "
+         "checkpoint being resumed or given as ckpt_path wins (\"\": none)"},
+        {"init_weights_strip_prefix", T::string, "\"\"",
+         "init_weights: removed from the front of the file's keys that carry it (\"model.\" for a LightningModule "
+         "that holds the network as self.model)"},
+        {"init_weights_add_prefix", T::string, "\"\"",
+         "init_weights: put in front of every key of the file (after strip_prefix)"},
+        {"init_weights_strict", T::boolean, "true",
+         "init_weights: refuse missing or unexpected keys (false: load the keys that match, log the rest); shapes "
+         "must match either way"},
         {"interrupt_checkpoint", T::string, "\"interrupted.ckpt\"",
          "Checkpoint written when SIGTERM/SIGINT stop fit (relative to default_root_dir; \"\": default signal action)"},
         {"requeue_signal", T::string, "\"SIGUSR1\"",
@@ -167,13 +179,20 @@ std::vector<std::string> keys_of(const std::vector<OptionSchema>& schema) {
   return keys;
 }
 
+// Ends `message` as a sentence before another one is appended ("unknown key 'x' for [trainer].
+// Known keys: ..."), unless it already ends with one ("did you mean 'y'?").
+std::string& end_sentence(std::string& message) {
+  if (!message.empty() && std::string_view(".?!:").find(message.back()) == std::string_view::npos) message += '.';
+  return message;
+}
+
 std::string unknown_key_message(std::string_view key, std::string_view owner, const std::vector<std::string>& known) {
   std::string message = fmt::format("unknown key '{}' for {}", key, owner);
   if (std::string s = closest_match(key, known); !s.empty()) message += fmt::format("; did you mean '{}'?", s);
   if (!known.empty())
-    message += fmt::format(" Known keys: {}.", fmt::join(known, ", "));
+    end_sentence(message) += fmt::format(" Known keys: {}.", fmt::join(known, ", "));
   else
-    message += " It accepts no options.";
+    end_sentence(message) += " It accepts no options.";
   return message;
 }
 
@@ -405,7 +424,7 @@ Config config_from_root(std::shared_ptr<toml::table> root, const fs::path& origi
       std::vector<std::string> names(std::begin(kKnownTables), std::end(kKnownTables));
       std::string message = fmt::format("unknown table '{}'", key.str());
       if (auto s = closest_match(key.str(), names); !s.empty()) message += fmt::format("; did you mean '{}'?", s);
-      fail(where, message + fmt::format(" Known tables: {}.", fmt::join(names, ", ")));
+      fail(where, end_sentence(message) + fmt::format(" Known tables: {}.", fmt::join(names, ", ")));
     }
   }
 
@@ -449,6 +468,15 @@ Config config_from_root(std::shared_ptr<toml::table> root, const fs::path& origi
     const fs::path root_base = given == config.trainer_locations.end() ? base : base_of(given->second);
     if (!root_dir.is_absolute())
       config.trainer.set("default_root_dir", (root_base / root_dir).lexically_normal().string());
+    // init_weights and a ckpt_path file like default_root_dir: relative to the file (or flag) that
+    // gave them, absolute in the config a run saves (which then resumes from any directory).
+    for (const char* key : {"init_weights", "ckpt_path"}) {
+      const fs::path path = config.trainer.get_string(key);
+      if (path.empty() || path.is_absolute() || path == "last" || path == "best") continue;
+      const auto at = config.trainer_locations.find(key);
+      const fs::path path_base = at == config.trainer_locations.end() ? base : base_of(at->second);
+      config.trainer.set(key, (path_base / path).lexically_normal().string());
+    }
   }
 
   // The three single selections: name in [trainer], options in their own table (which may also
@@ -609,7 +637,7 @@ void apply_override(toml::table& root, const std::string& text) {
         throw Error(ErrorKind::config, fmt::format("unknown flag {}; did you mean --trainer.{}?", flag, text));
     std::string message = fmt::format("unknown flag {}: no section '{}'", flag, parts[0]);
     if (auto s = closest_match(parts[0], tables); !s.empty()) message += fmt::format("; did you mean '--{}.'?", s);
-    throw Error(ErrorKind::config, message + fmt::format(" Sections: {}.", fmt::join(tables, ", ")));
+    throw Error(ErrorKind::config, end_sentence(message) + fmt::format(" Sections: {}.", fmt::join(tables, ", ")));
   }
   // --model=NAME / --data=NAME / --profiler=NAME select the plugin of that table.
   if (parts.size() == 1) {
@@ -648,8 +676,8 @@ void apply_override(toml::table& root, const std::string& text) {
       if (auto s = closest_match(parts[1], names); !s.empty() && matches.empty())
         message += fmt::format("; did you mean '{}'?", s);
       if (matches.empty())
-        message += names.empty() ? fmt::format(" The config has no [[{}]].", parts[0])
-                                 : fmt::format(" Configured: {}.", fmt::join(names, ", "));
+        end_sentence(message) += names.empty() ? fmt::format(" The config has no [[{}]].", parts[0])
+                                               : fmt::format(" Configured: {}.", fmt::join(names, ", "));
       throw Error(ErrorKind::config, message);
     }
     matches[0]->insert_or_assign(parts[2], std::move(value));

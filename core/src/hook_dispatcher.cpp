@@ -30,9 +30,18 @@ std::string crash_description(const PluginIdentity& who, std::string_view hook) 
 
 }  // namespace
 
-void rethrow_attributed(const PluginIdentity& who, std::string_view hook, const RunPosition& where) {
-  const std::string place =
-      fmt::format("{} failed in {} at epoch {}, global step {}", describe(who), hook, where.epoch, where.global_step);
+void rethrow_attributed(const PluginIdentity& who, std::string_view hook, const RunPosition& where,
+                        const StageContext* context) {
+  std::string place;
+  if (!context) {
+    place =
+        fmt::format("{} failed in {} at epoch {}, global step {}", describe(who), hook, where.epoch, where.global_step);
+  } else {
+    const std::string batch = context->batch_idx >= 0 ? fmt::format(", batch {}", context->batch_idx) : "";
+    place = context->in_fit ? fmt::format("{} failed in {} (stage {}, epoch {}{}, global step {})", describe(who), hook,
+                                          context->stage, where.epoch, batch, where.global_step)
+                            : fmt::format("{} failed in {} (stage {}{})", describe(who), hook, context->stage, batch);
+  }
   try {
     throw;
   } catch (const AttributedError&) {
@@ -40,6 +49,8 @@ void rethrow_attributed(const PluginIdentity& who, std::string_view hook, const 
   } catch (const Error& e) {
     throw AttributedError(e.kind(), fmt::format("{}: {}", place, e.what()));
   } catch (const c10::Error& e) {
+    // The message says what is wrong (shapes, dtypes); the frames only where libtorch raised it.
+    spdlog::debug("{}: libtorch's stack at the error:\n{}", place, e.what());
     throw AttributedError(ErrorKind::runtime, fmt::format("{}: {}", place, e.what_without_backtrace()));
   } catch (const std::exception& e) {
     throw AttributedError(ErrorKind::runtime, fmt::format("{}: {}", place, e.what()));

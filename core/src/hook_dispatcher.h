@@ -34,9 +34,21 @@ struct RunPosition {
   int64_t global_step = 0;
 };
 
-// Rethrows the exception in flight as a fulgur::Error naming `who`, `hook` and `where`; an
-// exception that already names a plugin (raised by a nested dispatch) passes unchanged.
-[[noreturn]] void rethrow_attributed(const PluginIdentity& who, std::string_view hook, const RunPosition& where);
+// What the Trainer is running when a hook fails: the stage ("fit", "validate", "sanity check"...),
+// whether it is part of fit (then the epoch and global step mean something), and the batch (-1:
+// between batches).
+struct StageContext {
+  const char* stage = "fit";
+  bool in_fit = true;
+  int64_t batch_idx = -1;
+};
+
+// Rethrows the exception in flight as a fulgur::Error naming `who`, `hook` and `where` (and, when
+// given, the stage and batch); an exception that already names a plugin (raised by a nested
+// dispatch) passes unchanged. A libtorch error keeps its message; its C++ stack frames are logged
+// at debug level only (they describe libtorch, not the user's code).
+[[noreturn]] void rethrow_attributed(const PluginIdentity& who, std::string_view hook, const RunPosition& where,
+                                     const StageContext* context = nullptr);
 
 class HookDispatcher {
  public:
@@ -83,9 +95,37 @@ class HookDispatcher {
     try {
       return fn();
     } catch (...) {
-      rethrow_attributed(module_identity_, hook, position_);
+      rethrow_attributed(module_identity_, hook, position_, &context_);
     }
   }
+  // A Module step (training_step, validation_step, ...): the loops keep their own profiler
+  // scopes; only the attribution is added (a try block costs nothing until something throws).
+  template <class Fn>
+  decltype(auto) module_step(const char* hook, Fn&& fn) {
+    try {
+      return fn();
+    } catch (...) {
+      rethrow_attributed(module_identity_, hook, position_, &context_);
+    }
+  }
+
+  // The stage and batch errors name. A Scope sets them for its lifetime (a validation run inside
+  // fit, one batch) and restores the outer ones after.
+  void set_stage(const char* stage, bool in_fit) { context_ = {stage, in_fit, -1}; }
+  class Scope {
+   public:
+    Scope(HookDispatcher& hooks, const char* stage, int64_t batch_idx) : hooks_(hooks), saved_(hooks.context_) {
+      if (stage) hooks.context_.stage = stage;
+      hooks.context_.batch_idx = batch_idx;
+    }
+    ~Scope() { hooks_.context_ = saved_; }
+    Scope(const Scope&) = delete;
+    Scope& operator=(const Scope&) = delete;
+
+   private:
+    HookDispatcher& hooks_;
+    StageContext saved_;
+  };
   void set_module_name(std::string name) {
     module_identity_ = {"module", std::move(name), {}};
     crash_texts_.clear();  // between stages, when no hook runs: they name the module
@@ -127,6 +167,7 @@ class HookDispatcher {
   std::vector<Slot> slots_;
   std::array<std::vector<Slot*>, 64> by_hook_;
   PluginIdentity module_identity_{"module", "Module", {}};
+  StageContext context_;
   std::deque<std::pair<std::string, std::string>> module_scopes_;  // hook -> scope (stable addresses)
   struct CrashText {
     const PluginIdentity* who;

@@ -8,6 +8,8 @@
 #include <spdlog/spdlog.h>
 
 #include <cmath>
+#include <filesystem>
+#include <system_error>
 
 namespace fulgur {
 
@@ -48,6 +50,13 @@ void validate_trainer_values(const Config& config) {
   require(t.get_int("check_val_every_n_epoch") >= 0, "check_val_every_n_epoch",
           fmt::format("check_val_every_n_epoch = {}: must be >= 1, or 0 / \"none\" for no epoch condition",
                       t.get_int("check_val_every_n_epoch")));
+  if (const std::string& weights = t.get_string("init_weights"); !weights.empty()) {
+    std::error_code ec;
+    require(std::filesystem::is_regular_file(weights, ec), "init_weights",
+            fmt::format("init_weights = \"{}\": no such file (give a checkpoint, a torch.save state dict or a "
+                        "safetensors file)",
+                        weights));
+  }
   const std::string& deterministic = t.get_string("deterministic");
   require(deterministic == "true" || deterministic == "false" || deterministic == "warn", "deterministic",
           fmt::format("deterministic = \"{}\": use true, false or \"warn\"", deterministic));
@@ -124,6 +133,10 @@ ResolvedTrainerConfig ResolvedTrainerConfig::from_config(const Config& config) {
   s.detect_anomaly = t.get_bool("detect_anomaly");
   s.sync_batchnorm = t.get_bool("sync_batchnorm");
   s.strict_loading = t.get_bool("strict_loading");
+  s.init_weights.path = t.get_string("init_weights");
+  s.init_weights.strip_prefix = t.get_string("init_weights_strip_prefix");
+  s.init_weights.add_prefix = t.get_string("init_weights_add_prefix");
+  s.init_weights.strict = t.get_bool("init_weights_strict");
   s.limit_train_batches = t.values().at("limit_train_batches");
   s.limit_val_batches = t.values().at("limit_val_batches");
   s.limit_test_batches = t.values().at("limit_test_batches");

@@ -35,7 +35,13 @@ struct ResolvedTrainerConfig {
   GradClipAlgorithm gradient_clip_algorithm = GradClipAlgorithm::norm;
   bool inference_mode = true, detect_anomaly = false;
   bool strict_loading = true;  // Lightning's LightningModule.strict_loading, for every ckpt_path
-  bool barebones = false;      // no sanity check, log() a no-op (plugin_connector drops the rest)
+  // [trainer] init_weights*: the weights a model starts from when no checkpoint is restored.
+  struct InitWeights {
+    std::string path;  // "" for none; absolute when it came from a TOML file
+    std::string strip_prefix, add_prefix;
+    bool strict = true;
+  } init_weights;
+  bool barebones = false;  // no sanity check, log() a no-op (plugin_connector drops the rest)
   StepCaptureMode cuda_graphs = StepCaptureMode::off;
   // An integer is a count of batches, a float a fraction (apply_batch_limit).
   OptionValue limit_train_batches, limit_val_batches, limit_test_batches, limit_predict_batches, overfit_batches;

@@ -17,6 +17,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <filesystem>
 #include <thread>
 
 #include "connectors/layer_sync.h"
@@ -254,6 +255,7 @@ void TrainerEngine::attach(Module& module, DataModule& data, Stage stage) {
   data_ = &data;
   stage_ = stage;
   hooks_.set_module_name(module.name());
+  hooks_.set_stage(to_string(stage), stage == Stage::fit);
   if (module.hparams.values().empty()) module.hparams = config_.model;
   if (data.hparams.values().empty()) data.hparams = config_.data;
   binding_ = Module::Binding{};
@@ -410,11 +412,22 @@ void TrainerEngine::fit(Module& module, DataModule& data, const std::string& ckp
     };
     binding_.manual_backward = [&epoch_loop](const at::Tensor& loss) { epoch_loop.manual_backward(loss); };
     const std::string resolved = requested.empty() ? std::string() : checkpoints_.resolve(requested, Stage::fit);
+    // setup -> configure_model (run_stage) -> init_weights -> restore -> on_fit_start: a run being
+    // resumed keeps its own weights, so init_weights is not even read then.
     std::optional<CheckpointConnector::ReadCheckpoint> checkpoint;
     if (!resolved.empty()) {
-      checkpoint = checkpoints_.read(resolved, /*with_optimizer_states=*/true);
+      if (global_rank() == 0) {
+        spdlog::info("Restoring states from the checkpoint path at {}",
+                     std::filesystem::absolute(resolved).lexically_normal().string());
+        if (!trainer_config_.init_weights.path.empty())
+          spdlog::info("[trainer] init_weights = \"{}\" is not loaded: the run resumes from {}, whose weights win",
+                       trainer_config_.init_weights.path, resolved);
+      }
+      checkpoint = checkpoints_.read_for_resume(resolved);
       checkpoints_.restore_model(*checkpoint);
       checkpoints_.restore_callbacks(*checkpoint);
+    } else {
+      checkpoints_.load_init_weights(Stage::fit);
     }
     hooks_.call(Hook::fit_start, [&](Callback& c) { c.on_fit_start(*this); });
     hooks_.module("on_fit_start", [&] { module.on_fit_start(); });
@@ -432,9 +445,7 @@ std::vector<MetricMap> TrainerEngine::evaluate(Stage stage, Module& module, Data
   MetricMap results;
   size_t num_loaders = 0;
   run_stage(stage, module, data, [&] {
-    if (!ckpt_path.empty())
-      checkpoints_.restore_model(
-          checkpoints_.read(checkpoints_.resolve(ckpt_path, stage), /*with_optimizer_states=*/false));
+    checkpoints_.restore_model_for(stage, ckpt_path);
     std::vector<int64_t> limits;
     std::vector<std::unique_ptr<BatchLoader>> loaders = stage_loaders(stage, limits);
     std::vector<BatchLoader*> views;
@@ -464,9 +475,7 @@ std::vector<MetricMap> TrainerEngine::evaluate(Stage stage, Module& module, Data
 std::vector<at::Tensor> TrainerEngine::predict(Module& module, DataModule& data, const std::string& ckpt_path) {
   std::vector<at::Tensor> predictions;
   run_stage(Stage::predict, module, data, [&] {
-    if (!ckpt_path.empty())
-      checkpoints_.restore_model(
-          checkpoints_.read(checkpoints_.resolve(ckpt_path, Stage::predict), /*with_optimizer_states=*/false));
+    checkpoints_.restore_model_for(Stage::predict, ckpt_path);
     std::vector<int64_t> limits;
     std::vector<std::unique_ptr<BatchLoader>> loaders = stage_loaders(Stage::predict, limits);
     predict_loop_.set_num_batches(limits.front());

@@ -11,6 +11,8 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include "weights_fit.h"
+
 #include <fstream>
 #include <set>
 
@@ -59,15 +61,16 @@ TensorMap tensors_of(const c10::IValue& dict, const std::string& path) {
 std::string shape_text(const std::vector<int64_t>& shape) { return fmt::format("[{}]", fmt::join(shape, ", ")); }
 
 // When the file's keys and the module's differ by a prefix, says which option fixes it.
-std::string prefix_hint(const std::vector<std::string>& missing, const std::vector<std::string>& unexpected) {
+std::string prefix_hint(const std::vector<std::string>& missing, const std::vector<std::string>& unexpected,
+                        const detail::WeightsHintSpelling& spelling) {
   for (const auto& u : unexpected)
     for (const auto& m : missing) {
       if (u.size() > m.size() && ends_with(u, m) && u[u.size() - m.size() - 1] == '.')
-        return fmt::format("\n  the file's keys look prefixed: try strip_prefix(\"{}\")",
-                           u.substr(0, u.size() - m.size()));
+        return fmt::format("\n  the file's keys look prefixed: try {}",
+                           fmt::format(fmt::runtime(spelling.strip_prefix), u.substr(0, u.size() - m.size())));
       if (m.size() > u.size() && ends_with(m, u) && m[m.size() - u.size() - 1] == '.')
-        return fmt::format("\n  the module's keys have a prefix the file's lack: try add_prefix(\"{}\")",
-                           m.substr(0, m.size() - u.size()));
+        return fmt::format("\n  the module's keys have a prefix the file's lack: try {}",
+                           fmt::format(fmt::runtime(spelling.add_prefix), m.substr(0, m.size() - u.size())));
     }
   return {};
 }
@@ -124,9 +127,13 @@ std::string LoadReport::to_string() const {
   return fmt::format("{}", fmt::join(lines, "\n"));
 }
 
-LoadReport load_weights(torch::nn::Module& module, const TensorMap& tensors, const LoadWeightsOptions& options,
-                        const std::string& origin) {
-  LoadReport report;
+namespace detail {
+
+c10::impl::GenericDict fit_weights(const TensorMap& targets, const TensorMap& tensors,
+                                   const LoadWeightsOptions& options, const std::string& origin,
+                                   const std::string& module_name, LoadReport& report,
+                                   const WeightsHintSpelling& spelling) {
+  report = LoadReport{};
   // File keys -> module keys.
   TensorMap renamed;
   std::map<std::string, std::string> source_of;
@@ -150,7 +157,6 @@ LoadReport load_weights(torch::nn::Module& module, const TensorMap& tensors, con
     renamed.emplace(std::move(name), t);
   }
 
-  const TensorMap targets = named_tensors(module);
   auto state = string_dict();
   for (const auto& [name, target] : targets)
     if (!renamed.count(name)) report.missing.push_back(name);
@@ -179,14 +185,23 @@ LoadReport load_weights(torch::nn::Module& module, const TensorMap& tensors, con
     shown.dropped.clear();
     std::string body = shown.to_string();
     for (size_t at = body.find('\n'); at != std::string::npos; at = body.find('\n', at + 1)) body.insert(at + 1, "  ");
-    std::string message = fmt::format("weights '{}' do not fit the module ({}):\n  {}", origin, module.name(), body);
-    message += prefix_hint(report.missing, report.unexpected);
-    if (!report.mismatched.empty() && !options.skip_mismatched_)
-      message += "\n  (skip_mismatched(true) loads the rest and leaves those tensors as they are)";
+    std::string message = fmt::format("weights '{}' do not fit the module ({}):\n  {}", origin, module_name, body);
+    message += prefix_hint(report.missing, report.unexpected, spelling);
+    if (!report.mismatched.empty() && !options.skip_mismatched_ && !spelling.skip_mismatched.empty())
+      message += fmt::format("\n  ({} loads the rest and leaves those tensors as they are)", spelling.skip_mismatched);
     if (options.strict_ && (!report.missing.empty() || !report.unexpected.empty()))
-      message += "\n  (strict(false) loads the keys that match and reports the rest)";
+      message += fmt::format("\n  ({} loads the keys that match and reports the rest)", spelling.not_strict);
     throw Error(ErrorKind::checkpoint, message);
   }
+  return state;
+}
+
+}  // namespace detail
+
+LoadReport load_weights(torch::nn::Module& module, const TensorMap& tensors, const LoadWeightsOptions& options,
+                        const std::string& origin) {
+  LoadReport report;
+  const auto state = detail::fit_weights(named_tensors(module), tensors, options, origin, module.name(), report);
   // Values only: every key is known to exist with the right shape, so this copies them in place.
   load_module_state_dict(module, state, /*strict=*/false, origin);
   return report;

@@ -111,9 +111,11 @@ std::string metadata_problem(const PluginMetadata& meta) {
   const fulgur_abi_tag& host = host_abi_tag();
   if (meta.abi_major != FULGUR_PLUGIN_ABI_MAJOR)
     return fmt::format(
-        "built for plugin ABI {}.x, this host implements ABI {}.{}; rebuild the plugin against "
-        "this Fulgur SDK (find_package(Fulgur))",
-        meta.abi_major, FULGUR_PLUGIN_ABI_MAJOR, FULGUR_PLUGIN_ABI_MINOR);
+        "built for plugin ABI {}.x, this host implements ABI {}.{} (Fulgur SDK {}.{}); rebuild the plugin against "
+        "this Fulgur's SDK (find_package(Fulgur {}.{}) and fulgur_add_plugin())",
+        meta.abi_major, FULGUR_PLUGIN_ABI_MAJOR, FULGUR_PLUGIN_ABI_MINOR, FULGUR_SDK_VERSION_MAJOR_OF(host.sdk_version),
+        FULGUR_SDK_VERSION_MINOR_OF(host.sdk_version), FULGUR_SDK_VERSION_MAJOR_OF(host.sdk_version),
+        FULGUR_SDK_VERSION_MINOR_OF(host.sdk_version));
   if (meta.abi_minor > FULGUR_PLUGIN_ABI_MINOR)
     return fmt::format(
         "needs plugin ABI {}.{}, this host implements {}.{}; upgrade Fulgur or rebuild the plugin "
@@ -124,9 +126,20 @@ std::string metadata_problem(const PluginMetadata& meta) {
   if (!valid_plugin_name(meta.name))
     return fmt::format("declares invalid name '{}' (use 1-63 of a-z 0-9 _ - .)", meta.name);
   if (std::string sdk = sdk_version_problem(meta.abi_tag.sdk_version, host.sdk_version); !sdk.empty()) return sdk;
-  if (auto diffs = abi_tag_differences(meta.abi_tag, host); !diffs.empty())
-    return fmt::format("ABI tag differs from the host ({}); rebuild the plugin against the libtorch this Fulgur uses",
-                       fmt::join(diffs, "; "));
+  if (auto diffs = abi_tag_differences(meta.abi_tag, host); !diffs.empty()) {
+    // The libtorch comes with the SDK: a plugin is rebuilt against this Fulgur's SDK (its CMake
+    // package brings the libtorch this host uses), not against some libtorch on its own.
+    const uint32_t sdk = meta.abi_tag.sdk_version;
+    return fmt::format(
+        "ABI tag differs from the host ({}): it was built against Fulgur SDK {}.{} with libtorch {}.{}, and this "
+        "host is Fulgur SDK {}.{} with libtorch {}.{}; rebuild the plugin against this Fulgur's SDK "
+        "(find_package(Fulgur {}.{}) and fulgur_add_plugin() in its CMakeLists.txt, which bring the libtorch "
+        "this host uses)",
+        fmt::join(diffs, "; "), FULGUR_SDK_VERSION_MAJOR_OF(sdk), FULGUR_SDK_VERSION_MINOR_OF(sdk),
+        meta.abi_tag.torch_major, meta.abi_tag.torch_minor, FULGUR_SDK_VERSION_MAJOR_OF(host.sdk_version),
+        FULGUR_SDK_VERSION_MINOR_OF(host.sdk_version), host.torch_major, host.torch_minor,
+        FULGUR_SDK_VERSION_MAJOR_OF(host.sdk_version), FULGUR_SDK_VERSION_MINOR_OF(host.sdk_version));
+  }
   return {};
 }
 
@@ -352,6 +365,7 @@ const PluginCandidate& PluginRegistry::resolve(PluginKind kind, std::string_view
   std::string message = fmt::format("no {} plugin named '{}'", to_string(kind), name);
   if (std::string suggestion = closest_match(name, available); !suggestion.empty())
     message += fmt::format("; did you mean '{}'?", suggestion);
+  if (!message.ends_with('?')) message += '.';  // two sentences, not one run together
   message += available.empty() ? fmt::format(" No {} plugins are available.", to_string(kind))
                                : fmt::format(" Available {} plugins: {}.", to_string(kind), fmt::join(available, ", "));
   std::vector<std::string> broken;

@@ -5,6 +5,7 @@
 
 #include <fulgur/trainer.h>
 #include <fulgur/types.h>
+#include <fulgur/weights.h>
 
 #include <ATen/core/ivalue.h>
 
@@ -38,12 +39,27 @@ class CheckpointConnector {
   // Optimizers, schedulers, precision, and every loop's state (exact resume).
   void restore_training_state(const ReadCheckpoint& checkpoint);
 
+  // fit's checkpoint, read whole; a file fit cannot resume is refused naming why and pointing to
+  // [trainer] init_weights: weights only (safetensors, a torch.save state dict), or a checkpoint
+  // of Python's Lightning (its loops lack Fulgur's exact-resume state).
+  ReadCheckpoint read_for_resume(const std::string& path);
+  // validate / test / predict: the weights of `ckpt_path` (a checkpoint, or weights only: a
+  // safetensors file or a bare state dict, keys as they are), or without one [trainer]
+  // init_weights. Logs the file it loads.
+  void restore_model_for(Stage stage, const std::string& ckpt_path);
+  // [trainer] init_weights into the model (nothing when it is empty); after configure_model.
+  void load_init_weights(Stage stage);
+
  private:
   // Every top-level key but the model and optimizer states.
   c10::IValue dump_metadata(bool weights_only);
   // strict_loading = false: one warning naming the model's keys the checkpoint lacks and the
   // checkpoint's keys the model lacks (rank 0).
   void warn_unmatched_keys(const c10::IValue& model_state, const std::string& path);
+  void check_resumable(const ReadCheckpoint& checkpoint);
+  static bool is_weights_only_file(const std::string& path);
+  static std::string init_weights_hint(const std::string& path);
+  void restore_weights_only(const std::string& path, const TensorMap& tensors);
 
   TrainerEngine& trainer_;
 };

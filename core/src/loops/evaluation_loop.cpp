@@ -39,6 +39,12 @@ MetricMap EvaluationLoop::run(bool sanity, int64_t max_batches) {
   const bool test = stage_ == Stage::test;
   ProfileScope loop_scope(profiler, test ? "run_test_evaluation" : "run_validation_evaluation");
   EvalMode eval_mode(module, t.trainer_config_.inference_mode);
+  // Errors name the pass: fit's sanity check and validation, or the stage itself.
+  HookDispatcher::Scope stage_scope(hooks,
+                                    t.stage_ != Stage::fit ? nullptr
+                                    : sanity               ? "fit (sanity check)"
+                                                           : "fit (validation)",
+                                    -1);
   batches_done_ = 0;
   dataloader_idx_ = 0;
   hooks.call(test ? Hook::test_start : Hook::validation_start,
@@ -68,6 +74,7 @@ MetricMap EvaluationLoop::run(bool sanity, int64_t max_batches) {
         next = loader.next();
       }
       if (!next) break;
+      HookDispatcher::Scope batch_scope(hooks, nullptr, batch_idx);
       Batch batch = t.transfer(std::move(*next));
       t.binding_.batch_size = batch.size();
       LogContext log(t.binding_, &store, false, true);
@@ -78,8 +85,10 @@ MetricMap EvaluationLoop::run(bool sanity, int64_t max_batches) {
       {
         PrecisionScope precision_scope(*t.plugins_.precision);
         ProfileScope scope(profiler, test ? "test_step" : "validation_step");
-        out = test ? module.test_step(batch, batch_idx, dataloader_idx_)
-                   : module.validation_step(batch, batch_idx, dataloader_idx_);
+        out = hooks.module_step(test ? "test_step" : "validation_step", [&] {
+          return test ? module.test_step(batch, batch_idx, dataloader_idx_)
+                      : module.validation_step(batch, batch_idx, dataloader_idx_);
+        });
       }
       hooks.call(test ? Hook::test_batch_end : Hook::validation_batch_end, [&](Callback& c) {
         test ? c.on_test_batch_end(t, out, batch, batch_idx) : c.on_validation_batch_end(t, out, batch, batch_idx);

@@ -23,13 +23,14 @@ std::vector<at::Tensor> PredictionLoop::run(BatchLoader& loader) {
   for (int64_t batch_idx = 0; num_batches_ < 0 || batch_idx < num_batches_; ++batch_idx) {
     std::optional<Batch> next = loader.next();
     if (!next) break;
+    HookDispatcher::Scope batch_scope(hooks, nullptr, batch_idx);
     Batch batch = t.transfer(std::move(*next));
     hooks.call(Hook::predict_batch_start, [&](Callback& c) { c.on_predict_batch_start(t, batch, batch_idx); });
     at::Tensor prediction;
     {
       PrecisionScope precision_scope(*t.plugins_.precision);
       ProfileScope scope(t.plugins_.profiler.get(), "predict_step");
-      prediction = module.predict_step(batch, batch_idx);
+      prediction = hooks.module_step("predict_step", [&] { return module.predict_step(batch, batch_idx); });
     }
     hooks.call(Hook::predict_batch_end, [&](Callback& c) { c.on_predict_batch_end(t, prediction, batch, batch_idx); });
     // On the CPU as they are collected: a device holds one batch's output at a time, not the

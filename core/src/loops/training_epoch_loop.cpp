@@ -101,7 +101,10 @@ void TrainingEpochLoop::run(BatchLoader& train) {
     if (!batches_done(batch_idx + 1)) next = fetch();
     is_last_batch_ = !next.has_value();
     epoch_was_empty_ = false;
-    run_batch(batch, batch_idx, staged);
+    {
+      HookDispatcher::Scope batch_scope(t.hooks_, nullptr, batch_idx);  // errors name the batch
+      run_batch(batch, batch_idx, staged);
+    }
     if (validation_due(batch_idx)) {
       if (is_last_batch_)
         validate_at_end = true;  // where the epoch's own validation runs: before on_train_epoch_end
@@ -213,7 +216,7 @@ void TrainingEpochLoop::run_batch(Batch& batch, int64_t batch_idx, bool staged) 
   if (!module.automatic_optimization) {
     PrecisionScope precision_scope(*t.plugins_.precision);
     ProfileScope scope(profiler, "training_step");
-    output = module.training_step(batch, batch_idx);
+    output = hooks.module_step("training_step", [&] { return module.training_step(batch, batch_idx); });
     // global_step counted each optimizer.step() the step called (count_manual_optimizer_step);
     // the loggers' step counts the batch once.
     ++batches_that_stepped_;
@@ -230,7 +233,7 @@ void TrainingEpochLoop::run_batch(Batch& batch, int64_t batch_idx, bool staged) 
     {
       PrecisionScope precision_scope(*t.plugins_.precision);
       ProfileScope scope(profiler, "training_step");
-      output = module.training_step(batch, batch_idx);
+      output = hooks.module_step("training_step", [&] { return module.training_step(batch, batch_idx); });
     }
     if (output.loss.defined()) {  // an undefined loss skips backward and the step (Lightning: None)
       at::Tensor loss = accumulate > 1 ? output.loss / static_cast<double>(accumulate) : output.loss;

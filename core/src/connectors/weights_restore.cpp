@@ -1,0 +1,191 @@
+// The model's weights from files that are not a run to resume: [trainer] init_weights (a
+// fine-tuning start), and a safetensors file or bare state dict given as ckpt_path to validate,
+// test or predict. Both reuse fulgur::read_weights and load_weights' key mapping and fit check
+// (weights_fit.h), then go through the strategy as a checkpoint's weights do. Also the refusal of
+// a checkpoint that fit cannot resume (one written by Python's Lightning, or bare weights).
+#include <fulgur/distributed_checkpoint.h>
+#include <fulgur/error.h>
+#include <fulgur/weights.h>
+
+#include <ATen/core/ivalue.h>
+#include <fmt/format.h>
+#include <spdlog/spdlog.h>
+#include <torch/nn/module.h>
+
+#include <filesystem>
+#include <system_error>
+
+#include "../ivalue_dict.h"
+#include "../trainer_engine.h"
+#include "../weights_fit.h"
+#include "checkpoint_connector.h"
+
+namespace fulgur {
+
+namespace {
+
+// The module's names and shapes as its strategy saves them (a sharded strategy: whole tensors).
+TensorMap module_targets(Strategy& strategy, Module& module) {
+  TensorMap targets;
+  const c10::IValue state = strategy.module_state_dict(module);
+  for (const auto& entry : state.toGenericDict()) targets.emplace(entry.key().toStringRef(), entry.value().toTensor());
+  return targets;
+}
+
+// `text` inside a fmt pattern: its braces doubled (a path may hold any character).
+std::string fmt_literal(const std::string& text) {
+  std::string out;
+  for (char c : text) {
+    out += c;
+    if (c == '{' || c == '}') out += c;
+  }
+  return out;
+}
+
+std::string format_name(const std::string& path) {
+  return detect_weights_format(path) == WeightsFormat::safetensors ? "safetensors" : "torch.save";
+}
+
+}  // namespace
+
+void CheckpointConnector::load_init_weights(Stage stage) {
+  TrainerEngine& t = trainer_;
+  const ResolvedTrainerConfig::InitWeights& init = t.trainer_config_.init_weights;
+  if (init.path.empty()) return;
+  Module& module = *t.module_;
+  LoadWeightsOptions options;
+  options.strict(init.strict).strip_prefix(init.strip_prefix).add_prefix(init.add_prefix);
+  detail::WeightsHintSpelling spelling;
+  spelling.strip_prefix = "[trainer] init_weights_strip_prefix = \"{}\"";
+  spelling.add_prefix = "[trainer] init_weights_add_prefix = \"{}\"";
+  spelling.not_strict = "[trainer] init_weights_strict = false";
+  spelling.skip_mismatched = "";
+  LoadReport report;
+  const TensorMap tensors = read_weights(init.path);
+  const auto state =
+      detail::fit_weights(module_targets(*t.plugins_.strategy, module), tensors, options,
+                          fmt::format("[trainer] init_weights = \"{}\"", init.path), module.name(), report, spelling);
+  t.plugins_.strategy->load_module_state_dict(module, state, /*strict=*/false, init.path);
+  if (t.global_rank() != 0) return;
+  spdlog::info("{}: initial weights loaded from {} ({} tensors)", to_string(stage), init.path, report.loaded);
+  if (!report.complete()) spdlog::warn("[trainer] init_weights = \"{}\": {}", init.path, report.to_string());
+}
+
+bool CheckpointConnector::is_weights_only_file(const std::string& path) {
+  std::error_code ec;
+  if (!std::filesystem::is_regular_file(path, ec)) return false;  // a DCP directory is a checkpoint
+  return detect_weights_format(path) == WeightsFormat::safetensors;
+}
+
+void CheckpointConnector::restore_weights_only(const std::string& path, const TensorMap& tensors) {
+  TrainerEngine& t = trainer_;
+  Module& module = *t.module_;
+  LoadWeightsOptions options;
+  options.strict(t.trainer_config_.strict_loading);
+  // A file given as ckpt_path is loaded with its keys as they are; mapping them is init_weights' job.
+  detail::WeightsHintSpelling spelling;
+  spelling.strip_prefix = fmt::format(
+      "[trainer] init_weights = \"{}\" with init_weights_strip_prefix = \"{{}}\" instead of ckpt_path", fmt_literal(path));
+  spelling.add_prefix =
+      fmt::format("[trainer] init_weights = \"{}\" with init_weights_add_prefix = \"{{}}\" instead of ckpt_path", fmt_literal(path));
+  spelling.not_strict = "[trainer] strict_loading = false";
+  spelling.skip_mismatched = "";
+  LoadReport report;
+  const auto state = detail::fit_weights(module_targets(*t.plugins_.strategy, module), tensors, options, path,
+                                         module.name(), report, spelling);
+  t.plugins_.strategy->load_module_state_dict(module, state, /*strict=*/false, path);
+  if (t.global_rank() != 0) return;
+  spdlog::info("Loaded the model's weights only from {} ({}, {} tensors): it holds no training state", path,
+               format_name(path), report.loaded);
+  if (!report.complete()) spdlog::warn("ckpt_path {}: {}", path, report.to_string());
+}
+
+void CheckpointConnector::restore_model_for(Stage stage, const std::string& ckpt_path) {
+  TrainerEngine& t = trainer_;
+  if (ckpt_path.empty()) {
+    load_init_weights(stage);
+    return;
+  }
+  const std::string path = resolve(ckpt_path, stage);
+  const std::string shown = std::filesystem::absolute(path).lexically_normal().string();
+  if (t.global_rank() == 0) spdlog::info("Restoring states from the checkpoint path at {}", shown);
+  if (is_weights_only_file(path)) {
+    restore_weights_only(path, read_weights(path, WeightsFormat::safetensors));
+    return;
+  }
+  ReadCheckpoint checkpoint;
+  try {
+    checkpoint = read(path, /*with_optimizer_states=*/false);
+  } catch (const Error& e) {
+    // A torch.save(model.state_dict()) file: no "state_dict" entry, the dict itself is the weights.
+    if (e.kind() != ErrorKind::checkpoint || dcp::is_distributed_checkpoint(path)) throw;
+    TensorMap tensors;
+    try {
+      tensors = read_weights(path, WeightsFormat::torch);
+    } catch (const Error&) {
+      throw e;  // neither a checkpoint nor a state dict: the checkpoint reader's reason
+    }
+    restore_weights_only(path, tensors);
+    return;
+  }
+  restore_model(checkpoint);
+}
+
+std::string CheckpointConnector::init_weights_hint(const std::string& path) {
+  return fmt::format(
+      "to start a new fit from its weights, set [trainer] init_weights = \"{}\" (init_weights_strip_prefix = "
+      "\"model.\" and the like map its keys) and leave ckpt_path empty",
+      path);
+}
+
+CheckpointConnector::ReadCheckpoint CheckpointConnector::read_for_resume(const std::string& path) {
+  auto weights_only = [&] {
+    return Error(ErrorKind::checkpoint,
+                 fmt::format("ckpt_path {}: the file holds weights only ({}), and fit resumes a run from a checkpoint "
+                             "with its training state; {}",
+                             path, format_name(path), init_weights_hint(path)));
+  };
+  if (is_weights_only_file(path)) throw weights_only();
+  ReadCheckpoint checkpoint;
+  try {
+    checkpoint = read(path, /*with_optimizer_states=*/true);
+  } catch (const Error& e) {
+    if (e.kind() != ErrorKind::checkpoint || dcp::is_distributed_checkpoint(path)) throw;
+    bool state_dict = false;
+    try {
+      state_dict = !read_weights(path, WeightsFormat::torch).empty();
+    } catch (const Error&) {
+    }
+    if (state_dict) throw weights_only();
+    throw;
+  }
+  check_resumable(checkpoint);
+  return checkpoint;
+}
+
+void CheckpointConnector::check_resumable(const ReadCheckpoint& checkpoint) {
+  const auto& ckpt = checkpoint.metadata->toGenericDict();
+  const std::string& path = checkpoint.path;
+  const std::string hint = init_weights_hint(path);
+  // Fulgur's own loop state (position, RNG, ...) is what an exact resume needs; Lightning's
+  // checkpoints carry only Lightning's progress counters in `loops`.
+  const auto loops = get(ckpt, "loops");
+  const auto fit_loop =
+      loops && loops->isGenericDict() ? get(loops->toGenericDict(), "fit_loop") : std::optional<c10::IValue>();
+  const bool fulgur_loop = fit_loop && fit_loop->isGenericDict() && fit_loop->toGenericDict().contains("epoch") &&
+                           fit_loop->toGenericDict().contains("cpu_rng_state");
+  if (fulgur_loop || get(ckpt, "fulgur_version")) return;
+  if (auto lightning = get(ckpt, "pytorch-lightning_version"))
+    throw Error(ErrorKind::checkpoint,
+                fmt::format("ckpt_path {} was written by PyTorch Lightning {}, not by Fulgur: its loop state "
+                            "(Lightning's progress counters, without Fulgur's position, data order and RNG state) "
+                            "cannot be resumed exactly; {}",
+                            path, lightning->isString() ? lightning->toStringRef() : std::string("?"), hint));
+  if (!loops)
+    throw Error(ErrorKind::checkpoint,
+                fmt::format("ckpt_path {} holds weights but no training state (no 'loops' entry): fit resumes only "
+                            "a checkpoint a Fulgur run wrote; {}",
+                            path, hint));
+}
+
+}  // namespace fulgur
