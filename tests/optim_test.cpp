@@ -1,12 +1,14 @@
 // fulgur/optim against its Python references, in a real Python process on the same torch wheel:
 // Lion against lion-pytorch 0.2.5, Muon (with AdamW for the non-matrix parameters) against
-// torch.optim.Muon + torch.optim.AdamW, and Muon's Newton-Schulz iteration against
-// torch.optim._muon._zeropower_via_newtonschulz. Both sides train the same
+// torch.optim.Muon + torch.optim.AdamW, Muon's Newton-Schulz iteration against
+// torch.optim._muon._zeropower_via_newtonschulz, and SophiaG against a reference written below
+// from sophia.py (Liuhong99/Sophia has no package) with its Gauss-Newton-Bartlett refresh. Both sides train the same
 // two-layer network from the same initial weights on the same batch for 50 steps; every parameter after every step must
 // agree to 1e-6. A tall (16x8) and a wide (4x16) matrix take both of Newton-Schulz's branches.
 #include <fulgur/checkpoint_io.h>
 #include <fulgur/optim/lion.h>
 #include <fulgur/optim/muon.h>
+#include <fulgur/optim/sophia.h>
 #include <fulgur/state_dict.h>
 
 #include <torch/torch.h>
@@ -83,6 +85,54 @@ if mode == "ns":
     print("python-ok"); sys.exit(0)
 names = ["w1", "b1", "w2", "b2"]
 p = {n: d[n].clone().requires_grad_(True) for n in names}
+
+# SophiaG as sophia.py (github.com/Liuhong99/Sophia, MIT) defines it: _single_tensor_sophiag with
+# capturable=False, and update_hessian; the refresh every k steps as its train_sophiag.py does.
+class SophiaG:
+    def __init__(self, params, lr, betas, rho, weight_decay, bs):
+        self.params, self.lr, self.betas, self.rho, self.wd, self.bs = list(params), lr, betas, rho, weight_decay, bs
+        self.state = {}
+    def _state(self, p):
+        return self.state.setdefault(id(p), {"step": 0, "exp_avg": torch.zeros_like(p), "hessian": torch.zeros_like(p)})
+    @torch.no_grad()
+    def update_hessian(self):
+        for p in self.params:
+            if p.grad is not None:
+                self._state(p)["hessian"].mul_(self.betas[1]).addcmul_(p.grad, p.grad, value=1 - self.betas[1])
+    @torch.no_grad()
+    def step(self):
+        for p in self.params:
+            if p.grad is None: continue
+            st = self._state(p)
+            st["step"] += 1
+            p.mul_(1 - self.lr * self.wd)
+            st["exp_avg"].mul_(self.betas[0]).add_(p.grad, alpha=1 - self.betas[0])
+            ratio = (st["exp_avg"].abs() / (self.rho * self.bs * st["hessian"] + 1e-15)).clamp(None, 1)
+            p.addcmul_(st["exp_avg"].sign(), ratio, value=-self.lr)
+    def zero_grad(self):
+        for q in self.params: q.grad = None
+
+def logits():
+    return F.linear(torch.tanh(F.linear(d["x"], p["w1"], p["b1"])), p["w2"], p["b2"])
+
+if mode == "sophia":
+    opt = SophiaG(p.values(), lr=0.01, betas=(0.965, 0.99), rho=0.05, weight_decay=0.1, bs=32)
+    torch.manual_seed(0)
+    trace = {n: [] for n in names}
+    for it in range(50):
+        opt.zero_grad()
+        F.cross_entropy(logits(), d["labels"]).backward()
+        opt.step()
+        if it % 10 == 9:  # Gauss-Newton-Bartlett: labels sampled from the model's own logits
+            opt.zero_grad()
+            out = logits()
+            sampled = torch.multinomial(torch.softmax(out.detach().reshape(-1, out.size(-1)), -1), 1, replacement=True).squeeze(-1)
+            F.cross_entropy(out, sampled).backward()
+            opt.update_hessian()
+            opt.zero_grad()
+        for n in names: trace[n].append(p[n].detach().clone())
+    torch.save({n: torch.stack(t) for n, t in trace.items()}, out_file)
+    print("python-ok"); sys.exit(0)
 
 if mode == "lion":
     from lion_pytorch import Lion
@@ -169,6 +219,41 @@ TEST_CASE("optim: Muon with AdamW groups equals torch.optim.Muon + AdamW over 50
   }
 }
 
+TEST_CASE("optim: SophiaG with a GNB refresh every 10 steps equals the sophia.py reference over 50 steps to 1e-6") {
+  TempDir dir;
+  const auto problem = make_problem();
+  const auto expected = run_reference(dir, "sophia", problem);
+  Net net(problem);
+  const torch::Tensor labels = problem.at("labels").toTensor();
+  fo::SophiaG sophia(net.params, fo::SophiaGOptions(0.01).betas({0.965, 0.99}).rho(0.05).weight_decay(0.1).bs(32));
+  torch::manual_seed(0);  // the sampled labels follow the default generator, as in Python
+  std::vector<std::vector<torch::Tensor>> trace(net.params.size());
+  bool refreshed = false;
+  for (int it = 0; it < kSteps; ++it) {
+    sophia.zero_grad();
+    torch::nn::functional::cross_entropy(net.logits(), labels).backward();
+    sophia.step();
+    if (it % 10 == 9) {
+      sophia.refresh_hessian([&] {
+        const torch::Tensor out = net.logits();
+        return torch::nn::functional::cross_entropy(out, fo::gnb_sampled_labels(out));
+      });
+      refreshed = true;
+    }
+    for (size_t i = 0; i < net.params.size(); ++i) trace[i].push_back(net.params[i].detach().clone());
+  }
+  REQUIRE(refreshed);
+  std::vector<torch::Tensor> ours;
+  for (auto& t : trace) ours.push_back(torch::stack(t));
+  check_trace(ours, expected, 1e-6);
+  // The estimate is in the state: a nonzero Hessian EMA for every parameter.
+  for (const auto& p : net.params) {
+    const auto& state = static_cast<const fo::SophiaGParamState&>(*sophia.state().at(p.unsafeGetTensorImpl()));
+    CHECK(state.step() == kSteps);
+    CHECK(state.hessian().abs().sum().item<double>() > 0);
+  }
+}
+
 TEST_CASE("optim: Muon's Newton-Schulz is bitwise torch.optim.Muon's on fp32 inputs") {
   TempDir dir;
   torch::manual_seed(5);
@@ -189,7 +274,7 @@ TEST_CASE("optim: Muon's Newton-Schulz is bitwise torch.optim.Muon's on fp32 inp
   }
 }
 
-TEST_CASE("optim: Lion and Muon state survives a Fulgur checkpoint and resumes bitwise") {
+TEST_CASE("optim: Lion, Muon and SophiaG state survives a Fulgur checkpoint and resumes bitwise") {
   TempDir dir;
   const auto problem = make_problem();
   using Factory = std::function<std::unique_ptr<torch::optim::Optimizer>(const Net&)>;
@@ -197,6 +282,8 @@ TEST_CASE("optim: Lion and Muon state survives a Fulgur checkpoint and resumes b
       {"lion",
        [](const Net& n) { return std::make_unique<fo::Lion>(n.params, fo::LionOptions(1e-3).weight_decay(0.1)); }},
       {"muon", [](const Net& n) { return make_muon(n, "match_rms_adamw", true); }},
+      {"sophia",
+       [](const Net& n) { return std::make_unique<fo::SophiaG>(n.params, fo::SophiaGOptions(0.01).rho(0.05).bs(32)); }},
   };
   for (const auto& [name, make] : optimizers) {
     CAPTURE(name);
