@@ -650,3 +650,36 @@ TEST_CASE(
     CHECK(pruned > 0);
   }
 }
+
+TEST_CASE("gpt example: optimizer = \"adamw\", \"muon\" and \"lion\" each train the tiny model from TOML") {
+  struct Case {
+    std::string optimizer, lr;
+  };
+  std::string table;
+  for (const Case& c : std::vector<Case>{{"adamw", "1e-2"}, {"muon", "1e-2"}, {"lion", "3e-3"}}) {
+    CAPTURE(c.optimizer);
+    const TinyJob job;
+    const ProcessRun fit =
+        run_gpt(job.dir.path(), "fit", job.toml, {"--model.optimizer=" + c.optimizer, "--model.lr=" + c.lr});
+    INFO(fit.output);
+    REQUIRE(fit.exit_code == 0);
+    auto csv = read_csv(find_file(job.dir / "runs", "metrics.csv"));
+    std::vector<double> train_loss, val_loss;
+    for (const auto& cell : csv["train/loss"])
+      if (!cell.empty()) train_loss.push_back(std::stod(cell));
+    for (const auto& cell : csv["val/loss"])
+      if (!cell.empty()) val_loss.push_back(std::stod(cell));
+    REQUIRE(train_loss.size() == 6);
+    REQUIRE(!val_loss.empty());
+    table += fmt::format("{}: train/loss {:.3f} -> {:.3f}, val/loss {:.3f}\n", c.optimizer, train_loss.front(),
+                         train_loss.back(), val_loss.back());
+    CHECK(train_loss.front() > 4.0);  // ~ln 256 at the start
+    CHECK(train_loss.back() < 0.8 * train_loss.front());
+  }
+  MESSAGE(table);
+  // A typo is refused with the closest name.
+  const TinyJob job;
+  const ProcessRun bad = run_gpt(job.dir.path(), "fit", job.toml, {"--model.optimizer=muom"});
+  CHECK(bad.exit_code != 0);
+  FULGUR_CHECK_CONTAINS(bad.output, "unknown optimizer 'muom' (did you mean 'muon'?)");
+}

@@ -1,5 +1,6 @@
 #include <fulgur/error.h>
 #include <fulgur/lr_scheduler.h>
+#include <fulgur/lr_schedulers.h>
 
 #include <torch/optim/optimizer.h>
 
@@ -204,7 +205,251 @@ class ReduceOnPlateau final : public LRScheduler {
   int64_t bad_steps_ = 0;
 };
 
+class MultiStepLR final : public LRScheduler {
+ public:
+  MultiStepLR(torch::optim::Optimizer& o, std::vector<int64_t> milestones, double gamma)
+      : LRScheduler(o), milestones_(std::move(milestones)), gamma_(gamma) {
+    std::sort(milestones_.begin(), milestones_.end());
+    initialize();
+  }
+  std::vector<double> lrs_at(int64_t step) const override {
+    const auto passed = std::upper_bound(milestones_.begin(), milestones_.end(), step) - milestones_.begin();
+    std::vector<double> out;
+    for (double base : base_lrs_) out.push_back(base * std::pow(gamma_, static_cast<double>(passed)));
+    return out;
+  }
+
+ private:
+  std::vector<int64_t> milestones_;
+  double gamma_;
+};
+
+class ExponentialLR final : public LRScheduler {
+ public:
+  ExponentialLR(torch::optim::Optimizer& o, double gamma) : LRScheduler(o), gamma_(gamma) { initialize(); }
+  std::vector<double> lrs_at(int64_t step) const override {
+    std::vector<double> out;
+    for (double base : base_lrs_) out.push_back(base * std::pow(gamma_, static_cast<double>(step)));
+    return out;
+  }
+
+ private:
+  double gamma_;
+};
+
+// PyTorch's recursive T_cur/T_i bookkeeping, replayed from step 0 (cheap: integers).
+class CosineWarmRestarts final : public LRScheduler {
+ public:
+  CosineWarmRestarts(torch::optim::Optimizer& o, int64_t t_0, int64_t t_mult, double eta_min)
+      : LRScheduler(o), t_0_(t_0), t_mult_(t_mult), eta_min_(eta_min) {
+    if (t_0 <= 0) throw Error(ErrorKind::invalid_argument, "cosine warm restarts: t_0 must be a positive integer");
+    if (t_mult < 1) throw Error(ErrorKind::invalid_argument, "cosine warm restarts: t_mult must be an integer >= 1");
+    initialize();
+  }
+  std::vector<double> lrs_at(int64_t step) const override {
+    int64_t t_cur = 0, t_i = t_0_;
+    if (t_mult_ == 1) {
+      t_cur = step % t_0_;
+    } else {
+      for (int64_t s = 0; s < step; ++s)
+        if (++t_cur >= t_i) {
+          t_cur -= t_i;
+          t_i *= t_mult_;
+        }
+    }
+    std::vector<double> out;
+    for (double base : base_lrs_)
+      out.push_back(eta_min_ +
+                    (base - eta_min_) *
+                        (1 + std::cos(std::numbers::pi * static_cast<double>(t_cur) / static_cast<double>(t_i))) / 2);
+    return out;
+  }
+
+ private:
+  int64_t t_0_, t_mult_;
+  double eta_min_;
+};
+
+class PolynomialLR final : public LRScheduler {
+ public:
+  PolynomialLR(torch::optim::Optimizer& o, int64_t total_iters, double power)
+      : LRScheduler(o), total_iters_(total_iters), power_(power) {
+    if (total_iters <= 0) throw Error(ErrorKind::invalid_argument, "polynomial lr: total_iters must be positive");
+    initialize();
+  }
+  std::vector<double> lrs_at(int64_t step) const override {
+    const double progress = static_cast<double>(std::min(step, total_iters_)) / static_cast<double>(total_iters_);
+    std::vector<double> out;
+    for (double base : base_lrs_) out.push_back(base * std::pow(1.0 - progress, power_));
+    return out;
+  }
+
+ private:
+  int64_t total_iters_;
+  double power_;
+};
+
+// torch.optim.lr_scheduler.CyclicLR.get_lr, without the momentum cycle.
+class CyclicLR final : public LRScheduler {
+ public:
+  CyclicLR(torch::optim::Optimizer& o, double base_lr, double max_lr, int64_t up, int64_t down, std::string mode,
+           double gamma)
+      : LRScheduler(o), base_lr_(base_lr), max_lr_(max_lr), mode_(std::move(mode)), gamma_(gamma) {
+    if (up <= 0 || down < 0)
+      throw Error(ErrorKind::invalid_argument, "cyclic lr: step_size_up must be positive, step_size_down >= 0");
+    if (mode_ != "triangular" && mode_ != "triangular2" && mode_ != "exp_range")
+      throw Error(ErrorKind::invalid_argument,
+                  "cyclic lr: mode '" + mode_ + "' is not one of \"triangular\", \"triangular2\", \"exp_range\"");
+    const double up_d = static_cast<double>(up), down_d = down == 0 ? up_d : static_cast<double>(down);
+    total_size_ = up_d + down_d;
+    step_ratio_ = up_d / total_size_;
+    for (double& base : base_lrs_) base = base_lr_;
+    initialize();
+  }
+  std::vector<double> lrs_at(int64_t step) const override {
+    const double s = static_cast<double>(step);
+    const double cycle = std::floor(1 + s / total_size_);
+    const double x = 1.0 + s / total_size_ - cycle;
+    const double scale_factor = x <= step_ratio_ ? x / step_ratio_ : (x - 1) / (step_ratio_ - 1);
+    const double base_height = (max_lr_ - base_lr_) * scale_factor;
+    double scale = 1.0;
+    if (mode_ == "triangular2")
+      scale = 1 / std::pow(2.0, cycle - 1);
+    else if (mode_ == "exp_range")
+      scale = std::pow(gamma_, s);
+    return std::vector<double>(base_lrs_.size(), base_lr_ + base_height * scale);
+  }
+
+ private:
+  double base_lr_, max_lr_;
+  std::string mode_;
+  double gamma_;
+  double total_size_ = 0, step_ratio_ = 0;
+};
+
+class LambdaLR final : public LRScheduler {
+ public:
+  LambdaLR(torch::optim::Optimizer& o, std::function<double(int64_t)> f) : LRScheduler(o), f_(std::move(f)) {
+    if (!f_) throw Error(ErrorKind::invalid_argument, "lambda lr: lr_lambda is empty");
+    initialize();
+  }
+  std::vector<double> lrs_at(int64_t step) const override {
+    const double factor = f_(step);
+    std::vector<double> out;
+    for (double base : base_lrs_) out.push_back(base * factor);
+    return out;
+  }
+
+ private:
+  std::function<double(int64_t)> f_;
+};
+
+// Builds each child from the optimizer's current lrs (PyTorch's initial_lr), restoring them after.
+std::vector<std::shared_ptr<LRScheduler>> build_children(torch::optim::Optimizer& o,
+                                                         const std::vector<SchedulerFactory>& factories,
+                                                         const char* who) {
+  if (factories.empty()) throw Error(ErrorKind::invalid_argument, std::string(who) + ": no schedulers given");
+  std::vector<double> initial;
+  for (auto& group : o.param_groups()) initial.push_back(group.options().get_lr());
+  auto restore = [&] {
+    for (size_t i = 0; i < initial.size(); ++i) o.param_groups()[i].options().set_lr(initial[i]);
+  };
+  std::vector<std::shared_ptr<LRScheduler>> children;
+  for (const auto& make : factories) {
+    restore();
+    auto child = make(o);
+    if (!child) throw Error(ErrorKind::invalid_argument, std::string(who) + ": a factory returned no scheduler");
+    if (dynamic_cast<ReduceOnPlateau*>(child.get()))
+      throw Error(ErrorKind::invalid_argument,
+                  std::string(who) + ": reduce-on-plateau steps on a metric, not a schedule; it cannot be combined");
+    children.push_back(std::move(child));
+  }
+  restore();
+  return children;
+}
+
+// Both combinations call their children's closed forms: the pointer to the protected member is
+// taken through this class (the standard's way for a derived class to reach it on a sibling).
+class Combined : public LRScheduler {
+ protected:
+  Combined(torch::optim::Optimizer& o, std::vector<std::shared_ptr<LRScheduler>> children)
+      : LRScheduler(o), children_(std::move(children)) {}
+  static std::vector<double> child_lrs(const LRScheduler& child, int64_t step) {
+    return (child.*(&Combined::lrs_at))(step);
+  }
+  std::vector<std::shared_ptr<LRScheduler>> children_;
+};
+
+class SequentialLR final : public Combined {
+ public:
+  SequentialLR(torch::optim::Optimizer& o, const std::vector<SchedulerFactory>& factories,
+               std::vector<int64_t> milestones)
+      : Combined(o, build_children(o, factories, "sequential lr")), milestones_(std::move(milestones)) {
+    if (milestones_.size() + 1 != children_.size())
+      throw Error(ErrorKind::invalid_argument, "sequential lr: expected " + std::to_string(children_.size() - 1) +
+                                                   " milestones for " + std::to_string(children_.size()) +
+                                                   " schedulers, got " + std::to_string(milestones_.size()));
+    if (!std::is_sorted(milestones_.begin(), milestones_.end()))
+      throw Error(ErrorKind::invalid_argument, "sequential lr: milestones must increase");
+    initialize();
+  }
+  std::vector<double> lrs_at(int64_t step) const override {
+    const auto i = std::upper_bound(milestones_.begin(), milestones_.end(), step) - milestones_.begin();
+    const int64_t local = i == 0 ? step : step - milestones_[static_cast<size_t>(i - 1)];
+    return child_lrs(*children_[static_cast<size_t>(i)], local);
+  }
+
+ private:
+  std::vector<int64_t> milestones_;
+};
+
+class ChainedLR final : public Combined {
+ public:
+  ChainedLR(torch::optim::Optimizer& o, const std::vector<SchedulerFactory>& factories)
+      : Combined(o, build_children(o, factories, "chained lr")) {
+    initialize();
+  }
+  std::vector<double> lrs_at(int64_t step) const override {
+    std::vector<double> out = base_lrs_;
+    for (const auto& child : children_) {
+      const std::vector<double> lrs = child_lrs(*child, step);
+      for (size_t g = 0; g < out.size() && g < lrs.size(); ++g)
+        out[g] = base_lrs_[g] == 0 ? 0 : out[g] * (lrs[g] / base_lrs_[g]);
+    }
+    return out;
+  }
+};
+
 }  // namespace
+
+std::shared_ptr<LRScheduler> make_multi_step_lr(torch::optim::Optimizer& o, std::vector<int64_t> milestones,
+                                                double gamma) {
+  return std::make_shared<MultiStepLR>(o, std::move(milestones), gamma);
+}
+std::shared_ptr<LRScheduler> make_exponential_lr(torch::optim::Optimizer& o, double gamma) {
+  return std::make_shared<ExponentialLR>(o, gamma);
+}
+std::shared_ptr<LRScheduler> make_cosine_warm_restarts(torch::optim::Optimizer& o, int64_t t_0, int64_t t_mult,
+                                                       double eta_min) {
+  return std::make_shared<CosineWarmRestarts>(o, t_0, t_mult, eta_min);
+}
+std::shared_ptr<LRScheduler> make_polynomial_lr(torch::optim::Optimizer& o, int64_t total_iters, double power) {
+  return std::make_shared<PolynomialLR>(o, total_iters, power);
+}
+std::shared_ptr<LRScheduler> make_cyclic_lr(torch::optim::Optimizer& o, double base_lr, double max_lr, int64_t up,
+                                            int64_t down, const std::string& mode, double gamma) {
+  return std::make_shared<CyclicLR>(o, base_lr, max_lr, up, down, mode, gamma);
+}
+std::shared_ptr<LRScheduler> make_lambda_lr(torch::optim::Optimizer& o, std::function<double(int64_t)> lr_lambda) {
+  return std::make_shared<LambdaLR>(o, std::move(lr_lambda));
+}
+std::shared_ptr<LRScheduler> make_sequential_lr(torch::optim::Optimizer& o, const std::vector<SchedulerFactory>& s,
+                                                std::vector<int64_t> milestones) {
+  return std::make_shared<SequentialLR>(o, s, std::move(milestones));
+}
+std::shared_ptr<LRScheduler> make_chained_lr(torch::optim::Optimizer& o, const std::vector<SchedulerFactory>& s) {
+  return std::make_shared<ChainedLR>(o, s);
+}
 
 std::shared_ptr<LRScheduler> make_step_lr(torch::optim::Optimizer& o, int64_t step_size, double gamma) {
   return std::make_shared<StepLR>(o, step_size, gamma);

@@ -550,8 +550,12 @@ Batch TrainerEngine::transfer(Batch batch) {
 void TrainerEngine::step_schedulers(SchedulerInterval interval, bool skip_monitored) {
   // Manual optimization steps its schedulers itself (Lightning steps none automatically then).
   if (module_ && !module_->automatic_optimization) return;
+  // Lightning's _update_learning_rates: `frequency` counts the epoch's batches (batch_idx + 1, the
+  // batch that just stepped; the count restarts every epoch) for step schedulers and epochs for
+  // epoch ones. Called before the epoch loop records this batch as done.
   const RunPosition& position = fit_loop_.position();
-  const int64_t count = interval == SchedulerInterval::step ? position.global_step : position.epoch + 1;
+  const int64_t count = interval == SchedulerInterval::step ? fit_loop_.epoch_loop().batches_done_in_epoch() + 1
+                                                            : position.epoch + 1;
   for (auto& cfg : optimizer_configs_) {
     if (!cfg.scheduler || cfg.interval != interval || count % cfg.frequency != 0) continue;
     if (cfg.monitor.empty()) {

@@ -2,6 +2,8 @@
 #include "fashion_mnist_nets.h"
 
 #include <fulgur/error.h>
+#include <fulgur/optim/lion.h>
+#include <fulgur/optim/muon.h>
 #include <fulgur/suggest.h>
 
 #include <fmt/format.h>
@@ -196,12 +198,15 @@ FashionMnistClassifier::FashionMnistClassifier(Options hp) {
   hparams = with_defaults(hp, hparams_schema, "[model]");  // defaults recorded, as for the data
   const std::string& owner = hparams.owner();
   const std::string& optimizer = hparams.get_string("optimizer");
-  if (optimizer != "adam" && optimizer != "sgd") {
+  const std::vector<std::string> optimizers = {"adam", "sgd", "lbfgs", "lion", "muon"};
+  if (std::find(optimizers.begin(), optimizers.end(), optimizer) == optimizers.end()) {
     std::string message = fmt::format("{}: unknown optimizer '{}'", owner, optimizer);
-    if (std::string s = closest_match(optimizer, {"adam", "sgd"}); !s.empty())
+    if (std::string s = closest_match(optimizer, optimizers); !s.empty())
       message += fmt::format("; did you mean '{}'?", s);
-    throw Error(ErrorKind::config, message + " Choose \"adam\" or \"sgd\".");
+    throw Error(ErrorKind::config, message + " Choose \"adam\", \"sgd\", \"lbfgs\", \"lion\" or \"muon\".");
   }
+  if (hparams.get_int("max_iter") < 1)
+    throw Error(ErrorKind::config, fmt::format("{}: max_iter = {} must be >= 1", owner, hparams.get_int("max_iter")));
   const double lr = hparams.get_float("lr");
   const double weight_decay = hparams.get_float("weight_decay");
   const double momentum = hparams.get_float("momentum");
@@ -245,9 +250,23 @@ at::Tensor FashionMnistClassifier::predict_step(const Batch& batch, int64_t) { r
 std::shared_ptr<torch::optim::Optimizer> FashionMnistClassifier::make_optimizer() {
   const double lr = hparams.get_float("lr");
   const double weight_decay = hparams.get_float("weight_decay");
-  if (hparams.get_string("optimizer") == "sgd")
+  const std::string& optimizer = hparams.get_string("optimizer");
+  if (optimizer == "sgd")
     return std::make_shared<torch::optim::SGD>(
         parameters(), torch::optim::SGDOptions(lr).momentum(hparams.get_float("momentum")).weight_decay(weight_decay));
+  // LBFGS re-evaluates the loss inside its step: the Trainer passes it a closure (fulgur/closure_step.h).
+  if (optimizer == "lbfgs")
+    return std::make_shared<torch::optim::LBFGS>(
+        parameters(),
+        torch::optim::LBFGSOptions(lr).max_iter(hparams.get_int("max_iter")).line_search_fn("strong_wolfe"));
+  if (optimizer == "lion")
+    return std::make_shared<fulgur::optim::Lion>(parameters(),
+                                                 fulgur::optim::LionOptions(lr).weight_decay(weight_decay));
+  // Muon for the hidden matrices, AdamW (same lr and weight decay) for biases and the rest.
+  if (optimizer == "muon")
+    return std::make_shared<fulgur::optim::Muon>(fulgur::optim::muon_param_groups(
+        *this, fulgur::optim::MuonOptions(lr).weight_decay(weight_decay).adjust_lr_fn("match_rms_adamw"),
+        fulgur::optim::MuonOptions(lr).weight_decay(weight_decay)));
   return std::make_shared<torch::optim::Adam>(parameters(), torch::optim::AdamOptions(lr).weight_decay(weight_decay));
 }
 

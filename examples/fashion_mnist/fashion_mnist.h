@@ -88,10 +88,13 @@ class FashionMnistDataModule : public DataModule {
 };
 
 // The optimizer hyperparameters both nets share, and the CNN's dropout.
-#define FULGUR_FASHION_MNIST_OPTIMIZER_OPTIONS                                                                         \
-  FULGUR_OPTION(string, optimizer, "\"adam\" or \"sgd\"", "adam"), FULGUR_OPTION(floating, lr, "Learning rate", 1e-3), \
-      FULGUR_OPTION(floating, weight_decay, "L2 penalty of the optimizer", 0.0),                                       \
-      FULGUR_OPTION(floating, momentum, "SGD momentum (optimizer = \"sgd\" only)", 0.9)
+#define FULGUR_FASHION_MNIST_OPTIMIZER_OPTIONS                                                    \
+  FULGUR_OPTION(string, optimizer, "\"adam\", \"sgd\", \"lbfgs\", \"lion\" or \"muon\"", "adam"), \
+      FULGUR_OPTION(floating, lr, "Learning rate", 1e-3),                                         \
+      FULGUR_OPTION(floating, weight_decay, "L2 penalty of the optimizer", 0.0),                  \
+      FULGUR_OPTION(floating, momentum, "SGD momentum (optimizer = \"sgd\" only)", 0.9),          \
+      FULGUR_OPTION(integer, max_iter,                                                            \
+                    "LBFGS evaluations per step, with a strong-Wolfe line search (optimizer = \"lbfgs\" only)", 20)
 #define FULGUR_FASHION_MNIST_DROPOUT_OPTION \
   FULGUR_OPTION(floating, dropout, "Dropout after the convolutions and fc1", 0.25)
 

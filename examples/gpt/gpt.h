@@ -53,13 +53,14 @@ inline constexpr const char* kFortunesPackageHint =
 using HyperParam = OptionSpec;
 
 // clang-format off
-inline constexpr std::array<HyperParam, 18> kGptModelHyperParams{{
+inline constexpr std::array<HyperParam, 19> kGptModelHyperParams{{
   {OptionType::integer,    "block_size",     "Context length in tokens (positions the model knows); >= [data] block_size", "64"},
   {OptionType::integer,    "n_layer",        "Transformer blocks", "4"},
   {OptionType::integer,    "n_head",         "Attention heads per block; must divide n_embd", "4"},
   {OptionType::integer,    "n_embd",         "Width of the residual stream", "64"},
   {OptionType::floating,   "dropout",        "Dropout on embeddings, attention weights and residual branches, in [0, 1)", "0.0"},
   {OptionType::boolean,    "activation_checkpointing", "Recompute each transformer block's activations in backward instead of keeping them; the blocks run through fulgur::run_block either way, the units fsdp zero_stage = 3 shards", "false"},
+  {OptionType::string,     "optimizer",      "\"adamw\"; \"muon\" (fulgur::optim::Muon on the blocks' Linear weights with match_rms_adamw, so AdamW's lr fits; AdamW on embeddings, biases, LayerNorms); \"lion\" (give it a 3-10x smaller lr)", "\"adamw\""},
   {OptionType::floating,   "lr",             "Peak learning rate of AdamW (reached after warmup_steps)", "3e-3"},
   {OptionType::floating,   "min_lr",         "Learning rate at the end of the cosine decay and after it", "3e-4"},
   {OptionType::floating,   "weight_decay",   "AdamW decoupled weight decay of the Linear weights; biases, LayerNorm and embeddings get none", "0.1"},

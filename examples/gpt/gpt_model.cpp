@@ -3,6 +3,9 @@
 
 #include <fulgur/blocks.h>
 #include <fulgur/error.h>
+#include <fulgur/optim/lion.h>
+#include <fulgur/optim/muon.h>
+#include <fulgur/suggest.h>
 
 #include <ATen/CPUGeneratorImpl.h>
 #include <fmt/format.h>
@@ -103,6 +106,12 @@ GptModel::GptModel(const Options& given) : layers_(std::make_unique<Layers>()) {
   if (!(min_lr >= 0 && min_lr <= lr)) bad(hp, fmt::format("min_lr = {} must be in [0, lr = {}]", min_lr, lr));
   if (!(hp.get_float("weight_decay") >= 0))
     bad(hp, fmt::format("weight_decay = {} must be >= 0", hp.get_float("weight_decay")));
+  const std::string& optimizer = hp.get_string("optimizer");
+  if (optimizer != "adamw" && optimizer != "muon" && optimizer != "lion") {
+    std::string suggestion = closest_match(optimizer, {"adamw", "muon", "lion"});
+    bad(hp, fmt::format("unknown optimizer '{}'{}; choose \"adamw\", \"muon\" or \"lion\"", optimizer,
+                        suggestion.empty() ? "" : fmt::format(" (did you mean '{}'?)", suggestion)));
+  }
   const std::vector<double>& betas = hp.get_float_list("betas");
   if (betas.size() != 2 || !(betas[0] >= 0 && betas[0] < 1) || !(betas[1] >= 0 && betas[1] < 1))
     bad(hp, "betas must be two numbers in [0, 1), e.g. [0.9, 0.99]");
@@ -287,10 +296,36 @@ std::vector<OptimizerConfig> GptModel::configure_optimizers() {
         torch::optim::AdamWOptions(hp.get_float("lr")).betas({betas[0], betas[1]}).weight_decay(weight_decay));
   };
   ParameterGroups groups = parameter_groups();
-  std::vector<torch::optim::OptimizerParamGroup> param_groups;
-  param_groups.emplace_back(groups.decay, options(hp.get_float("weight_decay")));
-  param_groups.emplace_back(groups.no_decay, options(0.0));
-  auto optimizer = std::make_shared<torch::optim::AdamW>(std::move(param_groups), *options(0.0));
+  const std::string& kind = hp.get_string("optimizer");
+  const double lr = hp.get_float("lr"), weight_decay = hp.get_float("weight_decay");
+  std::shared_ptr<torch::optim::Optimizer> optimizer;
+  if (kind == "muon") {
+    // The decaying group is exactly the blocks' Linear weights (the head is tied to tok_emb): the
+    // hidden matrices Muon is for. Embeddings, biases and LayerNorm gains stay with AdamW.
+    namespace fo = fulgur::optim;
+    std::vector<torch::optim::OptimizerParamGroup> param_groups;
+    param_groups.emplace_back(groups.decay,
+                              std::make_unique<fo::MuonOptions>(
+                                  fo::MuonOptions(lr).weight_decay(weight_decay).adjust_lr_fn("match_rms_adamw")));
+    param_groups.emplace_back(groups.no_decay,
+                              std::make_unique<fo::MuonOptions>(
+                                  fo::MuonOptions(lr).use_muon(false).betas({betas[0], betas[1]}).weight_decay(0.0)));
+    optimizer = std::make_shared<fo::Muon>(std::move(param_groups));
+  } else if (kind == "lion") {
+    namespace fo = fulgur::optim;
+    std::vector<torch::optim::OptimizerParamGroup> param_groups;
+    param_groups.emplace_back(
+        groups.decay,
+        std::make_unique<fo::LionOptions>(fo::LionOptions(lr).betas({betas[0], betas[1]}).weight_decay(weight_decay)));
+    param_groups.emplace_back(groups.no_decay,
+                              std::make_unique<fo::LionOptions>(fo::LionOptions(lr).betas({betas[0], betas[1]})));
+    optimizer = std::make_shared<fo::Lion>(std::move(param_groups), fo::LionOptions(lr));
+  } else {
+    std::vector<torch::optim::OptimizerParamGroup> param_groups;
+    param_groups.emplace_back(groups.decay, options(weight_decay));
+    param_groups.emplace_back(groups.no_decay, options(0.0));
+    optimizer = std::make_shared<torch::optim::AdamW>(std::move(param_groups), *options(0.0));
+  }
   // make_cosine_with_warmup applies warmup_start_factor * lr at step 0 and reaches lr at
   // warmup_steps; starting at lr / warmup_steps rather than 0 keeps the first step useful.
   const int64_t warmup = hp.get_int("warmup_steps");

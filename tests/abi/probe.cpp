@@ -11,6 +11,7 @@
 #include <fulgur/accelerator.h>
 #include <fulgur/blocks.h>
 #include <fulgur/callback.h>
+#include <fulgur/closure_step.h>
 #include <fulgur/communicator.h>
 #include <fulgur/data_module.h>
 #include <fulgur/error.h>
@@ -113,3 +114,6 @@ FULGUR_ABI_PROBE(run_status, fulgur::RunStatus)
 FULGUR_ABI_PROBE(reduce_op, fulgur::ReduceOp)
 FULGUR_ABI_PROBE(grad_clip_algorithm, fulgur::GradClipAlgorithm)
 FULGUR_ABI_PROBE(reduction, fulgur::Reduction)
+
+// Proposed for SDK 1.2: precisions that step closure optimizers (fulgur/closure_step.h).
+FULGUR_ABI_PROBE(closure_step_precision, fulgur::ClosureStepPrecision)

@@ -3,8 +3,13 @@
 // callback that declared a batch hook, a configured profiler).
 #include "training_epoch_loop.h"
 
+#include <fulgur/closure_step.h>
+#include <fulgur/error.h>
 #include <fulgur/profiler.h>
 
+#include <fmt/format.h>
+
+#include <torch/optim/lbfgs.h>
 #include <torch/optim/optimizer.h>
 
 #include <algorithm>
@@ -167,9 +172,55 @@ bool TrainingEpochLoop::step_optimizer(torch::optim::Optimizer& optimizer) {
   return stepped;
 }
 
+namespace {
+
+// Optimizers whose step() calls a closure that re-evaluates the loss: LibTorch's LBFGS throws
+// without one.
+bool needs_closure(const torch::optim::Optimizer& optimizer) {
+  return dynamic_cast<const torch::optim::LBFGS*>(&optimizer) != nullptr;
+}
+
+// Why the automatic loop cannot step `optimizer` with a closure under this run's plugins, or "".
+std::string closure_step_refusal(const PluginSet& p, const ClosureStepPrecision* precision, int64_t accumulate,
+                                 const std::string& strategy_name, const std::string& precision_name) {
+  if (accumulate > 1)
+    return fmt::format(
+        "accumulate_grad_batches = {} would mix several batches into one step, but the optimizer "
+        "re-evaluates the loss of one batch inside its step; use 1",
+        accumulate);
+  if (!delegates_optimizer_step(p))
+    return fmt::format(
+        "strategy '{}' steps the optimizer itself (sharded parameters or optimizer state); LBFGS "
+        "keeps its curvature history over the whole parameter vector and re-runs the step's forward "
+        "pass: use strategy \"single_device\" or \"ddp\"",
+        strategy_name);
+  if (!precision)
+    return fmt::format(
+        "precision '{}' does not step optimizers with a closure (it offers no {} extension): use "
+        "precision \"32-true\" or \"bf16-mixed\"",
+        precision_name, ClosureStepPrecision::kExtensionId);
+  if (std::string why = precision->closure_step_refusal(); !why.empty())
+    return fmt::format("precision '{}': {}", precision_name, why);
+  return {};
+}
+
+}  // namespace
+
 void TrainingEpochLoop::prepare_optimizer_steps() {
   TrainerEngine& t = trainer_;
   t.fused_adam_.reset();
+  closure_step_ =
+      t.module_->automatic_optimization && !t.optimizer_ptrs_.empty() && needs_closure(*t.optimizer_ptrs_.front());
+  closure_precision_ = find_extension<ClosureStepPrecision>(*t.plugins_.precision);
+  if (closure_step_)
+    if (std::string why =
+            closure_step_refusal(t.plugins_, closure_precision_, t.trainer_config_.accumulate_grad_batches,
+                                 t.config().strategy.name, t.config().precision.name);
+        !why.empty())
+      throw Error(ErrorKind::config,
+                  fmt::format("configure_optimizers returned an optimizer that needs a closure (LBFGS), which this "
+                              "run cannot step: {}",
+                              why));
   if (t.module_->automatic_optimization && t.optimizer_ptrs_.size() == 1 && delegates_optimizer_step(t.plugins_) &&
       FusedAdamStep::refusal(*t.optimizer_ptrs_.front()).empty())
     t.fused_adam_ = std::make_unique<FusedAdamStep>(*t.optimizer_ptrs_.front());
@@ -220,6 +271,11 @@ void TrainingEpochLoop::run_batch(Batch& batch, int64_t batch_idx, bool staged) 
     // global_step counted each optimizer.step() the step called (count_manual_optimizer_step);
     // the loggers' step counts the batch once.
     ++batches_that_stepped_;
+  } else if (closure_step_) {
+    output = run_closure_step(batch, batch_idx);
+    ++position_.global_step;
+    ++batches_that_stepped_;
+    t.step_schedulers(SchedulerInterval::step);
   } else if (std::optional<StepOutput> captured = run_captured(batch, batch_idx)) {
     // cuda_graphs: forward, backward and the optimizer step as one recorded graph (one optimizer
     // step per batch: accumulation is refused).
@@ -265,6 +321,55 @@ void TrainingEpochLoop::run_batch(Batch& batch, int64_t batch_idx, bool staged) 
   in_batch_ = false;
   if (step_row_due_ || t.should_stop_) t.logging_.send_step_row(row_step_);
   step_row_due_ = false;
+}
+
+StepOutput TrainingEpochLoop::run_closure_step(Batch& batch, int64_t batch_idx) {
+  TrainerEngine& t = trainer_;
+  HookDispatcher& hooks = t.hooks_;
+  Module& module = *t.module_;
+  Strategy& strategy = *t.plugins_.strategy;
+  Precision& precision = *t.plugins_.precision;
+  Profiler* profiler = t.plugins_.profiler.get();
+  torch::optim::Optimizer& optimizer = *t.optimizer_ptrs_.front();
+  const bool several_ranks = strategy.cluster().world_size > 1;
+  StepOutput output;  // the last evaluation's, as Lightning's closure keeps its last result
+  // Lightning's Closure (training_step, zero_grad, backward) followed by its _after_closure
+  // (on_before_optimizer_step, clipping); the optimizer calls it under no_grad.
+  auto closure = [&]() -> at::Tensor {
+    at::AutoGradMode enable_grad(true);
+    {
+      PrecisionScope precision_scope(precision);
+      ProfileScope scope(profiler, "training_step");
+      output = module.training_step(batch, batch_idx);
+    }
+    if (!output.loss.defined())
+      throw Error(ErrorKind::runtime,
+                  "training_step returned no loss, but the optimizer (LBFGS) needs one from every evaluation");
+    hooks.call(Hook::before_zero_grad, [&](Callback& c) { c.on_before_zero_grad(t, optimizer); });
+    hooks.module("on_before_zero_grad", [&] { module.on_before_zero_grad(optimizer); });
+    optimizer.zero_grad(/*set_to_none=*/true);
+    hooks.call(Hook::before_backward, [&](Callback& c) { c.on_before_backward(t, output.loss); });
+    hooks.module("on_before_backward", [&] { module.on_before_backward(output.loss); });
+    {
+      ProfileScope scope(profiler, "backward");
+      strategy.backward(output.loss, precision, /*sync_gradients=*/true);
+    }
+    hooks.call(Hook::after_backward, [&](Callback& c) { c.on_after_backward(t); });
+    hooks.module("on_after_backward", [&] { module.on_after_backward(); });
+    precision.unscale_gradients(optimizer);
+    hooks.call(Hook::before_optimizer_step, [&](Callback& c) { c.on_before_optimizer_step(t, optimizer); });
+    hooks.module("on_before_optimizer_step", [&] { module.on_before_optimizer_step(optimizer); });
+    if (t.trainer_config_.gradient_clip_val > 0)
+      strategy.clip_gradients(optimizer, precision, t.trainer_config_.gradient_clip_val,
+                              t.trainer_config_.gradient_clip_algorithm);
+    // With several ranks the gradients are averaged already; the loss must be too, or LBFGS's
+    // loss-based stopping tests could end the iteration on one rank and not on another.
+    const at::Tensor loss = output.loss.detach();
+    return several_ranks ? strategy.reduce(loss, ReduceOp::mean) : loss;
+  };
+  ProfileScope scope(profiler, "optimizer_step");
+  closure_precision_->optimizer_step_with_closure(optimizer, closure);
+  return output;
 }
 
 std::optional<StepOutput> TrainingEpochLoop::run_captured(Batch& batch, int64_t batch_idx) {

@@ -20,6 +20,7 @@ class Optimizer;
 
 namespace fulgur {
 
+class ClosureStepPrecision;
 class FitLoop;
 
 class TrainingEpochLoop {
@@ -89,6 +90,9 @@ class TrainingEpochLoop {
  private:
   // `staged`: the accelerator already transferred the batch (stage_transfer); else it is here.
   void run_batch(Batch& batch, int64_t batch_idx, bool staged);
+  // The batch's step for an optimizer that re-evaluates the loss (LBFGS): training_step, backward
+  // and the hooks run inside the closure the optimizer calls (Lightning's closure).
+  StepOutput run_closure_step(Batch& batch, int64_t batch_idx);
   // The batch's step through capture_ when it is active; nullopt: the ordinary path runs it.
   std::optional<StepOutput> run_captured(Batch& batch, int64_t batch_idx);
   bool batches_done(int64_t batch_idx) const { return num_batches_ >= 0 && batch_idx >= num_batches_; }
@@ -110,7 +114,9 @@ class TrainingEpochLoop {
   bool epoch_was_empty_ = false;
   bool is_last_batch_ = false;
   bool in_batch_ = false;
-  bool step_row_due_ = false;  // the current batch's metrics go to the loggers
+  bool step_row_due_ = false;                          // the current batch's metrics go to the loggers
+  bool closure_step_ = false;                          // the optimizer needs a closure (prepare_optimizer_steps)
+  ClosureStepPrecision* closure_precision_ = nullptr;  // the precision's extension, if it offers it
   int64_t batches_that_stepped_ = 0;
   int64_t row_step_ = 0;  // the step that row carries
 };

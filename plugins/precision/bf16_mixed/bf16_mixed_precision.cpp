@@ -8,7 +8,8 @@ namespace {
 
 namespace ps = fulgur::mixed_precision;
 
-class Bf16MixedPrecision final : public fulgur::WithExtensions<fulgur::Precision, fulgur::DeviceStepPrecision> {
+class Bf16MixedPrecision final
+    : public fulgur::WithExtensions<fulgur::Precision, fulgur::DeviceStepPrecision, ps::PlainClosureStep> {
  public:
   void convert_module(torch::nn::Module& module) override { device_type_ = ps::device_type_of(module); }
   void forward_enter() override { autocast_.enter(device_type_, at::kBFloat16); }

@@ -3,6 +3,7 @@
 // an autocast scope that mirrors Python's torch.autocast, and dtype conversion of modules/batches.
 #pragma once
 
+#include <fulgur/closure_step.h>
 #include <fulgur/plugin.h>
 
 #include <ATen/TensorOperators.h>
@@ -22,6 +23,18 @@
 #include <vector>
 
 namespace fulgur::mixed_precision {
+
+// ClosureStepPrecision for a precision that never scales the loss nor skips a step: the closure's
+// loss and gradients are true values, so the optimizer (LBFGS) is stepped as it is in Python.
+class PlainClosureStep : public ClosureStepPrecision {
+ public:
+  std::string closure_step_refusal() const override { return {}; }
+  bool optimizer_step_with_closure(torch::optim::Optimizer& optimizer,
+                                   const std::function<at::Tensor()>& closure) override {
+    optimizer.step(closure);
+    return true;
+  }
+};
 
 // Gradients of every parameter the optimizer updates; parameters without a gradient (frozen, or
 // unused in this step) are skipped, as torch.nn.utils.clip_grad_* do.

@@ -29,8 +29,20 @@ namespace {
 
 namespace ps = fulgur::mixed_precision;
 
-class Fp16MixedPrecision final : public fulgur::WithExtensions<fulgur::Precision, fulgur::DeviceStepPrecision> {
+class Fp16MixedPrecision final
+    : public fulgur::WithExtensions<fulgur::Precision, fulgur::DeviceStepPrecision, fulgur::ClosureStepPrecision> {
  public:
+  // Lightning refuses LBFGS under 16-mixed too ("Native AMP and the LBFGS optimizer are not
+  // compatible"): one step re-evaluates the loss many times, each evaluation would need the same
+  // scale, and a step found non-finite could not be skipped part-way through LBFGS's line search.
+  std::string closure_step_refusal() const override {
+    return "16-mixed scales the loss and skips steps with inf/NaN gradients, which an optimizer that "
+           "re-evaluates the loss inside its step (LBFGS) cannot follow; use precision \"32-true\" or "
+           "\"bf16-mixed\"";
+  }
+  bool optimizer_step_with_closure(torch::optim::Optimizer&, const std::function<at::Tensor()>&) override {
+    throw config_error(closure_step_refusal());
+  }
   FULGUR_OPTIONS(Options, (floating, init_scale, "Initial loss scale", 65536.0),
                  (floating, growth_factor, "Scale multiplier after growth_interval finite steps", 2.0),
                  (floating, backoff_factor, "Scale multiplier after a step with inf/NaN gradients", 0.5),

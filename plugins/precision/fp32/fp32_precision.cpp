@@ -6,7 +6,8 @@ namespace {
 
 namespace ps = fulgur::mixed_precision;
 
-class Fp32Precision final : public fulgur::WithExtensions<fulgur::Precision, fulgur::DeviceStepPrecision> {
+class Fp32Precision final
+    : public fulgur::WithExtensions<fulgur::Precision, fulgur::DeviceStepPrecision, ps::PlainClosureStep> {
  public:
   // A checkpoint from a run with loss scaling (16-mixed) resumed in fp32: the scaler has no
   // meaning here, which is not an error, but the user should know it is dropped.
