@@ -34,6 +34,11 @@ function(fulgur_add_plugin name)
   if(TARGET fulgur_torch_cpu)
     # Built-ins: libtorch's CPU half only (the cuda plugin adds the rest); see CMakeLists.txt.
     target_link_libraries(${name} PRIVATE fulgur_torch_cpu)
+  elseif(TARGET Fulgur::torch_cpu)
+    # Third parties (find_package(Fulgur)): the same CPU half, so loading the plugin costs a CPU
+    # run nothing more than the built-ins do. A plugin that drives a GPU itself adds
+    # target_link_libraries(<name> PRIVATE ${TORCH_LIBRARIES}).
+    target_link_libraries(${name} PRIVATE Fulgur::torch_cpu)
   else()
     target_link_libraries(${name} PRIVATE ${TORCH_LIBRARIES})
   endif()

@@ -97,12 +97,30 @@ std::vector<Case> cases() {
     c.push_back(
         {"f1_ml_" + a, "ml", make<m::F1Score>(l), fmt::format("tm.MultilabelF1Score({}, average='{}')", kL, a)});
   }
+  // No .average(): the defaults of torchmetrics' entry point with the same arguments, the task
+  // wrappers Lightning code uses (micro; AUROC macro).
+  c.push_back({"default_acc_mc", "mc", make<m::Accuracy>(mc),
+               fmt::format("tm.Accuracy(task='multiclass', num_classes={})", kC)});
+  c.push_back({"default_prec_mc", "mc", make<m::Precision>(mc),
+               fmt::format("tm.Precision(task='multiclass', num_classes={})", kC)});
+  c.push_back(
+      {"default_rec_mc", "mc", make<m::Recall>(mc), fmt::format("tm.Recall(task='multiclass', num_classes={})", kC)});
+  c.push_back(
+      {"default_f1_mc", "mc", make<m::F1Score>(mc), fmt::format("tm.F1Score(task='multiclass', num_classes={})", kC)});
+  c.push_back({"default_acc_mc_top2", "mc", make<m::Accuracy>(Options::multiclass(kC).top_k(2)),
+               fmt::format("tm.Accuracy(task='multiclass', num_classes={}, top_k=2)", kC)});
+  c.push_back({"default_acc_ml", "ml", make<m::Accuracy>(ml),
+               fmt::format("tm.Accuracy(task='multilabel', num_labels={})", kL)});
+  c.push_back(
+      {"default_f1_ml", "ml", make<m::F1Score>(ml), fmt::format("tm.F1Score(task='multilabel', num_labels={})", kL)});
+  c.push_back(
+      {"default_auroc_mc", "mc", make<m::AUROC>(mc), fmt::format("tm.AUROC(task='multiclass', num_classes={})", kC)});
   auto ignore = mc;
-  ignore.ignore_index(0);
+  ignore.ignore_index(0).average(A::macro);
   c.push_back({"acc_mc_macro_ignore0", "mc", make<m::Accuracy>(ignore),
                fmt::format("tm.MulticlassAccuracy({}, ignore_index=0)", kC)});
-  c.push_back(
-      {"fbeta2_mc_macro", "mc", make<m::F1Score>(mc, 2.0), fmt::format("tm.MulticlassFBetaScore(2.0, {})", kC)});
+  c.push_back({"fbeta2_mc_macro", "mc", make<m::F1Score>(Options::multiclass(kC).average(A::macro), 2.0),
+               fmt::format("tm.MulticlassFBetaScore(2.0, {})", kC)});
   const auto bin = Options::binary();
   c.push_back({"acc_bin", "bin", make<m::Accuracy>(bin), "tm.BinaryAccuracy()"});
   c.push_back({"prec_bin", "bin", make<m::Precision>(bin), "tm.BinaryPrecision()"});

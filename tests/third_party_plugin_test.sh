@@ -115,6 +115,17 @@ fi
 grep -qx 'libfulgur_data.so.*' <<<"$(needed "$example_build/libfulgur-line_data.so")" ||
   fail "line_data does not link libfulgur_data"
 echo "ok: the model plugin links the engine only (libfulgur_core), its datamodule the data library"
+# Of libtorch, a plugin built with fulgur_add_plugin links what the built-ins link: its CPU half.
+# Linking libtorch_cuda (and through it cuBLAS, cuDNN, NCCL, ...) made every CPU process that loads
+# the plugin pay ~0.4 s and ~34 k page faults more at start (issue #42, item 11).
+torch_needs() { needed "$1" | grep -E '^lib(torch|c10|cud|nccl|cublas|cufft|curand|cusparse|cusolver|nvrtc|nvToolsExt)' | sort; }
+builtin_torch=$(torch_needs "$prefix/lib/fulgur/plugins/libfulgur-callback-early_stopping.so")
+for so in divergence_guard line_model line_data; do
+  plugin_torch=$(torch_needs "$example_build/libfulgur-$so.so")
+  [ "$plugin_torch" = "$builtin_torch" ] ||
+    fail "libfulgur-$so.so links other libtorch libraries than the built-ins:"$'\n'"$plugin_torch"$'\n'"built-ins:"$'\n'"$builtin_torch"
+done
+echo "ok: out-of-tree plugins link libtorch's CPU half, as the built-ins: $(echo $builtin_torch)"
 
 # The out-of-tree model and datamodule plugins train through the installed `fulgur fit`.
 line_toml=$work/line_model.toml

@@ -159,17 +159,32 @@ std::shared_ptr<T> adopt_plugin(PluginObject object) {
 
 UserObjects create_user_objects(const CliApp& app, Config& config, const PluginRegistry& registry) {
   UserObjects out;
-  if (app.make_model) {
-    out.model = app.make_model(config.model);
+  auto make_model = [&] {
+    if (app.make_model) {
+      out.model = app.make_model(config.model);
+    } else {
+      const PluginSelection& sel = config.model_plugin;
+      out.model = adopt_plugin<Module>(registry.create(PluginKind::model, sel.name, sel.options));
+    }
+  };
+  auto make_data = [&] {
+    if (app.make_data) {
+      out.data = app.make_data(config.data);
+    } else {
+      const PluginSelection& sel = config.data_plugin;
+      out.data = adopt_plugin<DataModule>(registry.create(PluginKind::datamodule, sel.name, sel.options));
+    }
+  };
+  // [links]: the datamodule first, so that the model is built with its values (LightningCLI's
+  // apply_on="instantiate"). Without links the model comes first, as it always did: its initial
+  // weights follow [trainer] seed whatever the datamodule's constructor draws.
+  if (config.links.empty()) {
+    make_model();
+    make_data();
   } else {
-    const PluginSelection& sel = config.model_plugin;
-    out.model = adopt_plugin<Module>(registry.create(PluginKind::model, sel.name, sel.options));
-  }
-  if (app.make_data) {
-    out.data = app.make_data(config.data);
-  } else {
-    const PluginSelection& sel = config.data_plugin;
-    out.data = adopt_plugin<DataModule>(registry.create(PluginKind::datamodule, sel.name, sel.options));
+    make_data();
+    apply_links(config, *out.data);
+    make_model();
   }
   // The typed, defaulted values are what the Trainer logs and checkpoints as hyperparameters.
   out.model->hparams = config.model;

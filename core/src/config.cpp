@@ -117,7 +117,9 @@ const std::vector<OptionSchema>& trainer_option_schema() {
         {"return_predictions", T::boolean, "true",
          "predict returns every batch's output, moved to the CPU (false: collect nothing, for runs that only write "
          "predictions through a callback such as prediction_writer)"},
-        {"logger", T::boolean, "true", "Use the default logger when no [[loggers]] are configured"},
+        {"logger", T::boolean, "true",
+         "false: no logger at all, [[loggers]] entries included (Lightning's logger=False); true: the "
+         "[[loggers]] entries, or the default logger when there are none"},
         {"barebones", T::boolean, "false", "Disable every feature that costs time: loggers, callbacks, profiler"},
         {"ckpt_path", T::string, "\"\"", "Checkpoint to resume fit from: a path, \"last\" or \"best\""},
         {"strict_loading", T::boolean, "true",
@@ -158,7 +160,7 @@ const std::vector<OptionSchema>& trainer_option_schema() {
 namespace {
 
 constexpr std::string_view kKnownTables[] = {"plugins", "trainer",   "accelerator", "strategy", "precision", "profiler",
-                                             "loggers", "callbacks", "model",       "data",     "logging"};
+                                             "loggers", "callbacks", "model",       "data",     "logging",   "links"};
 
 SourceLocation location_of(const toml::node& node, const std::string& fallback_file) {
   SourceLocation loc;
@@ -246,14 +248,34 @@ OptionValue canonical_trainer_value(std::string_view key, OptionValue value) {
 
 namespace {
 
+fs::path base_of(const SourceLocation& where);
+
+// A path option's value: absolute, lexically normal; "" stays "" (not set).
+std::string absolute_path(const std::string& text, const fs::path& base) {
+  if (text.empty()) return text;
+  const fs::path p(text);
+  return fs::absolute(p.is_absolute() ? p : base / p).lexically_normal().string();
+}
+
+// `links`: the [links] entries whose keys this table's values come from later (apply_links): not
+// given here, neither required nor defaulted now.
 Options typed_options(const std::vector<RawOption>& raw, const std::vector<OptionSchema>& schema,
-                      const std::string& owner, const SourceLocation& table_where) {
+                      const std::string& owner, const SourceLocation& table_where,
+                      const std::vector<ConfigLink>& links = {}) {
   Options options(owner);
+  auto link_of = [&](std::string_view key) -> const ConfigLink* {
+    for (const ConfigLink& l : links)
+      if (l.target == key) return &l;
+    return nullptr;
+  };
   for (const RawOption& r : raw) {
     const OptionSchema* spec = nullptr;
     for (const auto& s : schema)
       if (s.key == r.key) spec = &s;
     if (!spec) fail(r.where, unknown_key_message(r.key, owner, keys_of(schema)));
+    if (const ConfigLink* l = link_of(r.key))
+      fail(r.where, fmt::format("{}: '{}' is also linked from {} at {}; give it in one place", owner, r.key, l->source,
+                                l->where.str()));
     const auto& node = *static_cast<const toml::node*>(r.node.get());
     std::string found;
     std::optional<OptionValue> value = toml_to_option(node, spec->type, found);
@@ -282,14 +304,19 @@ Options typed_options(const std::vector<RawOption>& raw, const std::vector<Optio
     // Float options given as integers keep their integer-ness: limit_*_batches = 10 is a count.
     if (spec->type == OptionType::floating && node.is_integer()) value = OptionValue{*node.value<int64_t>()};
     if (owner == "[trainer]") value = canonical_trainer_value(r.key, std::move(*value));
+    if (spec->type == OptionType::path) value = absolute_path(std::get<std::string>(*value), base_of(r.where));
     options.set(r.key, std::move(*value));
   }
   for (const auto& s : schema) {
-    if (options.contains(s.key)) continue;
+    if (options.contains(s.key) || link_of(s.key)) continue;
     if (!s.default_value)
       fail(table_where,
            fmt::format("{}: required key '{}' ({}) is missing: {}", owner, s.key, to_string(s.type), s.help));
-    options.set(s.key, *s.default_value);
+    // A relative default path is relative to the file whose table selected the plugin.
+    if (s.type == OptionType::path)
+      options.set(s.key, absolute_path(std::get<std::string>(*s.default_value), base_of(table_where)));
+    else
+      options.set(s.key, *s.default_value);
   }
   return options;
 }
@@ -313,6 +340,7 @@ Options typed_given_options(const Options& given, const std::vector<OptionSchema
             case OptionType::floating:
               return std::is_same_v<V, double> || std::is_same_v<V, int64_t>;
             case OptionType::string:
+            case OptionType::path:
               return std::is_same_v<V, std::string>;
             case OptionType::string_list:
               return std::is_same_v<V, std::vector<std::string>>;
@@ -325,14 +353,21 @@ Options typed_given_options(const Options& given, const std::vector<OptionSchema
     if (!ok)
       throw Error(ErrorKind::config, fmt::format("{}: '{}' must be {}, got {}", owner, key, to_string(spec->type),
                                                  format_option_value(value)));
-    options.set(key, value);
+    // Paths set in code are relative to the working directory, as a flag's.
+    if (spec->type == OptionType::path)
+      options.set(key, absolute_path(std::get<std::string>(value), fs::current_path()));
+    else
+      options.set(key, value);
   }
   for (const auto& s : schema) {
     if (options.contains(s.key)) continue;
     if (!s.default_value)
       throw Error(ErrorKind::config,
                   fmt::format("{}: required key '{}' ({}) is missing: {}", owner, s.key, to_string(s.type), s.help));
-    options.set(s.key, *s.default_value);
+    if (s.type == OptionType::path)
+      options.set(s.key, absolute_path(std::get<std::string>(*s.default_value), fs::current_path()));
+    else
+      options.set(s.key, *s.default_value);
   }
   return options;
 }
@@ -518,6 +553,30 @@ Config config_from_root(std::shared_ptr<toml::table> root, const fs::path& origi
   };
   if (const toml::node* node = root->get("profiler"))
     config.profiler = named_table(*table_or_fail(*node, "profiler", file), *node, PluginKind::profiler, "[profiler]");
+  // [[loggers]]: `logger` selects the plugin, so `name` is free for the logger's own option (the
+  // csv / tensorboard experiment name, Lightning's CSVLogger(name=...)). A table without `logger`
+  // is the old spelling, where `name` selected the plugin; it keeps working.
+  auto logger_table = [&](const toml::table& t, const toml::node& at) {
+    const toml::node* selector = t.get("logger");
+    if (!selector && !t.get("name"))
+      fail(location_of(at, file),
+           "[[loggers]] needs logger = \"...\" selecting the plugin (`fulgur plugins list` shows the loggers)");
+    if (!selector) {
+      PluginSelection sel = named_table(t, at, PluginKind::logger, "[[loggers]]");
+      spdlog::info(
+          "{}: [[loggers]] name = \"{}\" selects the logger (the old spelling); write logger = \"{}\", "
+          "then name = \"...\" sets the logger's own name option",
+          sel.where.str(), sel.name, sel.name);
+      return sel;
+    }
+    PluginSelection sel;
+    sel.kind = PluginKind::logger;
+    sel.name = string_or_fail(*selector, "[[loggers]] logger", file);
+    sel.where = location_of(*selector, file);
+    sel.selector = "logger";
+    sel.raw = raw_options(root, t, file, {"logger"});
+    return sel;
+  };
   auto array_of_tables = [&](const char* name, PluginKind kind, std::vector<PluginSelection>& out) {
     const toml::node* node = root->get(name);
     if (!node) return;
@@ -528,10 +587,12 @@ Config config_from_root(std::shared_ptr<toml::table> root, const fs::path& origi
     for (const toml::node& element : *array) {
       const toml::table* t = element.as_table();
       if (!t) fail(location_of(element, file), fmt::format("each [[{}]] entry must be a table", name));
-      out.push_back(named_table(*t, element, kind, fmt::format("[[{}]]", name)));
+      out.push_back(kind == PluginKind::logger ? logger_table(*t, element)
+                                               : named_table(*t, element, kind, fmt::format("[[{}]]", name)));
     }
   };
   array_of_tables("loggers", PluginKind::logger, config.loggers);
+  if (const toml::node* node = root->get("loggers")) config.no_loggers = node->as_array()->empty();
   array_of_tables("callbacks", PluginKind::callback, config.callbacks);
 
   // [model] / [data]: with a name, a plugin and its hyperparameters (checked against its schema by
@@ -552,6 +613,30 @@ Config config_from_root(std::shared_ptr<toml::table> root, const fs::path& origi
   };
   user_table("model", PluginKind::model, config.model_plugin, config.model);
   user_table("data", PluginKind::datamodule, config.data_plugin, config.data);
+  // [links]: model.KEY = "data.NAME" (dotted keys nest in TOML: a [links] table holding a `model`
+  // table; "model.KEY" quoted is one key, as to_toml writes it).
+  if (const toml::node* node = root->get("links")) {
+    const toml::table* t = table_or_fail(*node, "links", file);
+    auto add = [&](const std::string& target, const toml::node& value) {
+      const SourceLocation where = location_of(value, file);
+      const std::string text = fmt::format("[links] {}", target);
+      if (!target.starts_with("model.") || target.size() == 6)
+        fail(where, fmt::format("{}: a link sets a [model] key: model.KEY = \"data.NAME\"", text));
+      const std::string source = string_or_fail(value, text, file);
+      if (!source.starts_with("data.") || source.size() == 5)
+        fail(where, fmt::format("{} = \"{}\": the value comes from the datamodule: \"data.NAME\"", text, source));
+      for (const ConfigLink& l : config.links)
+        if (l.target == target.substr(6))
+          fail(where, fmt::format("{} is linked twice (also at {})", text, l.where.str()));
+      config.links.push_back({target.substr(6), source.substr(5), where});
+    };
+    for (const auto& [key, value] : *t) {
+      if (const toml::table* inner = value.as_table())
+        for (const auto& [k, v] : *inner) add(fmt::format("{}.{}", key.str(), k.str()), v);
+      else
+        add(std::string(key.str()), value);
+    }
+  }
   if (const toml::node* node = root->get("logging")) {
     const toml::table* t = table_or_fail(*node, "logging", file);
     for (const auto& [key, value] : *t) {
@@ -639,6 +724,23 @@ void apply_override(toml::table& root, const std::string& text) {
     if (auto s = closest_match(parts[0], tables); !s.empty()) message += fmt::format("; did you mean '--{}.'?", s);
     throw Error(ErrorKind::config, end_sentence(message) + fmt::format(" Sections: {}.", fmt::join(tables, ", ")));
   }
+  const bool list_table = std::find(kListTables.begin(), kListTables.end(), parts[0]) != kListTables.end();
+  // --loggers=[] / --callbacks=[]: the whole list, replacing what the files gave (Lightning's
+  // --trainer.logger=[] / --trainer.callbacks=[]); an empty [[loggers]] list means no logger.
+  if (parts.size() == 1 && list_table) {
+    toml::table parsed;
+    try {
+      parsed = toml::parse("v = " + value_text, std::string(flag));
+    } catch (const toml::parse_error&) {
+    }
+    const toml::array* array = parsed.get("v") ? parsed.get("v")->as_array() : nullptr;
+    if (!array)
+      throw Error(ErrorKind::config, fmt::format("{}: --{} takes a list: --{}=[] removes every [[{}]] entry, "
+                                                 "--{}.NAME.KEY=VALUE sets one entry's option",
+                                                 flag, parts[0], parts[0], parts[0], parts[0]));
+    root.insert_or_assign(parts[0], std::move(*parsed.get("v")));
+    return;
+  }
   // --model=NAME / --data=NAME / --profiler=NAME select the plugin of that table.
   if (parts.size() == 1) {
     if (parts[0] != "model" && parts[0] != "data" && parts[0] != "profiler")
@@ -655,7 +757,7 @@ void apply_override(toml::table& root, const std::string& text) {
   toml::node& value = *parsed.get("v");
 
   toml::table* table = &root;
-  if (std::find(kListTables.begin(), kListTables.end(), parts[0]) != kListTables.end()) {
+  if (list_table) {
     // --callbacks.early_stopping.patience=5: the entry selecting that plugin.
     if (parts.size() != 3)
       throw Error(ErrorKind::config, fmt::format("{}: address a [[{}]] entry by its plugin name: --{}.NAME.KEY=VALUE",
@@ -665,7 +767,9 @@ void apply_override(toml::table& root, const std::string& text) {
     if (toml::array* entries = root[parts[0]].as_array())
       for (toml::node& entry : *entries)
         if (toml::table* t = entry.as_table()) {
-          const auto name = (*t)["name"].value<std::string>();
+          // [[loggers]]: `logger` selects, or `name` in the old spelling.
+          const bool by_logger = parts[0] == "loggers" && t->contains("logger");
+          const auto name = (*t)[by_logger ? "logger" : "name"].value<std::string>();
           if (name) names.push_back(*name);
           if (name == parts[1]) matches.push_back(t);
         }
@@ -757,6 +861,24 @@ std::string choose_auto_accelerator(const PluginSelection& sel, const PluginRegi
 
 }  // namespace
 
+namespace {
+
+// Each [links] target is a key of the model's schema; its type is what the linked value must be.
+void resolve_link_types(std::vector<ConfigLink>& links, const std::vector<OptionSchema>& schema,
+                        const std::string& owner) {
+  for (ConfigLink& link : links) {
+    const OptionSchema* spec = nullptr;
+    for (const auto& s : schema)
+      if (s.key == link.target) spec = &s;
+    if (!spec)
+      fail(link.where,
+           fmt::format("[links] model.{}: {}", link.target, unknown_key_message(link.target, owner, keys_of(schema))));
+    link.type = spec->type;
+  }
+}
+
+}  // namespace
+
 void validate_plugins(Config& config, const PluginRegistry& registry) {
   if (config.accelerator.name == "auto" || config.accelerator.name == "gpu")
     config.accelerator.name =
@@ -766,14 +888,23 @@ void validate_plugins(Config& config, const PluginRegistry& registry) {
     try {
       candidate = &registry.resolve(sel->kind, sel->name);
     } catch (const Error& e) {
+      // [[loggers]] name = "exp1" without `logger`: most likely the experiment name; say so first.
+      if (sel->kind == PluginKind::logger && sel->selector == "name")
+        throw Error(e.kind(), fmt::format("{}: [[loggers]] name = \"{}\" selects no logger: logger = \"...\" selects "
+                                          "the plugin; if '{}' is the experiment name, write logger = \"csv\" and "
+                                          "name = \"{}\". {}",
+                                          sel->where.str(), sel->name, sel->name, sel->name, e.what()));
       throw Error(e.kind(), fmt::format("{}: {}", sel->where.str(), e.what()));
     }
     const std::string owner = fmt::format("{} '{}'", to_string(sel->kind), sel->name);
     SourceLocation table_where = sel->where;
+    const bool model = sel == &config.model_plugin;
+    if (model) resolve_link_types(config.links, candidate->metadata.options, owner);
     if (sel->from_code)
       sel->options = typed_given_options(sel->given, candidate->metadata.options, owner);
     else
-      sel->options = typed_options(sel->raw, candidate->metadata.options, owner, table_where);
+      sel->options = typed_options(sel->raw, candidate->metadata.options, owner, table_where,
+                                   model ? config.links : std::vector<ConfigLink>{});
   }
   // The schema is the single source of truth for hyperparameters: the Module, the loggers and the
   // checkpoint all see the typed, defaulted values.
@@ -792,9 +923,11 @@ void apply_hparams_schema(Config& config, PluginKind kind, const std::vector<Opt
                 fmt::format("{}: {} name = \"{}\" selects a plugin, but this program builds its own {}; "
                             "remove the name",
                             sel.where.str(), table, sel.name, to_string(kind)));
-  Options typed =
-      typed_options(sel.raw, schema, owner.empty() ? std::string(table) : fmt::format("{} ({})", table, owner),
-                    sel.where.file.empty() ? SourceLocation{config.file.string(), 0, 0} : sel.where);
+  const std::string described = owner.empty() ? std::string(table) : fmt::format("{} ({})", table, owner);
+  if (kind == PluginKind::model) resolve_link_types(config.links, schema, described);
+  Options typed = typed_options(sel.raw, schema, described,
+                                sel.where.file.empty() ? SourceLocation{config.file.string(), 0, 0} : sel.where,
+                                kind == PluginKind::model ? config.links : std::vector<ConfigLink>{});
   sel.options = typed;
   (kind == PluginKind::model ? config.model : config.data) = std::move(typed);
 }
@@ -840,8 +973,8 @@ std::string bare_or_quoted_key(const std::string& key) {
   return bare ? key : toml_string(key);
 }
 
-// `name` selects the plugin in its table, so a plugin option of that name (the csv logger's) cannot
-// be given in TOML and is left out; the plugin gets its default again.
+// Where `name` selects the plugin in its table, a plugin option of that name cannot be given in TOML
+// and is left out ([[loggers]] select with `logger`, so theirs is written).
 void write_options(std::string& out, const Options& options, bool in_plugin_table = true) {
   for (const auto& [key, value] : options.values())
     if (!in_plugin_table || key != "name") out += fmt::format("{} = {}\n", bare_or_quoted_key(key), toml_text(value));
@@ -851,6 +984,7 @@ void write_options(std::string& out, const Options& options, bool in_plugin_tabl
 
 std::string to_toml(const Config& config) {
   std::string out;
+  if (config.no_loggers && config.loggers.empty()) out += "loggers = []  # no logger\n\n";
   if (!config.plugin_paths.empty() || config.allow_writable_plugins) {
     out += "[plugins]\n";
     std::vector<std::string> paths;
@@ -885,16 +1019,29 @@ std::string to_toml(const Config& config) {
     if (!sel.name.empty()) out += fmt::format("name = {}\n", toml_string(sel.name));
     write_options(out, values);
   };
-  user("model", config.model_plugin, config.model);
+  // Linked [model] keys stay links: a rerun takes them from its datamodule again.
+  Options model = config.model;
+  if (!config.links.empty()) {
+    model = Options(config.model.owner());
+    for (const auto& [key, value] : config.model.values())
+      if (std::none_of(config.links.begin(), config.links.end(), [&](const ConfigLink& l) { return l.target == key; }))
+        model.set(key, value);
+  }
+  user("model", config.model_plugin, model);
   user("data", config.data_plugin, config.data);
-  auto list = [&](const char* table, const std::vector<PluginSelection>& entries) {
+  if (!config.links.empty()) {
+    out += "\n[links]\n";
+    for (const ConfigLink& l : config.links)
+      out += fmt::format("{} = {}\n", toml_string("model." + l.target), toml_string("data." + l.source));
+  }
+  auto list = [&](const char* table, const char* selector, const std::vector<PluginSelection>& entries) {
     for (const PluginSelection& sel : entries) {
-      out += fmt::format("\n[[{}]]\nname = {}\n", table, toml_string(sel.name));
-      write_options(out, sel.options);
+      out += fmt::format("\n[[{}]]\n{} = {}\n", table, selector, toml_string(sel.name));
+      write_options(out, sel.options, /*in_plugin_table=*/std::string_view(selector) == "name");
     }
   };
-  list("loggers", config.loggers);
-  list("callbacks", config.callbacks);
+  list("loggers", "logger", config.loggers);
+  list("callbacks", "name", config.callbacks);
   if (!config.log_level.empty()) out += fmt::format("\n[logging]\nlevel = {}\n", toml_string(config.log_level));
   return out;
 }

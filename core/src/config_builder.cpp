@@ -31,6 +31,7 @@ bool type_matches(OptionType type, const OptionValue& value) {
     case OptionType::floating:
       return std::holds_alternative<double>(value) || std::holds_alternative<int64_t>(value);
     case OptionType::string:
+    case OptionType::path:
       return std::holds_alternative<std::string>(value);
     case OptionType::string_list:
       return std::holds_alternative<std::vector<std::string>>(value);
@@ -103,6 +104,7 @@ ConfigBuilder& ConfigBuilder::profiler(std::string name, Options options) {
 }
 ConfigBuilder& ConfigBuilder::logger(std::string name, Options options) {
   config_.loggers.push_back(selection(PluginKind::logger, std::move(name), std::move(options)));
+  config_.loggers.back().selector = "logger";  // `options` may carry the logger's own `name`
   return *this;
 }
 ConfigBuilder& ConfigBuilder::callback(std::string name, Options options) {

@@ -29,6 +29,18 @@ std::string trim(const std::string& s) {
   return s.substr(b, s.find_last_not_of(" \t\r") - b + 1);
 }
 
+// An integer literal ("3", "-12", "+7"): what pandas reads as int64.
+bool parse_integer(const std::string& text, int64_t& out) {
+  const std::string t = trim(text);
+  if (t.empty()) return false;
+  errno = 0;
+  char* end = nullptr;
+  const long long v = std::strtoll(t.c_str(), &end, 10);
+  if (end != t.c_str() + t.size() || errno == ERANGE) return false;
+  out = v;
+  return true;
+}
+
 bool parse_number(const std::string& text, float& out) {
   const std::string t = trim(text);
   if (t.empty()) return false;
@@ -48,16 +60,33 @@ CsvDataset::CsvDataset(std::filesystem::path file, CsvOptions options) : file_(s
   const char delim = options.delimiter_ != 0 ? options.delimiter_ : (file_.extension() == ".tsv" ? '\t' : ',');
   const std::string where = file_.string();
 
+  if (options.skip_rows_ < 0)
+    throw Error(ErrorKind::invalid_argument, fmt::format("{}: skip_rows = {} must be >= 0", where, options.skip_rows_));
   std::string line;
   std::vector<std::string> header, fields;
-  if (!std::getline(in, line) || !split_record(line, delim, header))
-    throw Error(ErrorKind::io, fmt::format("{}:1: no header row (the first line must name the columns)", where));
+  int64_t line_no = 0;
+  for (; line_no < options.skip_rows_; ++line_no)
+    if (!std::getline(in, line))
+      throw Error(ErrorKind::io,
+                  fmt::format("{}: has {} lines, fewer than skip_rows = {}", where, line_no, options.skip_rows_));
+  if (!options.column_names_.empty()) {
+    header = options.column_names_;
+  } else {
+    ++line_no;
+    if (!std::getline(in, line) || !split_record(line, delim, header))
+      throw Error(ErrorKind::io,
+                  fmt::format("{}:{}: no header row (this line must name the columns; for a file without one, "
+                              "give the names with column_names)",
+                              where, line_no));
+  }
+  const std::string header_at =
+      options.column_names_.empty() ? fmt::format("{}:{}", where, line_no) : fmt::format("{} column_names", where);
   for (auto& h : header) h = trim(h);
   std::unordered_map<std::string, size_t> column;
   for (size_t i = 0; i < header.size(); ++i) {
-    if (header[i].empty()) throw Error(ErrorKind::io, fmt::format("{}:1: column {} has no name", where, i + 1));
+    if (header[i].empty()) throw Error(ErrorKind::io, fmt::format("{}: column {} has no name", header_at, i + 1));
     if (!column.emplace(header[i], i).second)
-      throw Error(ErrorKind::io, fmt::format("{}:1: column '{}' appears twice", where, header[i]));
+      throw Error(ErrorKind::io, fmt::format("{}: column '{}' appears twice", header_at, header[i]));
   }
   auto index_of = [&](const std::string& name, const char* what) {
     auto it = column.find(name);
@@ -108,9 +137,10 @@ CsvDataset::CsvDataset(std::filesystem::path file, CsvOptions options) : file_(s
   };
 
   std::vector<float> nums;
-  std::vector<int64_t> cats, cat_targets;
+  std::vector<int64_t> cats, cat_targets, int_targets;
   std::vector<float> num_targets;
-  int64_t line_no = 1;
+  // A numeric target stays integral while every value is an integer (CsvTarget::automatic).
+  bool integral_target = options.target_type_ != CsvTarget::floating;
   std::vector<float> row_nums(num_cols.size());
   std::vector<int64_t> row_cats(cat_cols.size());
   while (std::getline(in, line)) {
@@ -119,8 +149,9 @@ CsvDataset::CsvDataset(std::filesystem::path file, CsvOptions options) : file_(s
     if (trim(line).empty()) continue;
     // Everything about a row is checked before any of it is kept, so a skipped row leaves nothing.
     std::string problem;
-    int64_t cat_target = 0;
+    int64_t cat_target = 0, int_target = 0;
     float num_target = 0;
+    bool row_integral = false;
     if (!split_record(line, delim, fields)) {
       problem = "unterminated quote";
     } else if (fields.size() != header.size()) {
@@ -134,10 +165,14 @@ CsvDataset::CsvDataset(std::filesystem::path file, CsvOptions options) : file_(s
           problem = fmt::format("column '{}': '{}' is not one of its categories", header[cat_cols[k]],
                                 trim(fields[cat_cols[k]]));
       if (has_target && problem.empty()) {
+        if (!target_categorical) row_integral = parse_integer(fields[target_col], int_target);
         if (target_categorical ? !category(target_col, fields[target_col], cat_target)
                                : !parse_number(fields[target_col], num_target))
           problem = fmt::format("target column '{}': '{}' is {}", options.target_, fields[target_col],
                                 target_categorical ? "not one of its categories" : "not a number");
+        else if (!target_categorical && !row_integral && options.target_type_ == CsvTarget::integer)
+          problem = fmt::format("target column '{}': '{}' is not an integer (target_type integer)", options.target_,
+                                trim(fields[target_col]));
       }
     }
     if (!problem.empty()) {
@@ -149,7 +184,12 @@ CsvDataset::CsvDataset(std::filesystem::path file, CsvOptions options) : file_(s
     }
     nums.insert(nums.end(), row_nums.begin(), row_nums.end());
     cats.insert(cats.end(), row_cats.begin(), row_cats.end());
-    if (has_target) target_categorical ? cat_targets.push_back(cat_target) : num_targets.push_back(num_target);
+    if (has_target && target_categorical) cat_targets.push_back(cat_target);
+    if (has_target && !target_categorical) {
+      num_targets.push_back(num_target);
+      int_targets.push_back(int_target);
+      integral_target = integral_target && row_integral;
+    }
     ++rows_;
   }
   if (in.bad()) throw Error(ErrorKind::io, fmt::format("{}: read error after line {}", where, line_no));
@@ -158,7 +198,10 @@ CsvDataset::CsvDataset(std::filesystem::path file, CsvOptions options) : file_(s
   if (!cat_cols.empty())
     categorical_values_ = at::tensor(cats, at::kLong).reshape({rows_, static_cast<int64_t>(cat_cols.size())});
   if (has_target)
-    targets_ = target_categorical ? at::tensor(cat_targets, at::kLong) : at::tensor(num_targets, at::kFloat);
+    targets_ = target_categorical ? at::tensor(cat_targets, at::kLong)
+               : integral_target  ? at::tensor(int_targets, at::kLong)
+                                  : at::tensor(num_targets, at::kFloat);
+  header_ = std::move(header);
 }
 
 int64_t CsvDataset::size() const { return rows_; }

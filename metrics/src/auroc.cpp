@@ -39,6 +39,7 @@ at::Tensor binary_auroc(const at::Tensor& preds, const at::Tensor& positive) {
 }  // namespace
 
 AUROC::AUROC(ClassificationOptions options) : options_(std::move(options)) {
+  if (!options_.average_) options_.average_ = Average::macro;  // torchmetrics.AUROC's default
   if (options_.task_ == Task::multilabel)
     throw Error(ErrorKind::invalid_argument, "metrics: AUROC supports binary and multiclass (one-vs-rest) tasks");
   if (options_.task_ == Task::multiclass && options_.average_ == Average::micro)

@@ -57,6 +57,9 @@ void check_same_batch(const at::Tensor& preds, const at::Tensor& target) {
 }  // namespace
 
 StatScores::StatScores(ClassificationOptions options) : options_(std::move(options)) {
+  // torchmetrics.Accuracy(task=...) and its siblings default to micro (their Multiclass* classes
+  // to macro); Lightning code uses the former.
+  if (!options_.average_) options_.average_ = Average::micro;
   const int64_t c = options_.num_classes_;
   if (options_.task_ != Task::binary && c < 1)
     throw Error(ErrorKind::invalid_argument, fmt::format("metrics: num_classes = {} must be >= 1", c));

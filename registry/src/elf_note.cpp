@@ -87,7 +87,7 @@ std::string parse_payload(const char* desc, size_t size, PluginMetadata& out) {
     OptionSchema option;
     uint32_t type = 0;
     std::memcpy(&type, desc + types_at + sizeof(uint32_t) * i, sizeof(type));
-    if (type < FULGUR_OPTION_BOOL || type > FULGUR_OPTION_FLOAT_LIST)
+    if (type < FULGUR_OPTION_BOOL || type > FULGUR_OPTION_PATH)
       return fmt::format("option #{} has unknown type code {}", i, type);
     option.type = static_cast<OptionType>(type);
     if (!strings.take_cstr(option.key) || !strings.take_cstr(option.default_text) || !strings.take_cstr(option.help))

@@ -42,6 +42,7 @@ std::optional<OptionValue> toml_to_option(const toml::node& node, OptionType typ
       if (node.is_integer()) return OptionValue{static_cast<double>(*node.value<int64_t>())};
       return std::nullopt;
     case OptionType::string:
+    case OptionType::path:  // made absolute by the config, which knows the file that gave it
       if (auto v = node.value_exact<std::string>()) return OptionValue{*v};
       return std::nullopt;
     case OptionType::string_list: {

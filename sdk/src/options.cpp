@@ -29,6 +29,8 @@ std::string_view to_string(OptionType type) {
       return "array of strings";
     case OptionType::float_list:
       return "array of floats";
+    case OptionType::path:
+      return "path";
   }
   return "unknown";
 }
@@ -172,6 +174,7 @@ OptionValue parse_default(const OptionSpec& spec) {
     case OptionType::floating:
       return std::stod(std::string(text));
     case OptionType::string:
+    case OptionType::path:
       return unquote(text);
     case OptionType::string_list: {
       std::vector<std::string> out;

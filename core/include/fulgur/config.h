@@ -4,11 +4,13 @@
 //   [trainer]     accelerator = "cpu", strategy = "single_device", precision = "32-true", max_epochs...
 //   [accelerator] / [strategy] / [precision]   options of the selected plugin
 //   [profiler]    name = "simple", then its options
-//   [[loggers]]   name = "csv", then its options (repeatable)
+//   [[loggers]]   logger = "csv", then its options, `name` included (repeatable; a table without
+//                 `logger` is the old spelling, where `name` selects the plugin)
 //   [[callbacks]] name = "model_checkpoint", then its options (repeatable)
 //   [model] / [data]   name = "..." selects a model / datamodule plugin, the other keys are its
 //                 hyperparameters (checked against its schema); without a name, free-form
 //                 hyperparameters handed to the program's own Module / DataModule
+//   [links]       model.num_features = "data.num_features": a [model] key set from the datamodule
 //
 // Several files and command-line overrides layer into one config (load_config(files, overrides)):
 // schema defaults < files in order < overrides. to_toml() writes the merged, defaulted result, which
@@ -31,6 +33,7 @@
 namespace fulgur {
 
 class PluginRegistry;
+class DataModule;
 
 struct SourceLocation {
   std::string file;
@@ -54,6 +57,18 @@ struct PluginSelection {
   Options options;             // filled by validate_plugins(): typed, defaults applied
   Options given;               // options set in code (ConfigBuilder), checked like `raw`
   bool from_code = false;
+  // The key that selected the plugin in its table: "name", or "logger" in [[loggers]] (where
+  // `name` is then the logger's own option).
+  std::string selector = "name";
+};
+
+// One [links] entry: a [model] hyperparameter that takes the datamodule's value (LightningCLI's
+// link_arguments): `model.num_features = "data.num_features"`.
+struct ConfigLink {
+  std::string target;  // the [model] key
+  std::string source;  // the datamodule's value (fulgur/data_values.h), else its [data] option
+  SourceLocation where;
+  OptionType type = OptionType::integer;  // the target's, from the model's schema (validate_plugins)
 };
 
 struct Config {
@@ -69,6 +84,8 @@ struct Config {
   PluginSelection precision;
   std::optional<PluginSelection> profiler;
   std::vector<PluginSelection> loggers;
+  // `loggers = []` (or --loggers=[]): no logger, not even the default one (Lightning's logger=[]).
+  bool no_loggers = false;
   std::vector<PluginSelection> callbacks;
   // [model] / [data]: with a plugin selected (name non-empty) or a schema applied
   // (apply_hparams_schema), the typed values with defaults; otherwise as given.
@@ -78,6 +95,8 @@ struct Config {
   // table's keys either way.
   PluginSelection model_plugin;
   PluginSelection data_plugin;
+  // [links]: [model] keys whose values come from the datamodule once it exists (apply_links).
+  std::vector<ConfigLink> links;
   std::vector<std::filesystem::path> files;  // every file layered into this config, in order
   std::string log_level;                     // [logging] level, overridden by FULGUR_LOG_LEVEL
 
@@ -94,7 +113,8 @@ Config load_config(const std::filesystem::path& file);
 Config parse_config(std::string_view toml_text, const std::filesystem::path& origin);
 // Files merged in order (tables merge key by key; arrays such as [[callbacks]] are replaced whole),
 // then overrides "section.key=value" (a flag without its "--"): trainer.max_epochs=3, model.lr=3e-4,
-// model=gpt (selects the plugin), callbacks.early_stopping.patience=5 (the entry of that plugin).
+// model=gpt (selects the plugin), callbacks.early_stopping.patience=5 (the entry of that plugin),
+// loggers=[] / callbacks=[] (replace the whole list; no [[loggers]] at all means no logger).
 // A value is TOML if it parses as TOML, else a string. Errors name the file:line:col or the flag.
 // Relative paths resolve against the directory of the file that gave them (a flag: the working
 // directory).
@@ -108,6 +128,12 @@ std::string to_toml(const Config& config);
 // against it like a plugin's table and fills `model` / `data` with the typed values.
 void apply_hparams_schema(Config& config, PluginKind kind, const std::vector<OptionSchema>& schema,
                           const std::string& owner);
+
+// [links]: sets each linked [model] key (config.model and the model plugin's options) to the
+// value `data` offers through the DataValues extension (fulgur/data_values.h), or else to its
+// [data] option of that name; the value must fit the key's type. Call after the DataModule is
+// created and before the model is. Throws fulgur::Error(config) naming the [links] line.
+void apply_links(Config& config, DataModule& data);
 
 // Resolves every selected plugin in `registry` and checks its table against the plugin's schema:
 // unknown key (with a suggestion), wrong type (expected and found), missing required key.

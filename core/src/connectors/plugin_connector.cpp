@@ -2,6 +2,7 @@
 // plus the default set the build generated (fulgur/builtin_plugins.h). The core knows no plugin
 // by name beyond that generated list; everything else it learns from what plugins declare.
 #include <fulgur/builtin_plugins.h>
+#include <fulgur/data_module.h>
 #include <fulgur/error.h>
 
 #include <fmt/format.h>
@@ -102,13 +103,19 @@ PluginSet connect_plugins(Config& config, bool fast_dev_run) {
   auto is_default_enabled = [&](const builtin::Default& d) {
     return config.trainer.get_bool(d.enabled_by) && (d.in_fast_dev_run || !fast_dev_run);
   };
-  if (!barebones && !fast_dev_run) {
+  // [trainer] logger = false: no logger at all, as Lightning's logger=False; the [[loggers]]
+  // entries stay in the config (a layered file or --trainer.logger=true turns them back on).
+  const bool logging_on = config.trainer.get_bool("logger");
+  if (!logging_on && !config.loggers.empty())
+    spdlog::info("[trainer] logger = false: the {} [[loggers]] entr{} write nothing", config.loggers.size(),
+                 config.loggers.size() == 1 ? "y" : "ies");
+  if (!barebones && !fast_dev_run && logging_on) {
     for (const auto& sel : config.loggers) {
       set.loggers.push_back(plugin_cast<Logger>(registry.create(PluginKind::logger, sel.name, sel.options)));
       set.logger_identities.push_back(identity_of(registry, PluginKind::logger, sel.name));
     }
   }
-  if (!barebones && config.loggers.empty()) {
+  if (!barebones && config.loggers.empty() && !config.no_loggers) {
     for (const builtin::Default& d : builtin::kDefaults) {
       if (d.kind != PluginKind::logger || !is_default_enabled(d)) continue;
       const std::string name(d.name);
@@ -165,12 +172,23 @@ PluginSet connect_plugins(Config& config, bool fast_dev_run) {
 void check_config_values(Config& config, const PluginRegistry& registry) {
   validate_plugins(config, registry);
   validate_trainer_values(config);
-  // The plugins' own value checks live in their constructors: build each one and let it go.
+  // The plugins' own value checks live in their constructors: build each one and let it go. With
+  // [links], the model is built last, with the values of the datamodule built before it.
+  const bool linked = !config.links.empty() && !config.model_plugin.name.empty();
   for (PluginSelection* sel : config.selections()) {
+    if (linked && sel == &config.model_plugin) continue;
     try {
-      registry.create(sel->kind, sel->name, sel->options);
+      PluginObject object = registry.create(sel->kind, sel->name, sel->options);
+      if (linked && sel == &config.data_plugin) apply_links(config, *static_cast<DataModule*>(object.get()));
     } catch (const Error& e) {
       throw Error(e.kind(), fmt::format("{}: {}", sel->where.str(), e.what()));
+    }
+  }
+  if (linked) {
+    try {
+      registry.create(PluginKind::model, config.model_plugin.name, config.model_plugin.options);
+    } catch (const Error& e) {
+      throw Error(e.kind(), fmt::format("{}: {}", config.model_plugin.where.str(), e.what()));
     }
   }
   for (const builtin::Shorthand& shorthand : builtin::kShorthands)

@@ -83,14 +83,19 @@ struct ClassificationOptions {
 
   Task task_ = Task::multiclass;
   int64_t num_classes_ = 2;
-  Average average_ = Average::macro;  // torchmetrics' default
+  // Unset: the metric's default, torchmetrics' for the same entry point: micro for Accuracy,
+  // Precision, Recall and F1Score (torchmetrics.Accuracy(task="multiclass", ...), which Lightning
+  // code uses), macro for AUROC. (torchmetrics' task classes, MulticlassAccuracy and its siblings,
+  // default to macro: write .average(Average::macro) for their values.)
+  std::optional<Average> average_;
   int64_t top_k_ = 1;
   double threshold_ = 0.5;
   std::optional<int64_t> ignore_index_;
 };
 
 // True/false positives/negatives per class (one class for binary), the states accuracy,
-// precision, recall and F-scores are computed from.
+// precision, recall and F-scores are computed from. Their average defaults to micro, as
+// torchmetrics.Accuracy / Precision / Recall / F1Score(task=...) do.
 class StatScores : public Metric {
  public:
   explicit StatScores(ClassificationOptions options);
@@ -140,7 +145,7 @@ class F1Score : public StatScores {
 };
 
 // Area under the ROC curve, exact (every distinct score is a threshold): binary, or multiclass
-// one-vs-rest averaged macro (default), weighted (by support) or none. Keeps every score until
+// one-vs-rest averaged macro (default, as torchmetrics.AUROC), weighted (by support) or none. Keeps every score until
 // reset (as torchmetrics does with thresholds=None).
 class AUROC : public Metric {
  public:

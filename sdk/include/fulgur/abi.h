@@ -80,7 +80,12 @@ typedef enum fulgur_option_type {
   FULGUR_OPTION_FLOAT = 3,       /**< TOML float; accepts integers too */
   FULGUR_OPTION_STRING = 4,      /**< TOML string */
   FULGUR_OPTION_STRING_LIST = 5, /**< TOML array of strings */
-  FULGUR_OPTION_FLOAT_LIST = 6   /**< TOML array of numbers (read as doubles) */
+  FULGUR_OPTION_FLOAT_LIST = 6,  /**< TOML array of numbers (read as doubles) */
+  /** TOML string naming a file or directory (SDK 1.2). The host resolves a relative path against
+   * the directory of the TOML file that gave it (a command-line override's: the working
+   * directory) and hands the plugin, the saved config.toml and the checkpoint the absolute path;
+   * an empty string stays empty (not set). */
+  FULGUR_OPTION_PATH = 7
 } fulgur_option_type;
 
 /** The C++ standard library a plugin or the host was built with (fulgur_abi_tag::stdlib). */

@@ -25,8 +25,8 @@ struct OptionSpec {
 };
 
 /// FULGUR_OPTION(type, key, help, default): an OptionSpec. `type` is boolean, integer, floating,
-/// string, string_list or float_list; `key` is written bare (it is stringized); the default is
-/// written as a TOML value: 0.5, true, "max", [].
+/// string, string_list, float_list or path (SDK 1.2: a string the host makes absolute); `key` is
+/// written bare (it is stringized); the default is written as a TOML value: 0.5, true, "max", [].
 #define FULGUR_OPTION(type, key, help, ...) \
   ::fulgur::OptionSpec { ::fulgur::OptionType::type, #key, help, #__VA_ARGS__ }
 /// FULGUR_REQUIRED_OPTION(type, key, help): an OptionSpec without a default; a TOML table that

@@ -24,6 +24,10 @@ enum class OptionType : uint32_t {
   string = FULGUR_OPTION_STRING,            ///< std::string
   string_list = FULGUR_OPTION_STRING_LIST,  ///< std::vector<std::string>
   float_list = FULGUR_OPTION_FLOAT_LIST,    ///< std::vector<double>
+  /// std::string holding an absolute path (SDK 1.2): a relative TOML value is resolved against the
+  /// directory of the file that gave it, a command-line override's against the working directory;
+  /// "" stays "" (not set). Read it with get_string.
+  path = FULGUR_OPTION_PATH,
 };
 
 /// The type as a TOML user reads it ("boolean", "float", "array of strings"); "unknown" otherwise.

@@ -20,10 +20,11 @@
 /// FULGUR_OPTIONS(Name, (type, key, help[, default])...) defines the struct `Name` with one member
 /// per option, of the C++ type its OptionType reads as (boolean: bool, integer: int64_t, floating:
 /// double, string: std::string, string_list: std::vector<std::string>, float_list:
-/// std::vector<double>), and `Name::schema`, the same OptionSpecs FULGUR_OPTION writes. Without a
-/// default an option is required. A plugin class with a nested FULGUR_OPTIONS struct called
-/// `Options`, and a constructor taking it, needs no option list in FULGUR_PLUGIN: the schema is the
-/// struct's, and the host's validated table arrives filled in.
+/// std::vector<double>, path (SDK 1.2): std::filesystem::path, absolute: the host resolves a
+/// relative TOML value against the file that gave it), and `Name::schema`, the same OptionSpecs
+/// FULGUR_OPTION writes. Without a default an option is required. A plugin class with a nested
+/// FULGUR_OPTIONS struct called `Options`, and a constructor taking it, needs no option list in
+/// FULGUR_PLUGIN: the schema is the struct's, and the host's validated table arrives filled in.
 ///
 /// Errors: `check` and `reject` throw fulgur::Error(config) worded as "<owner>: <key> = <value>
 /// <why>" ("callback 'early_stopping': patience = -1 must be >= 0"), where the owner is what the host calls the plugin
@@ -42,6 +43,7 @@
 
 #include <array>
 #include <cstdint>
+#include <filesystem>
 #include <string>
 #include <string_view>
 #include <type_traits>
@@ -78,6 +80,10 @@ template <>
 struct option_cpp_type<OptionType::float_list> {
   using type = std::vector<double>;
 };
+template <>
+struct option_cpp_type<OptionType::path> {
+  using type = std::filesystem::path;  // absolute, or empty when not set (SDK 1.2)
+};
 
 /// The value of `key` in the host's options, as type T reads it.
 template <OptionType T>
@@ -88,6 +94,7 @@ typename option_cpp_type<T>::type read_option(const Options& options, std::strin
   if constexpr (T == OptionType::string) return options.get_string(key);
   if constexpr (T == OptionType::string_list) return options.get_string_list(key);
   if constexpr (T == OptionType::float_list) return options.get_float_list(key);
+  if constexpr (T == OptionType::path) return std::filesystem::path(options.get_string(key));
 }
 
 /// An option's default as its TOML text; none (a required option) is nullptr.
@@ -192,8 +199,8 @@ Derived fill_options(const Options& options) {
 
 /// FULGUR_OPTIONS(Name, (type, key, help[, default])...): the struct `Name` holding a plugin's
 /// options as typed members, and its `schema`; see the top of this file. `type` is boolean,
-/// integer, floating, string, string_list or float_list; `key` is written bare; the default is a
-/// TOML value (0.5, true, "max", [], nan) and is stored as its text.
+/// integer, floating, string, string_list, float_list or path; `key` is written bare; the default
+/// is a TOML value (0.5, true, "max", [], nan) and is stored as its text.
 #define FULGUR_OPTIONS(Name, ...)                                                                                      \
   struct Name : ::fulgur::PluginOptions {                                                                              \
     FULGUR_PP_FOR_EACH(FULGUR_OPTIONS_MEMBER, __VA_ARGS__)                                                             \
