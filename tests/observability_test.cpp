@@ -286,12 +286,13 @@ batch = 8
   const fs::path run = dir / "lightning_logs" / "version_0";
   REQUIRE(trainer.log_dir() == run.string());
 
-  // Hyperparameters: the module's, the data's, the trainer's and the selected plugins'.
+  // hparams.yaml: the module's and the data's hyperparameters, as Lightning's; the trainer's and
+  // the plugins' keys are the run's config.toml (#42.10).
   const std::string yaml = fulgur::test::read_bytes(run / "hparams.yaml");
   FULGUR_CHECK_CONTAINS(yaml, "model.set_in_code: 1.5");
   FULGUR_CHECK_CONTAINS(yaml, "data.batch: 8");
-  FULGUR_CHECK_CONTAINS(yaml, "trainer.max_steps: 8");
-  FULGUR_CHECK_CONTAINS(yaml, "accelerator.threads: 0");
+  CHECK_FALSE(fulgur::test::contains(yaml, "trainer."));
+  CHECK_FALSE(fulgur::test::contains(yaml, "accelerator."));
 
   auto csv = read_csv(run / "metrics.csv");
   // lr_monitor: Lightning's names per group, logged on every logging step (steps 1, 3, 5, 7).

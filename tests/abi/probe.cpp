@@ -14,6 +14,7 @@
 #include <fulgur/closure_step.h>
 #include <fulgur/communicator.h>
 #include <fulgur/data_module.h>
+#include <fulgur/data_values.h>
 #include <fulgur/error.h>
 #include <fulgur/log.h>
 #include <fulgur/logger.h>
@@ -80,9 +81,12 @@ FULGUR_ABI_PROBE(device_step_precision, fulgur::DeviceStepPrecision)
 FULGUR_ABI_PROBE(checkpoint_observer, fulgur::CheckpointObserver)
 FULGUR_ABI_PROBE(saved_checkpoint, fulgur::SavedCheckpoint)
 
-// SDK 1.2: model-side building blocks (fulgur/nn/).
+// SDK 1.2: model-side building blocks (fulgur/nn/), precisions that step closure optimizers
+// (fulgur/closure_step.h), datamodules that offer values to [links] (fulgur/data_values.h).
 FULGUR_ABI_PROBE(nn_batch_norm, fulgur::nn::BatchNormImpl)
 FULGUR_ABI_PROBE(nn_batch_norm_options, fulgur::nn::BatchNormOptions)
+FULGUR_ABI_PROBE(closure_step_precision, fulgur::ClosureStepPrecision)
+FULGUR_ABI_PROBE(data_values, fulgur::DataValues)
 
 // The Trainer as callbacks see it.
 FULGUR_ABI_PROBE(trainer_context, fulgur::TrainerContext)
@@ -114,6 +118,3 @@ FULGUR_ABI_PROBE(run_status, fulgur::RunStatus)
 FULGUR_ABI_PROBE(reduce_op, fulgur::ReduceOp)
 FULGUR_ABI_PROBE(grad_clip_algorithm, fulgur::GradClipAlgorithm)
 FULGUR_ABI_PROBE(reduction, fulgur::Reduction)
-
-// Proposed for SDK 1.2: precisions that step closure optimizers (fulgur/closure_step.h).
-FULGUR_ABI_PROBE(closure_step_precision, fulgur::ClosureStepPrecision)

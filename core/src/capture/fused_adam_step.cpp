@@ -98,10 +98,23 @@ Parameter recorded_entry(torch::optim::Optimizer& optimizer, const at::Tensor& p
   return entry;
 }
 
+// The optimizer's state object of `entry`'s parameter when it is still the one recorded: the same
+// object holding the recorded tensor (an address alone could be a new object allocated where a
+// replaced one was; the recorded tensor keeps its storage alive). Null when a callback or a
+// checkpoint load replaced or removed it: the recorded pointer may then point to freed memory, and
+// the replacement brings its own count (adopt_replaced_state() takes it over at the next step).
 template <class State>
-void advance_host_step(Parameter& entry) {
-  auto& s = static_cast<State&>(*entry.host);
-  s.step(s.step() + 1);
+State* recorded_host(torch::optim::Optimizer& optimizer, const Parameter& entry) {
+  auto& states = optimizer.state();
+  const auto it = states.find(entry.param.unsafeGetTensorImpl());
+  if (it == states.end() || it->second.get() != entry.host) return nullptr;
+  auto& state = static_cast<State&>(*it->second);
+  return state.exp_avg().is_same(entry.exp_avg) ? &state : nullptr;
+}
+
+template <class State>
+void advance_host_step(torch::optim::Optimizer& optimizer, Parameter& entry) {
+  if (State* s = recorded_host<State>(optimizer, entry)) s->step(s->step() + 1);
 }
 
 template <class State>
@@ -322,16 +335,15 @@ void FusedAdamStep::advance_host_steps(bool replayed) {
   for (void* entry : replayed ? captured_ : last_) {
     auto& parameter = *static_cast<Group::Parameter*>(entry);
     if (decoupled_weight_decay_)
-      advance_host_step<torch::optim::AdamWParamState>(parameter);
+      advance_host_step<torch::optim::AdamWParamState>(optimizer_, parameter);
     else
-      advance_host_step<torch::optim::AdamParamState>(parameter);
+      advance_host_step<torch::optim::AdamParamState>(optimizer_, parameter);
   }
 }
 
 void FusedAdamStep::sync_host_steps() {
   if (!host_steps_stale_) return;
   host_steps_stale_ = false;
-  auto& states = optimizer_.state();
   for (auto& g : groups_)
     for (auto& [key, entries] : g->by_dtype) {
       // The entries whose state object is still the one recorded (a replaced state brought its own
@@ -339,14 +351,10 @@ void FusedAdamStep::sync_host_steps() {
       std::vector<Parameter*> current;
       std::vector<at::Tensor> steps;
       for (auto& e : entries) {
-        // The same object holding the recorded tensor (an address alone could be a new object
-        // allocated where a replaced one was; the recorded tensor keeps its storage alive).
-        auto it = states.find(e.param.unsafeGetTensorImpl());
-        if (it == states.end() || it->second.get() != e.host) continue;
-        const at::Tensor& exp_avg = decoupled_weight_decay_
-                                        ? static_cast<torch::optim::AdamWParamState&>(*it->second).exp_avg()
-                                        : static_cast<torch::optim::AdamParamState&>(*it->second).exp_avg();
-        if (!exp_avg.is_same(e.exp_avg)) continue;
+        const bool recorded = decoupled_weight_decay_
+                                  ? recorded_host<torch::optim::AdamWParamState>(optimizer_, e) != nullptr
+                                  : recorded_host<torch::optim::AdamParamState>(optimizer_, e) != nullptr;
+        if (!recorded) continue;
         current.push_back(&e);
         steps.push_back(e.step);
       }

@@ -89,11 +89,28 @@ inline std::string yaml_key(const std::string& key) {
   return plain ? key : yaml_quoted(key);
 }
 
-// <dir>/hparams.yaml, "key: value" per line, written atomically.
-inline void write_hparams_yaml(const std::string& dir, const std::map<std::string, std::string>& hparams) {
+// Whether hparams.yaml holds `key`. Lightning's hparams.yaml holds the LightningModule's (and the
+// LightningDataModule's) hyperparameters only; the Trainer sends every table, prefixed with its
+// name, so the model's and the data's are "model." and "data." keys, and a key without a table
+// (logged in code) is the user's own. The trainer's and the plugins' keys reach the loggers that
+// keep parameters (TensorBoard's hparams view, MLflow's params); a run's whole configuration is
+// its config.toml.
+inline bool is_module_hparam(const std::string& key) {
+  const size_t dot = key.find('.');
+  return dot == std::string::npos || key.starts_with("model.") || key.starts_with("data.");
+}
+
+// "key: value" per line for the hyperparameters hparams.yaml holds (is_module_hparam).
+inline std::string hparams_yaml(const std::map<std::string, std::string>& hparams) {
   std::string content;
-  for (const auto& [key, value] : hparams) content += fmt::format("{}: {}\n", yaml_key(key), yaml_value(value));
-  atomic_write_text((fs::path(dir) / "hparams.yaml").string(), content);
+  for (const auto& [key, value] : hparams)
+    if (is_module_hparam(key)) content += fmt::format("{}: {}\n", yaml_key(key), yaml_value(value));
+  return content;
+}
+
+// <dir>/hparams.yaml (hparams_yaml), written atomically.
+inline void write_hparams_yaml(const std::string& dir, const std::map<std::string, std::string>& hparams) {
+  atomic_write_text((fs::path(dir) / "hparams.yaml").string(), hparams_yaml(hparams));
 }
 
 }  // namespace fulgur::run_directory

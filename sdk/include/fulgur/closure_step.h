@@ -11,7 +11,7 @@
 
 namespace fulgur {
 
-/// Extension (proposed for SDK 1.2) of a Precision that can step an optimizer which calls a closure
+/// Extension (SDK 1.2) of a Precision that can step an optimizer which calls a closure
 /// (Lightning's `precision.optimizer_step(optimizer, closure)`). Under automatic optimization the
 /// Trainer uses it for an optimizer that needs the closure (torch::optim::LBFGS): the closure runs
 /// the Module's training_step under this precision's forward context, zeroes the gradients, runs
