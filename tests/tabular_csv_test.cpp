@@ -137,25 +137,25 @@ TEST_CASE("[links] hands the datamodule's sizes to the model: features and class
   FULGUR_CHECK_CONTAINS(both.output, "'num_classes' is also linked from num_classes");
 }
 
-TEST_CASE("data: a header-less CSV with given column names or skipped lines; integer targets stay int64") {
+TEST_CASE("data: a header-less CSV with given column names or skipped lines, integer targets kept int64") {
   TempDir dir;
   write_bytes(dir / "plain.csv", "1.5,2,0\n3,4.25,2\n-1,0,1\n");
   d::CsvDataset plain(dir / "plain.csv", d::CsvOptions().column_names({"a", "b", "y"}).target("y"));
   REQUIRE(plain.size() == 3);  // the first line is data, not a header
   CHECK((plain.columns() == std::vector<std::string>{"a", "b", "y"}));
   CHECK(plain.get(0).input.equal(at::tensor(std::vector<float>{1.5f, 2.0f})));
-  CHECK(plain.get(1).target.scalar_type() == at::kLong);  // class labels, as pandas reads them
+  CHECK((plain.get(1).target.scalar_type() == at::kLong));  // class labels, as pandas reads them
   CHECK(plain.get(1).target.item<int64_t>() == 2);
 
   // skip_rows: a title line, then the header.
   write_bytes(dir / "titled.csv", "exported 2026-12-05\nx,y\n0.5,1\n2,3.5\n");
   d::CsvDataset titled(dir / "titled.csv", d::CsvOptions().skip_rows(1).target("y"));
   REQUIRE(titled.size() == 2);
-  CHECK(titled.get(0).target.scalar_type() == at::kFloat);  // 3.5: a regression target
+  CHECK((titled.get(0).target.scalar_type() == at::kFloat));  // 3.5: a regression target
   CHECK(titled.get(1).target.item<float>() == 3.5f);
   d::CsvDataset floats(dir / "plain.csv",
                        d::CsvOptions().column_names({"a", "b", "y"}).target("y").target_type(d::CsvTarget::floating));
-  CHECK(floats.get(1).target.scalar_type() == at::kFloat);
+  CHECK((floats.get(1).target.scalar_type() == at::kFloat));
 
   // Iris as scikit-learn ships it: a first line that is not a header, integer classes. pandas
   // with the same arguments reads the same values.
@@ -181,7 +181,7 @@ TEST_CASE("data: a header-less CSV with given column names or skipped lines; int
                         "give the names with column_names");
 }
 
-TEST_CASE("data: random_split gives torch.utils.data.random_split's subsets; standardize is StandardScaler's") {
+TEST_CASE("data: random_split gives torch.utils.data.random_split's subsets, standardize StandardScaler's") {
   TempDir dir;
   const std::vector<std::string> names{"sl", "sw", "pl", "pw", "target"};
   auto iris = std::make_shared<d::CsvDataset>(kIris, d::CsvOptions().skip_rows(1).column_names(names).target("target"));
@@ -198,7 +198,7 @@ TEST_CASE("data: random_split gives torch.utils.data.random_split's subsets; sta
   const d::TransformPtr standardize = d::standardize(stats);
   d::SampleRng rng(0);
   const at::Tensor first = standardize->apply(by_fraction[1]->get(0), rng).input;
-  CHECK(first.scalar_type() == at::kFloat);
+  CHECK((first.scalar_type() == at::kFloat));
 
   const std::string script = fmt::format(R"(
 import numpy as np, torch

@@ -888,12 +888,17 @@ void validate_plugins(Config& config, const PluginRegistry& registry) {
     try {
       candidate = &registry.resolve(sel->kind, sel->name);
     } catch (const Error& e) {
-      // [[loggers]] name = "exp1" without `logger`: most likely the experiment name; say so first.
-      if (sel->kind == PluginKind::logger && sel->selector == "name")
+      // [[loggers]] name = "exp1" without `logger`: most likely the experiment name; say so first,
+      // with the build's default logger (the core names no plugin itself).
+      if (sel->kind == PluginKind::logger && sel->selector == "name") {
+        std::string example = "...";
+        for (const builtin::Default& d : builtin::kDefaults)
+          if (d.kind == PluginKind::logger) example = d.name;
         throw Error(e.kind(), fmt::format("{}: [[loggers]] name = \"{}\" selects no logger: logger = \"...\" selects "
-                                          "the plugin; if '{}' is the experiment name, write logger = \"csv\" and "
+                                          "the plugin; if '{}' is the experiment name, write logger = \"{}\" and "
                                           "name = \"{}\". {}",
-                                          sel->where.str(), sel->name, sel->name, sel->name, e.what()));
+                                          sel->where.str(), sel->name, sel->name, example, sel->name, e.what()));
+      }
       throw Error(e.kind(), fmt::format("{}: {}", sel->where.str(), e.what()));
     }
     const std::string owner = fmt::format("{} '{}'", to_string(sel->kind), sel->name);
