@@ -227,7 +227,7 @@ TEST_CASE("contract v2: core/ and registry/ name no built-in plugin, only the bu
   CHECK(found.empty());
 }
 
-TEST_CASE("every test case name survives CTest: no ';' (CTest cuts the name there and then runs nothing)") {
+TEST_CASE("every test case name survives CTest: no semicolon (CTest cuts the name there and then runs nothing)") {
   // doctest_discover_tests makes each TEST_CASE a CTest test by its name; a ';' splits it into a
   // list, the test filters match no case, and the "test" passes without running (three did).
   std::vector<std::string> bad;

@@ -1281,7 +1281,7 @@ struct StopAfterEpochs : fulgur::Callback {
 
 }  // namespace
 
-TEST_CASE("#34.5 max_epochs = -1 trains until another limit; unset, it is 1000 epochs, and the saved config says so") {
+TEST_CASE("#34.5 max_epochs = -1 trains until another limit, and unset it is 1000 epochs, and the saved config says so") {
   const std::string tiny =
       "limit_train_batches = 1\nlimit_val_batches = 0\nnum_sanity_val_steps = 0\n"
       "enable_checkpointing = false\nlogger = false\n";
