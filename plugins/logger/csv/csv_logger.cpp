@@ -279,7 +279,13 @@ class CsvLogger final : public fulgur::Logger {
                            std::strerror(written ? errno : write_errno)));
   }
 
-  void write_hparams() { atomic_write(fs::path(log_dir_) / kHparamsFile, hparams_yaml(hparams_)); }
+  void write_hparams() {
+    std::string content;
+    for (const auto& [key, value] : hparams_)
+      if (fulgur::run_directory::is_module_hparam(key))
+        content += fmt::format("{}: {}\n", yaml_key(key), yaml_value(value));
+    atomic_write(fs::path(log_dir_) / kHparamsFile, content);
+  }
 
   std::string save_dir_;
   std::string name_;
