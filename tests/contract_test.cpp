@@ -235,12 +235,26 @@ TEST_CASE("every test case name survives CTest: no semicolon (CTest cuts the nam
     if (entry.path().extension() != ".cpp") continue;
     std::ifstream in(entry.path());
     int number = 0;
+    // The name is the first string after TEST_CASE(, on its line or (clang-format's wrap) the next.
+    bool name_next = false;
     for (std::string line; std::getline(in, line);) {
       ++number;
-      const size_t at = line.find("TEST_CASE(\"");
+      size_t at = line.find_first_not_of(" \t");
+      if (at != std::string::npos && line.compare(at, 10, "TEST_CASE(") == 0)
+        at += 10;
+      else if (name_next)
+        at = 0;
+      else
+        at = std::string::npos;
+      name_next = false;
       if (at == std::string::npos) continue;
-      const size_t end = line.find('"', at + 11);
-      if (line.substr(at + 11, end - at - 11).find(';') != std::string::npos)
+      const size_t open = line.find('"', at);
+      if (open == std::string::npos) {
+        name_next = line.find_first_not_of(" \t", at) == std::string::npos;
+        continue;
+      }
+      const size_t end = line.find('"', open + 1);
+      if (line.substr(open + 1, end - open - 1).find(';') != std::string::npos)
         bad.push_back(fmt::format("{}:{}", entry.path().filename().string(), number));
     }
   }
@@ -279,7 +293,7 @@ TEST_CASE("contract v2: fulgur config check rejects bad values of [trainer] keys
 }
 
 TEST_CASE(
-    "contract v2: a callback overriding a hook it does not declare is warned about; declared conditions are not") {
+    "contract v2: a callback overriding a hook it does not declare is warned about, declared conditions are not") {
   TempDir dir;
   const fs::path plugins = plugin_dir(dir, {"undeclared"});
   // The shipped CLI creates it (`fulgur plugins load` runs its factory).

@@ -23,7 +23,7 @@ warnings.filterwarnings("ignore")  # no workers, no validation loader, a non-res
 class FashionMnistMlp(pl.LightningModule):
     """examples/fashion_mnist/fashion_mnist_nets.h's FashionMnistMlp, parameter for parameter."""
 
-    def __init__(self, optimizer="adam", lr=1e-3, weight_decay=0.0, momentum=0.9):
+    def __init__(self, optimizer="adam", lr=1e-3, weight_decay=0.0, momentum=0.9, max_iter=20):
         super().__init__()
         self.save_hyperparameters()
         self.fc1 = nn.Linear(28 * 28, 256)

@@ -192,12 +192,13 @@ std::string closure_step_refusal(const PluginSet& p, const ClosureStepPrecision*
     return fmt::format(
         "strategy '{}' steps the optimizer itself (sharded parameters or optimizer state); LBFGS "
         "keeps its curvature history over the whole parameter vector and re-runs the step's forward "
-        "pass: use strategy \"single_device\" or \"ddp\"",
+        "pass: use a strategy that leaves the step to the precision (one device, or replicated data "
+        "parallel)",
         strategy_name);
   if (!precision)
     return fmt::format(
         "precision '{}' does not step optimizers with a closure (it offers no {} extension): use "
-        "precision \"32-true\" or \"bf16-mixed\"",
+        "a precision that does (full precision or bfloat16 mixed precision)",
         precision_name, ClosureStepPrecision::kExtensionId);
   if (std::string why = precision->closure_step_refusal(); !why.empty())
     return fmt::format("precision '{}': {}", precision_name, why);
