@@ -4,6 +4,7 @@
 
 #include <fulgur/callback.h>
 #include <fulgur/config.h>
+#include <fulgur/option_spec.h>
 #include <fulgur/registry/registry.h>
 
 namespace fulgur {
@@ -280,3 +281,24 @@ TEST_CASE("validated options reach the plugin unchanged") {
 }
 
 }  // namespace fulgur
+
+TEST_CASE("#42.16 with_defaults: an unknown key ends its sentence before the list of known keys") {
+  const fulgur::OptionSpec schema[] = {FULGUR_OPTION(integer, repeat, "Times", 1),
+                                       FULGUR_OPTION(string, greeting, "Text", "hi")};
+  fulgur::Options given("callback 'x'");
+  given.set("zzzzzzzz", int64_t{1});
+  try {
+    (void)fulgur::with_defaults(given, schema, "callback 'x'");
+    FAIL("accepted an unknown key");
+  } catch (const fulgur::Error& e) {
+    FULGUR_CHECK_CONTAINS(e.what(), "callback 'x': unknown key 'zzzzzzzz'. Known keys: repeat, greeting.");
+  }
+  given = fulgur::Options("callback 'x'");
+  given.set("repaet", int64_t{1});
+  try {
+    (void)fulgur::with_defaults(given, schema, "callback 'x'");
+    FAIL("accepted an unknown key");
+  } catch (const fulgur::Error& e) {
+    FULGUR_CHECK_CONTAINS(e.what(), "unknown key 'repaet'; did you mean 'repeat'? Known keys: repeat, greeting.");
+  }
+}

@@ -199,7 +199,11 @@ Options with_defaults(const Options& given, std::span<const OptionSpec> schema, 
   for (const auto& [key, value] : given.values()) {
     if (std::find(known.begin(), known.end(), key) != known.end()) continue;
     std::string message = fmt::format("{}: unknown key '{}'", owner, key);
-    if (std::string s = closest_match(key, known); !s.empty()) message += fmt::format("; did you mean '{}'?", s);
+    // One sentence, then the list: "...; did you mean 'x'? Known keys: ..." or "...'. Known keys: ...".
+    if (std::string s = closest_match(key, known); !s.empty())
+      message += fmt::format("; did you mean '{}'?", s);
+    else
+      message += '.';
     throw Error(ErrorKind::config, message + fmt::format(" Known keys: {}.", fmt::join(known, ", ")));
   }
   Options out(owner);
