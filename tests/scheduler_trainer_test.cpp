@@ -21,6 +21,7 @@
 #include <fstream>
 #include <functional>
 
+#include "save_at_step.h"
 #include "test_support.h"
 
 namespace {
@@ -78,18 +79,7 @@ struct Data : fulgur::DataModule {
   at::Tensor x, y;
 };
 
-// Writes a full checkpoint from inside the loop at global step `step` (model_checkpoint's
-// every_n_train_steps), so it records the mid-epoch position.
-struct SaveAtStep : fulgur::Callback {
-  SaveAtStep(int64_t step, std::string path) : step(step), path(std::move(path)) {}
-  fulgur::HookSet hooks() const override { return static_cast<fulgur::HookSet>(fulgur::Hook::train_batch_end); }
-  void on_train_batch_end(fulgur::TrainerContext& t, const fulgur::StepOutput&, const fulgur::Batch&,
-                          int64_t) override {
-    if (t.global_step() == step) t.save_checkpoint(path, false);
-  }
-  int64_t step;
-  std::string path;
-};
+using fulgur::test::SaveAtStep;
 
 fulgur::Config config(const TempDir& dir, const std::string& keys) {
   return fulgur::parse_config(

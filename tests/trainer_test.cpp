@@ -36,6 +36,7 @@
 #include <sstream>
 #include <thread>
 
+#include "save_at_step.h"
 #include "test_support.h"
 
 namespace {
@@ -195,18 +196,7 @@ struct RecordingCallback : fulgur::Callback {
   Trace* trace;
 };
 
-// Writes a full checkpoint from inside the loop when global_step reaches `step` (what
-// model_checkpoint's every_n_train_steps does), so it records the mid-epoch position.
-struct SaveAtStep : fulgur::Callback {
-  SaveAtStep(int64_t step, std::string path) : step(step), path(std::move(path)) {}
-  fulgur::HookSet hooks() const override { return static_cast<fulgur::HookSet>(fulgur::Hook::train_batch_end); }
-  void on_train_batch_end(fulgur::TrainerContext& t, const fulgur::StepOutput&, const fulgur::Batch&,
-                          int64_t) override {
-    if (t.global_step() == step) t.save_checkpoint(path, false);
-  }
-  int64_t step;
-  std::string path;
-};
+using fulgur::test::SaveAtStep;
 
 // 3-class synthetic data: deterministic, small, learnable.
 struct SyntheticData : fulgur::DataModule {
@@ -1281,7 +1271,8 @@ struct StopAfterEpochs : fulgur::Callback {
 
 }  // namespace
 
-TEST_CASE("#34.5 max_epochs = -1 trains until another limit, and unset it is 1000 epochs, and the saved config says so") {
+TEST_CASE(
+    "#34.5 max_epochs = -1 trains until another limit, and unset it is 1000 epochs, and the saved config says so") {
   const std::string tiny =
       "limit_train_batches = 1\nlimit_val_batches = 0\nnum_sanity_val_steps = 0\n"
       "enable_checkpointing = false\nlogger = false\n";

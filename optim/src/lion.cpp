@@ -5,6 +5,8 @@
 #include <torch/serialize/archive.h>
 #include <torch/utils.h>
 
+#include "closure.h"
+
 namespace fulgur::optim {
 
 LionOptions::LionOptions(double lr) : lr_(lr) {}
@@ -51,11 +53,7 @@ Lion::Lion(const std::vector<torch::optim::OptimizerParamGroup>& param_groups, L
 
 torch::Tensor Lion::step(LossClosure closure) {
   torch::NoGradGuard no_grad;
-  torch::Tensor loss = {};
-  if (closure) {
-    at::AutoGradMode enable_grad(true);
-    loss = closure();
-  }
+  const torch::Tensor loss = detail::evaluate_closure(closure);
   for (auto& group : param_groups_) {
     const auto& options = static_cast<const LionOptions&>(group.options());
     const double lr = options.lr(), wd = options.weight_decay();

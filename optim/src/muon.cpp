@@ -13,6 +13,8 @@
 #include <algorithm>
 #include <cmath>
 
+#include "closure.h"
+
 namespace fulgur::optim {
 
 MuonOptions::MuonOptions(double lr) : lr_(lr) {}
@@ -177,11 +179,7 @@ Muon::Muon(const std::vector<torch::optim::OptimizerParamGroup>& param_groups, M
 
 torch::Tensor Muon::step(LossClosure closure) {
   torch::NoGradGuard no_grad;
-  torch::Tensor loss = {};
-  if (closure) {
-    at::AutoGradMode enable_grad(true);
-    loss = closure();
-  }
+  const torch::Tensor loss = detail::evaluate_closure(closure);
   for (auto& group : param_groups_) {
     const auto& options = static_cast<const MuonOptions&>(group.options());
     for (auto& p : group.params()) {

@@ -6,6 +6,8 @@
 #include <torch/serialize/archive.h>
 #include <torch/utils.h>
 
+#include "closure.h"
+
 namespace fulgur::optim {
 
 SophiaGOptions::SophiaGOptions(double lr) : lr_(lr) {}
@@ -101,11 +103,7 @@ void SophiaG::refresh_hessian(const std::function<torch::Tensor()>& sampled_loss
 
 torch::Tensor SophiaG::step(LossClosure closure) {
   torch::NoGradGuard no_grad;
-  torch::Tensor loss = {};
-  if (closure) {
-    at::AutoGradMode enable_grad(true);
-    loss = closure();
-  }
+  const torch::Tensor loss = detail::evaluate_closure(closure);
   for (auto& group : param_groups_) {
     const auto& o = static_cast<const SophiaGOptions&>(group.options());
     const double lr = o.lr(), rho = o.rho(), wd = o.weight_decay(), bs = static_cast<double>(o.bs());

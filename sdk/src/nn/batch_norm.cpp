@@ -4,6 +4,7 @@
 #include <fulgur/error.h>
 #include <fulgur/nn/batch_norm.h>
 
+#include <ATen/ops/_assert_async.h>
 #include <fmt/format.h>
 #include <fmt/ostream.h>
 #include <torch/csrc/autograd/custom_function.h>
@@ -144,12 +145,18 @@ at::Tensor BatchNormImpl::synchronized_forward(const at::Tensor& input, Communic
   const at::Tensor sums_and_count =
       all_reduce_sum(torch::cat({x.sum(reduced), torch::full({1}, local_count, x.options())}), communicator);
   const at::Tensor count = sums_and_count.narrow(0, channels, 1).detach();
-  const double global_count = count.item<double>();
-  if (global_count <= 1)
-    throw Error(ErrorKind::invalid_argument,
-                fmt::format("fulgur::nn::BatchNorm: expected more than 1 value per channel across all ranks while "
-                            "training, got input shape {} on this rank",
-                            fmt::streamed(input.sizes())));
+  // The count stays on the device: reading it on the host would synchronize every forward of
+  // every layer. The CPU checks it at once (no cost there); a device asserts asynchronously.
+  if (count.is_cpu()) {
+    if (count.item<double>() <= 1)
+      throw Error(ErrorKind::invalid_argument,
+                  fmt::format("fulgur::nn::BatchNorm: expected more than 1 value per channel across all ranks while "
+                              "training, got input shape {} on this rank",
+                              fmt::streamed(input.sizes())));
+  } else {
+    at::_assert_async(count.gt(1).squeeze(),
+                      "fulgur::nn::BatchNorm: expected more than 1 value per channel across all ranks while training");
+  }
   const at::Tensor mean = sums_and_count.narrow(0, 0, channels) / count;
   // Round 2: squared deviations from the global mean.
   const at::Tensor centered = x - mean.view(channel_shape);
@@ -160,7 +167,7 @@ at::Tensor BatchNormImpl::synchronized_forward(const at::Tensor& input, Communic
 
   if (options.track_running_stats()) {
     torch::NoGradGuard no_grad;
-    const at::Tensor unbiased = variance.detach() * (global_count / (global_count - 1));
+    const at::Tensor unbiased = variance.detach() * (count / (count - 1));
     running_mean.mul_(1 - average_factor).add_(mean.detach().to(running_mean.scalar_type()), average_factor);
     running_var.mul_(1 - average_factor).add_(unbiased.to(running_var.scalar_type()), average_factor);
   }
