@@ -1,0 +1,178 @@
+// #38 item 4, the deployment path: weights trained by `fulgur fit` served three ways outside the
+// Trainer, each compared with `fulgur predict` on the same test images:
+//   - C++: examples/fashion_mnist/infer.cpp, the example's class with the weights loaded;
+//   - Python: examples/fashion_mnist/python (the reference definitions), safetensors in,
+//     torch.onnx.export, onnxruntime;
+//   - an AOTInductor package exported once from Python, run from C++ with the trained weights
+//     swapped in by the package's constant names.
+#include <fulgur/checkpoint_io.h>
+#include <fulgur/weights.h>
+
+#include <ATen/ATen.h>
+
+#include <doctest/doctest.h>
+#include <fmt/format.h>
+
+#include <string>
+#include <vector>
+
+#include "test_support.h"
+
+namespace {
+
+using namespace fulgur::test;
+
+const fs::path kFashionMnist = "/usr/share/datasets/fashion-mnist";
+const fs::path kPythonDir = fs::path(FULGUR_TEST_SOURCE_DIR) / "examples/fashion_mnist/python";
+const std::map<std::string, std::string> kEnv = {{"FULGUR_LOG_LEVEL", "warn"}, {"FULGUR_PLUGIN_PATH", ""}};
+
+std::string infer_program() {
+  return (fs::path(FULGUR_TEST_FASHION_MNIST).parent_path() / "fashion_mnist_infer").string();
+}
+
+// What a user has after training: the run's weights as safetensors and `fulgur predict`'s logits
+// for the first two test batches (128 images), in test-set order.
+struct TrainedRun {
+  fs::path weights;  // model.safetensors, from `fulgur weights convert`
+  fs::path checkpoint;
+  fs::path predictions;  // predictions.pt
+  at::Tensor predicted;  // its batches concatenated: [128, 10]
+};
+
+TrainedRun train_and_predict(const TempDir& dir, const std::string& model) {
+  write_bytes(dir / "run.toml",
+              fmt::format("[trainer]\nmax_epochs = 1\nseed = 3\nlimit_train_batches = 20\nlimit_val_batches = 1\n"
+                          "limit_predict_batches = 2\nenable_progress_bar = false\nenable_model_summary = false\n"
+                          "default_root_dir = \"{}\"\n\n[model]\nname = \"{}\"\n\n[data]\nname = \"fashion_mnist\"\n"
+                          "dir = \"{}\"\nbatch_size = 64\n\n[[callbacks]]\nname = \"model_checkpoint\"\n"
+                          "save_last = true\n",
+                          (dir / "runs").string(), model, kFashionMnist.string()));
+  const ProcessRun fit = run_process({FULGUR_TEST_FULGUR_BIN, "fit", "--config", "run.toml"}, kEnv, dir.path());
+  REQUIRE_MESSAGE(fit.exit_code == 0, fit.output);
+  const ProcessRun predict =
+      run_process({FULGUR_TEST_FULGUR_BIN, "predict", "--config", "run.toml", "--ckpt_path=last"}, kEnv, dir.path());
+  REQUIRE_MESSAGE(predict.exit_code == 0, predict.output);
+  TrainedRun run;
+  for (const auto& entry : fs::recursive_directory_iterator(dir / "runs")) {
+    if (entry.path().filename() == "last.ckpt") run.checkpoint = entry.path();
+    if (entry.path().filename() == "predictions.pt") {
+      run.predictions = entry.path();
+      std::vector<at::Tensor> batches;
+      for (const c10::IValue& b : fulgur::read_checkpoint_file(entry.path().string()).toList())
+        batches.push_back(b.toTensor());
+      run.predicted = at::cat(batches);
+    }
+  }
+  REQUIRE_MESSAGE(!run.checkpoint.empty(), fit.output);
+  REQUIRE_MESSAGE(run.predicted.defined(), predict.output);
+  REQUIRE(run.predicted.sizes() == at::IntArrayRef({128, 10}));
+  run.weights = dir / "model.safetensors";
+  const ProcessRun convert = run_process(
+      {FULGUR_TEST_FULGUR_BIN, "weights", "convert", run.checkpoint.string(), run.weights.string()}, kEnv, dir.path());
+  REQUIRE_MESSAGE(convert.exit_code == 0, convert.output);
+  return run;
+}
+
+// fashion_mnist_infer's logits for the first 128 test images.
+at::Tensor infer(const TempDir& dir, const std::vector<std::string>& extra) {
+  std::vector<std::string> args = {infer_program(),
+                                   "--data",
+                                   kFashionMnist.string(),
+                                   "--count",
+                                   "128",
+                                   "--out",
+                                   (dir / "logits.safetensors").string()};
+  args.insert(args.end(), extra.begin(), extra.end());
+  const ProcessRun run = run_process(args, kEnv, dir.path());
+  REQUIRE_MESSAGE(run.exit_code == 0, run.output);
+  FULGUR_CHECK_CONTAINS(run.output, "128 test images");
+  return fulgur::read_safetensors((dir / "logits.safetensors").string()).at("logits");
+}
+
+// The venv's Python has what the Python route needs (scripts/requirements.txt pins them).
+bool python_has(const std::string& modules) {
+  return run_command(fmt::format("{} -c 'import {}'", FULGUR_TEST_PYTHON, modules)).first == 0;
+}
+
+bool fashion_mnist_missing() {
+  if (fs::exists(kFashionMnist / "t10k-images-idx3-ubyte.gz")) return false;
+  skip_test("Fashion-MNIST is missing: install the Debian package dataset-fashion-mnist");
+  return true;
+}
+
+}  // namespace
+
+TEST_CASE("#38.4 C++ inference without the Trainer reproduces fulgur predict bitwise; bad weights refused") {
+  if (fashion_mnist_missing()) return;
+  for (const std::string model : {"fashion_mnist_cnn", "fashion_mnist_mlp"}) {
+    CAPTURE(model);
+    TempDir dir;
+    const TrainedRun run = train_and_predict(dir, model);
+    // Same class, same weights, same batches: the same bits, from the safetensors file and from
+    // the checkpoint itself.
+    CHECK(at::equal(infer(dir, {"--model", model, "--weights", run.weights.string()}), run.predicted));
+    CHECK(at::equal(infer(dir, {"--model", model, "--weights", run.checkpoint.string()}), run.predicted));
+  }
+  // The weights of one net given to the other: refused, naming the file and the keys.
+  TempDir dir;
+  const TrainedRun mlp = train_and_predict(dir, "fashion_mnist_mlp");
+  const ProcessRun wrong = run_process({infer_program(), "--model", "fashion_mnist_cnn", "--weights",
+                                        mlp.weights.string(), "--data", kFashionMnist.string(), "--count", "8"},
+                                       kEnv, dir.path());
+  CHECK(wrong.exit_code == 2);
+  FULGUR_CHECK_CONTAINS(wrong.output, mlp.weights.string());
+  FULGUR_CHECK_CONTAINS(wrong.output, "conv1.weight");
+}
+
+TEST_CASE("#38.4 Python serves Fulgur's weights: reference nets, ONNX and onnxruntime equal fulgur predict") {
+  if (fashion_mnist_missing()) return;
+  if (!python_has("onnxruntime, onnxscript, safetensors")) {
+    skip_test("the venv lacks onnxruntime/onnxscript/safetensors: run scripts/setup.sh");
+    return;
+  }
+  for (const std::string model : {"fashion_mnist_cnn", "fashion_mnist_mlp"}) {
+    CAPTURE(model);
+    TempDir dir;
+    const TrainedRun run = train_and_predict(dir, model);
+    const auto [status, output] = run_command(fmt::format(
+        "cd {} && {} deploy.py onnx --model {} --weights {} --predictions {} --data {} --out {} --tolerance 1e-5",
+        kPythonDir.string(), FULGUR_TEST_PYTHON, model, run.weights.string(), run.predictions.string(),
+        kFashionMnist.string(), (dir / "model.onnx").string()));
+    INFO(output);
+    // deploy.py exits 1 when either difference is above the tolerance. Eager PyTorch runs
+    // LibTorch's kernels, but a matrix product's sums may be split differently with another thread
+    // count (the CNN came out bitwise equal, the MLP 2.4e-6 apart).
+    CHECK(status == 0);
+    FULGUR_CHECK_CONTAINS(output, "eager PyTorch vs fulgur predict:");
+    FULGUR_CHECK_CONTAINS(output, "onnxruntime vs fulgur predict:");
+    CHECK(fs::file_size(dir / "model.onnx") > 1000);
+  }
+}
+
+TEST_CASE("#38.4 an AOTInductor package exported once serves Fulgur's trained weights from C++") {
+  if (fashion_mnist_missing()) return;
+  if (!python_has("torch._inductor")) {
+    skip_test("the venv's torch has no Inductor");
+    return;
+  }
+  TempDir dir;
+  const TrainedRun run = train_and_predict(dir, "fashion_mnist_cnn");
+  const fs::path package = dir / "model.pt2";
+  // Exported with placeholder weights (seed 0): only the swap can make its output the trained one.
+  const auto [status, output] = run_command(fmt::format("cd {} && {} deploy.py aoti --model fashion_mnist_cnn --out {}",
+                                                        kPythonDir.string(), FULGUR_TEST_PYTHON, package.string()));
+  REQUIRE_MESSAGE(status == 0, output);
+  const at::Tensor served = infer(dir, {"--weights", run.weights.string(), "--aoti", package.string()});
+  const double difference = (served - run.predicted).abs().max().item<double>();
+  MESSAGE("AOTInductor vs fulgur predict: max |diff| = " << difference);
+  CHECK(difference <= 1e-5);
+  // The MLP's weights do not fit the CNN's package: refused, naming what is missing.
+  TempDir other;
+  const TrainedRun mlp = train_and_predict(other, "fashion_mnist_mlp");
+  const ProcessRun wrong = run_process({infer_program(), "--weights", mlp.weights.string(), "--aoti", package.string(),
+                                        "--data", kFashionMnist.string(), "--count", "8"},
+                                       kEnv, dir.path());
+  CHECK(wrong.exit_code == 2);
+  FULGUR_CHECK_CONTAINS(wrong.output, "the package has constants the weights lack: ");
+  FULGUR_CHECK_CONTAINS(wrong.output, "conv1.weight");
+}
