@@ -13,6 +13,7 @@
 #include <doctest/doctest.h>
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <string>
 #include <vector>
 
@@ -175,4 +176,86 @@ TEST_CASE("#38.4 an AOTInductor package exported once serves Fulgur's trained we
   CHECK(wrong.exit_code == 2);
   FULGUR_CHECK_CONTAINS(wrong.output, "the package has constants the weights lack: ");
   FULGUR_CHECK_CONTAINS(wrong.output, "conv1.weight");
+}
+
+namespace {
+
+// `fulgur test`'s test/acc for the weights in `ckpt` (a checkpoint or a quantized safetensors file).
+double test_accuracy(const TempDir& dir, const std::string& ckpt) {
+  const ProcessRun run =
+      run_process({FULGUR_TEST_FULGUR_BIN, "test", "--config", "run.toml", "--ckpt_path=" + ckpt}, kEnv, dir.path());
+  REQUIRE_MESSAGE(run.exit_code == 0, run.output);
+  const size_t at = run.output.find("test/acc");
+  REQUIRE_MESSAGE(at != std::string::npos, run.output);
+  return std::stod(run.output.substr(run.output.find_first_not_of(' ', at + 8)));
+}
+
+ProcessRun quantize(const TempDir& dir, const std::string& ckpt, const std::vector<std::string>& flags) {
+  std::vector<std::string> args = {FULGUR_TEST_FULGUR_BIN, "quantize", "--config", "run.toml", "--ckpt_path=" + ckpt};
+  args.insert(args.end(), flags.begin(), flags.end());
+  return run_process(args, kEnv, dir.path());
+}
+
+}  // namespace
+
+TEST_CASE("#38.3 fulgur quantize: int8 and int4 weight-only Fashion-MNIST MLP served by fulgur test and predict") {
+  if (fashion_mnist_missing()) return;
+  TempDir dir;
+  // 300 steps of the MLP (about 0.83 test accuracy), then the whole test set (10,000 images) under
+  // each storage.
+  write_bytes(dir / "run.toml",
+              fmt::format("[trainer]\nmax_epochs = 1\nseed = 5\nlimit_train_batches = 300\nlimit_val_batches = 2\n"
+                          "limit_predict_batches = 2\n"
+                          "enable_progress_bar = false\nenable_model_summary = false\ndefault_root_dir = \"{}\"\n\n"
+                          "[model]\nname = \"fashion_mnist_mlp\"\n\n[data]\nname = \"fashion_mnist\"\ndir = \"{}\"\n"
+                          "batch_size = 64\n\n[[callbacks]]\nname = \"model_checkpoint\"\nsave_last = true\n",
+                          (dir / "runs").string(), kFashionMnist.string()));
+  const ProcessRun fit = run_process({FULGUR_TEST_FULGUR_BIN, "fit", "--config", "run.toml"}, kEnv, dir.path());
+  REQUIRE_MESSAGE(fit.exit_code == 0, fit.output);
+  fs::path last;
+  for (const auto& entry : fs::recursive_directory_iterator(dir / "runs"))
+    if (entry.path().filename() == "last.ckpt") last = entry.path();
+  REQUIRE(!last.empty());
+  const double fp32 = test_accuracy(dir, last.string());
+
+  const ProcessRun int8 = quantize(dir, last.string(), {"--method=int8", "--out=int8.safetensors"});
+  REQUIRE_MESSAGE(int8.exit_code == 0, int8.output);
+  FULGUR_CHECK_CONTAINS(int8.output, "quantized 2 layers to int8: fc1, fc2");
+  const fulgur::SafetensorsHeader header = fulgur::read_safetensors_header((dir / "int8.safetensors").string());
+  CHECK(header.metadata.at("fulgur.quantization") == "int8");
+  CHECK(header.metadata.at("fulgur.quantized_layers") == "fc1,fc2");
+  const auto fc1 = std::find_if(header.entries.begin(), header.entries.end(),
+                                [](const fulgur::SafetensorsEntry& e) { return e.name == "fc1.weight"; });
+  REQUIRE(fc1 != header.entries.end());
+  CHECK(fc1->dtype == "I8");
+  const double int8_accuracy = test_accuracy(dir, "int8.safetensors");
+
+  // 784 inputs in groups of 32: 24 whole groups and one of 16.
+  const ProcessRun int4 = quantize(dir, last.string(), {"--method=int4", "--group_size=32", "--out=int4.safetensors"});
+  REQUIRE_MESSAGE(int4.exit_code == 0, int4.output);
+  FULGUR_CHECK_CONTAINS(int4.output, "quantized 2 layers to int4 (group size 32): fc1, fc2");
+  const double int4_accuracy = test_accuracy(dir, "int4.safetensors");
+  MESSAGE("test accuracy: fp32 " << fp32 << ", int8 " << int8_accuracy << ", int4 (group 32) " << int4_accuracy);
+  // The issue's bound for int8, and a stated one for int4 (measured: -0.15 to -0.2 points).
+  CHECK(std::abs(int8_accuracy - fp32) <= 0.003);
+  CHECK(std::abs(int4_accuracy - fp32) <= 0.01);
+  // They are not the float model under another name: the quantized outputs differ from it.
+  CHECK(int4_accuracy != fp32);
+
+  // predict serves it too.
+  const ProcessRun predict = run_process(
+      {FULGUR_TEST_FULGUR_BIN, "predict", "--config", "run.toml", "--ckpt_path=int4.safetensors"}, kEnv, dir.path());
+  REQUIRE_MESSAGE(predict.exit_code == 0, predict.output);
+  FULGUR_CHECK_CONTAINS(predict.output, "predict: 2 batches");
+
+  // Bad requests: one clear line each.
+  const ProcessRun method = quantize(dir, last.string(), {"--method=int3"});
+  CHECK(method.exit_code != 0);
+  FULGUR_CHECK_CONTAINS(method.output, "unknown weight quantization 'int3'");
+  const ProcessRun none = quantize(dir, last.string(), {"--layers=^head$"});
+  CHECK(none.exit_code == 2);
+  FULGUR_CHECK_CONTAINS(none.output, "has no fulgur::nn::Linear layer matching --layers='^head$' to quantize");
+  const ProcessRun no_ckpt = quantize(dir, "last", {});
+  CHECK(no_ckpt.exit_code == 2);
+  FULGUR_CHECK_CONTAINS(no_ckpt.output, "quantize needs --ckpt_path=FILE");
 }

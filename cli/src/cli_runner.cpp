@@ -1,5 +1,6 @@
-// `fulgur fit | validate | test | predict` (fulgur/cli.h): layered config, flags, --print-config,
-// per-subcommand --help, checks that refuse bad input before anything starts, then one stage.
+// `fulgur fit | validate | test | predict | quantize` (fulgur/cli.h): layered config, flags,
+// --print-config, per-subcommand --help, checks that refuse bad input before anything starts, then
+// one stage (or, for quantize, the model's weights quantized and written).
 #include <fulgur/callback.h>
 #include <fulgur/checkpoint_io.h>
 #include <fulgur/cli.h>
@@ -8,6 +9,7 @@
 #include <fulgur/distributed_checkpoint.h>
 #include <fulgur/error.h>
 #include <fulgur/module.h>
+#include <fulgur/nn/linear.h>
 #include <fulgur/registry/registry.h>
 #include <fulgur/suggest.h>
 #include <fulgur/trainer.h>
@@ -35,7 +37,7 @@ namespace fs = std::filesystem;
 
 namespace {
 
-const std::vector<std::string> kSubcommands = {"fit", "validate", "test", "predict"};
+const std::vector<std::string> kSubcommands = {"fit", "validate", "test", "predict", "quantize"};
 
 // Bad input: one line, exit 2, nothing started.
 struct UsageError : Error {
@@ -48,6 +50,11 @@ struct CliArgs {
   std::vector<std::string> overrides;  // "section.key=value"
   std::vector<std::string> flags;      // as typed, for the header of the saved config
   std::optional<std::string> ckpt_path;
+  // quantize: --method, --group_size, --layers, --out.
+  std::string quantize_method = "int8";
+  int64_t quantize_group_size = 128;
+  std::string quantize_layers;
+  std::string quantize_out;
   bool print_config = false;
   bool help = false;
 };
@@ -62,14 +69,24 @@ std::string usage(const std::string& program, const std::string& subcommand) {
       "  --ckpt_path=PATH       checkpoint to {2}: a file, \"last\" or \"best\"\n"
       "  --print-config         print the merged config with every default and exit\n"
       "Precedence: defaults < config files in order < flags. The run writes its merged config to\n"
-      "<log dir>/config.toml; `{0} {1} --config <that file>` reproduces it.\n",
-      program, subcommand.empty() ? "fit|validate|test|predict" : subcommand,
-      subcommand == "fit" ? "resume from" : "load weights from");
+      "<log dir>/config.toml; `{0} {1} --config <that file>` reproduces it.\n{3}",
+      program, subcommand.empty() ? "fit|validate|test|predict|quantize" : subcommand,
+      subcommand == "fit" ? "resume from" : "load weights from",
+      subcommand != "quantize"
+          ? ""
+          : "quantize: the model's fulgur::nn::Linear weights from --ckpt_path=FILE, stored for serving:\n"
+            "  --method=int8|int4     int8: one scale per output channel; int4: a scale and zero per group (default "
+            "int8)\n"
+            "  --group_size=N         int4 inputs per group: 32, 64, 128 or 256 (default 128)\n"
+            "  --layers=REGEX         only the layers whose dotted name matches (default: every fulgur::nn::Linear)\n"
+            "  --out=FILE             the .safetensors file to write (default: <checkpoint>-<method>.safetensors)\n"
+            "`fulgur predict --config ... --ckpt_path=FILE` then serves the quantized model.\n");
 }
 
 CliArgs parse_cli(int argc, char** argv, const std::string& program) {
   CliArgs args;
-  if (argc < 2) throw UsageError("a subcommand is needed: fit, validate, test or predict\n" + usage(program, ""));
+  if (argc < 2)
+    throw UsageError("a subcommand is needed: fit, validate, test, predict or quantize\n" + usage(program, ""));
   args.subcommand = argv[1];
   if (!is_run_subcommand(args.subcommand)) {
     std::string message = fmt::format("unknown subcommand '{}'", args.subcommand);
@@ -90,6 +107,27 @@ CliArgs parse_cli(int argc, char** argv, const std::string& program) {
       args.print_config = true;
     } else if (a == "--config" || a.starts_with("--config=")) {
       args.configs.emplace_back(a == "--config" ? next_value(a) : a.substr(9));
+    } else if (args.subcommand == "quantize" && (a.starts_with("--method") || a.starts_with("--group_size") ||
+                                                 a.starts_with("--layers") || a.starts_with("--out"))) {
+      const size_t eq = a.find('=');
+      const std::string flag = a.substr(0, eq);
+      const std::string value = eq == std::string::npos ? next_value(flag) : a.substr(eq + 1);
+      if (flag == "--method") {
+        args.quantize_method = value;
+      } else if (flag == "--group_size") {
+        try {
+          args.quantize_group_size = std::stoll(value);
+        } catch (const std::exception&) {
+          throw UsageError(fmt::format("--group_size={}: expected a whole number (32, 64, 128 or 256)", value));
+        }
+      } else if (flag == "--layers") {
+        args.quantize_layers = value;
+      } else if (flag == "--out") {
+        args.quantize_out = value;
+      } else {
+        throw UsageError(fmt::format("unknown flag '{}' for quantize: --method, --group_size, --layers, --out", flag));
+      }
+      args.flags.push_back(flag + "=" + value);
     } else if (a == "--ckpt_path" || a.starts_with("--ckpt_path=")) {
       args.ckpt_path = a == "--ckpt_path" ? next_value(a) : a.substr(12);
       args.flags.push_back("--ckpt_path=" + *args.ckpt_path);
@@ -432,6 +470,53 @@ void print_metrics(const std::string& stage, const std::vector<MetricMap>& resul
   std::fflush(stdout);
 }
 
+// `fulgur quantize`: the checkpoint's weights into the model, its fulgur::nn::Linear layers
+// quantized (fulgur/nn/linear.h), everything written to one safetensors file whose metadata says
+// how, so that `fulgur predict --ckpt_path=<it>` rebuilds the quantized layers before loading.
+int quantize_model(const CliArgs& args, const std::string& ckpt, Module& model, const std::string& model_name,
+                   const Config& config) {
+  if (ckpt.empty() || ckpt == "last" || ckpt == "best")
+    throw UsageError(fmt::format("quantize needs --ckpt_path=FILE, the checkpoint or weights file to quantize{}",
+                                 ckpt.empty() ? "" : fmt::format(" (not \"{}\": name the file)", ckpt)));
+  nn::QuantizeOptions options(nn::weight_quantization_from_string(args.quantize_method));
+  if (options.method() == nn::WeightQuantization::none) throw UsageError("--method=none: choose int8 or int4");
+  options.group_size(args.quantize_group_size);
+  model.configure_model();  // layers a model makes there (Lightning's configure_model is idempotent)
+  load_weights(model, ckpt, LoadWeightsOptions().strict(config.trainer.get_bool("strict_loading")));
+  int64_t bytes_before = 0;
+  for (const auto& [name, t] : named_tensors(model)) bytes_before += t.numel() * t.element_size();
+  const std::vector<std::string> layers = nn::quantize_linear_weights(model, options, args.quantize_layers);
+  if (layers.empty())
+    throw UsageError(fmt::format(
+        "{} has no fulgur::nn::Linear layer{} to quantize: declare the layers to serve quantized as "
+        "fulgur::nn::Linear (fulgur/nn/linear.h; torch::nn::Linear layers cannot change their storage)",
+        model_name, args.quantize_layers.empty() ? "" : fmt::format(" matching --layers='{}'", args.quantize_layers)));
+  const TensorMap tensors = named_tensors(model);
+  int64_t bytes_after = 0;
+  for (const auto& [name, t] : tensors) bytes_after += t.numel() * t.element_size();
+  std::map<std::string, std::string> metadata = {
+      {"format", "pt"},
+      {nn::kQuantizationMetadataKey, args.quantize_method},
+      {"fulgur.quantized_layers", fmt::format("{}", fmt::join(layers, ","))}};
+  if (options.method() == nn::WeightQuantization::int4)
+    metadata.emplace("fulgur.group_size", std::to_string(options.group_size()));
+  std::string out = args.quantize_out;
+  if (out.empty())
+    out =
+        (fs::path(ckpt).parent_path() / (fs::path(ckpt).stem().string() + "-" + args.quantize_method + ".safetensors"))
+            .string();
+  save_safetensors(tensors, out, metadata);
+  std::printf(
+      "quantized %zu layer%s to %s%s: %s\n", layers.size(), layers.size() == 1 ? "" : "s", args.quantize_method.c_str(),
+      options.method() == nn::WeightQuantization::int4 ? fmt::format(" (group size {})", options.group_size()).c_str()
+                                                       : "",
+      fmt::format("{}", fmt::join(layers, ", ")).c_str());
+  std::printf("weights: %.2f MB -> %.2f MB (%.2fx smaller)\n", bytes_before / 1e6, bytes_after / 1e6,
+              static_cast<double>(bytes_before) / static_cast<double>(std::max<int64_t>(bytes_after, 1)));
+  std::printf("wrote %s; serve it with `fulgur predict --config ... --ckpt_path=%s`\n", out.c_str(), out.c_str());
+  return 0;
+}
+
 int run(const CliApp& app, const CliArgs& args) {
   // 1. The config: files and flags merged, every selected plugin and value checked.
   if (args.configs.empty() && args.overrides.empty() && !args.help)
@@ -494,10 +579,15 @@ int run(const CliApp& app, const CliArgs& args) {
   const std::string model_name = app.make_model
                                      ? (app.model_type.empty() ? std::string("this program's model") : app.model_type)
                                      : fmt::format("model '{}'", config.model_plugin.name);
+  // Weights `fulgur quantize` wrote: the model's layers take their quantized form before the check
+  // (and the stage's load) compares keys and shapes.
+  if (ckpt_state && args.subcommand != "quantize" && detect_weights_format(ckpt) == WeightsFormat::safetensors)
+    nn::prepare_quantized_layers(*user.model, read_safetensors_header(ckpt).metadata);
   if (ckpt_state)
     check_checkpoint_matches(*ckpt_state, ckpt, ckpt_flag, *user.model, model_name,
                              config.trainer.get_bool("strict_loading"));
   ckpt_state.reset();  // the stage reads the file itself; do not hold a second copy of the weights
+  if (args.subcommand == "quantize") return quantize_model(args, ckpt, *user.model, model_name, config);
   auto save_config = std::make_shared<SaveConfig>(config_text);
   trainer.add_callback(save_config, "save_config");
 

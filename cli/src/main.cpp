@@ -44,6 +44,8 @@ constexpr const char* kUsage =
     "usage:\n"
     "  fulgur fit|validate|test|predict --config FILE [--config FILE ...] [--SECTION.KEY=VALUE ...]\n"
     "                                   [--ckpt_path=PATH|last|best] [--print-config] [--help]\n"
+    "  fulgur quantize --config FILE --ckpt_path=FILE [--method=int8|int4] [--group_size=N] [--layers=REGEX]\n"
+    "                  [--out=FILE]\n"
     "  fulgur plugins list [--config FILE] [--all]\n"
     "  fulgur plugins describe NAME | --all [--kind KIND] [--config FILE] [--json]\n"
     "  fulgur plugins load NAME [--kind KIND] [--config FILE]\n"
@@ -312,7 +314,7 @@ int main(int argc, char** argv) {
     if (!p.empty() && p[0] == "weights") return cli::weights_main(p);
     if (!p.empty() && p[0] == "checkpoint") return cli::checkpoint_main(p);
     if (!p.empty()) {
-      const std::vector<std::string> commands = {"fit",     "validate", "test",    "predict",
+      const std::vector<std::string> commands = {"fit",     "validate", "test",    "predict",   "quantize",
                                                  "plugins", "config",   "weights", "checkpoint"};
       std::string message = fmt::format("unknown command '{}'", p[0]);
       if (std::string s = closest_match(p[0], commands); !s.empty()) message += fmt::format("; did you mean '{}'?", s);

@@ -5,6 +5,8 @@
 
 #include "fashion_mnist.h"
 
+#include <fulgur/nn/linear.h>
+
 #include <torch/nn.h>
 #include <torch/types.h>
 
@@ -27,8 +29,8 @@ class FashionMnistCnn : public FashionMnistClassifier {
     conv1 = register_module("conv1", torch::nn::Conv2d(torch::nn::Conv2dOptions(1, 32, 3).padding(1)));
     conv2 = register_module("conv2", torch::nn::Conv2d(torch::nn::Conv2dOptions(32, 64, 3).padding(1)));
     dropout = register_module("dropout", torch::nn::Dropout(hparams.get_float("dropout")));
-    fc1 = register_module("fc1", torch::nn::Linear(64 * 7 * 7, 128));
-    fc2 = register_module("fc2", torch::nn::Linear(128, kFashionMnistClasses));
+    fc1 = register_module("fc1", fulgur::nn::Linear(64 * 7 * 7, 128));
+    fc2 = register_module("fc2", fulgur::nn::Linear(128, kFashionMnistClasses));
   }
 
   at::Tensor forward(const at::Tensor& images) override {
@@ -42,7 +44,9 @@ class FashionMnistCnn : public FashionMnistClassifier {
 
   torch::nn::Conv2d conv1{nullptr}, conv2{nullptr};
   torch::nn::Dropout dropout{nullptr};
-  torch::nn::Linear fc1{nullptr}, fc2{nullptr};
+  // fulgur::nn::Linear rather than torch::nn::Linear: the same layer, which `fulgur quantize` can
+  // store int8 or int4 for serving.
+  fulgur::nn::Linear fc1{nullptr}, fc2{nullptr};
 };
 
 // 784 -> 256 -> 10.
@@ -50,15 +54,15 @@ class FashionMnistMlp : public FashionMnistClassifier {
  public:
   static constexpr auto hparams_schema = option_schema(FULGUR_FASHION_MNIST_OPTIMIZER_OPTIONS);
   explicit FashionMnistMlp(Options hp) : FashionMnistClassifier(with_arch(std::move(hp), "mlp")) {
-    fc1 = register_module("fc1", torch::nn::Linear(28 * 28, 256));
-    fc2 = register_module("fc2", torch::nn::Linear(256, kFashionMnistClasses));
+    fc1 = register_module("fc1", fulgur::nn::Linear(28 * 28, 256));
+    fc2 = register_module("fc2", fulgur::nn::Linear(256, kFashionMnistClasses));
   }
 
   at::Tensor forward(const at::Tensor& images) override {
     return fc2->forward(torch::relu(fc1->forward(images.flatten(1))));
   }
 
-  torch::nn::Linear fc1{nullptr}, fc2{nullptr};
+  fulgur::nn::Linear fc1{nullptr}, fc2{nullptr};
 };
 
 }  // namespace fulgur::examples

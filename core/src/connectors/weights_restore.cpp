@@ -5,6 +5,7 @@
 // a checkpoint that fit cannot resume (one written by Python's Lightning, or bare weights).
 #include <fulgur/distributed_checkpoint.h>
 #include <fulgur/error.h>
+#include <fulgur/nn/linear.h>
 #include <fulgur/weights.h>
 
 #include <ATen/core/ivalue.h>
@@ -84,10 +85,12 @@ void CheckpointConnector::restore_weights_only(const std::string& path, const Te
   options.strict(t.trainer_config_.strict_loading);
   // A file given as ckpt_path is loaded with its keys as they are; mapping them is init_weights' job.
   detail::WeightsHintSpelling spelling;
-  spelling.strip_prefix = fmt::format(
-      "[trainer] init_weights = \"{}\" with init_weights_strip_prefix = \"{{}}\" instead of ckpt_path", fmt_literal(path));
+  spelling.strip_prefix =
+      fmt::format("[trainer] init_weights = \"{}\" with init_weights_strip_prefix = \"{{}}\" instead of ckpt_path",
+                  fmt_literal(path));
   spelling.add_prefix =
-      fmt::format("[trainer] init_weights = \"{}\" with init_weights_add_prefix = \"{{}}\" instead of ckpt_path", fmt_literal(path));
+      fmt::format("[trainer] init_weights = \"{}\" with init_weights_add_prefix = \"{{}}\" instead of ckpt_path",
+                  fmt_literal(path));
   spelling.not_strict = "[trainer] strict_loading = false";
   spelling.skip_mismatched = "";
   LoadReport report;
@@ -110,7 +113,14 @@ void CheckpointConnector::restore_model_for(Stage stage, const std::string& ckpt
   const std::string shown = std::filesystem::absolute(path).lexically_normal().string();
   if (t.global_rank() == 0) spdlog::info("Restoring states from the checkpoint path at {}", shown);
   if (is_weights_only_file(path)) {
-    restore_weights_only(path, read_weights(path, WeightsFormat::safetensors));
+    std::map<std::string, std::string> metadata;
+    const TensorMap tensors = read_safetensors(path, &metadata);
+    // Weights `fulgur quantize` wrote: the model's fulgur::nn::Linear layers take the quantized form
+    // the metadata names before the load compares keys and shapes.
+    if (nn::prepare_quantized_layers(*t.module_, metadata) && t.global_rank() == 0)
+      spdlog::info("{}: serving the layers {} with {} weights", path, metadata.at("fulgur.quantized_layers"),
+                   metadata.at(nn::kQuantizationMetadataKey));
+    restore_weights_only(path, tensors);
     return;
   }
   ReadCheckpoint checkpoint;

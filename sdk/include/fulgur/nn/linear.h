@@ -1,0 +1,157 @@
+/// @file
+/// fulgur::nn::Linear: torch::nn::Linear's layer whose weight can be stored quantized for inference
+/// (int8 per output channel, or int4 in groups along the input dimension: "weight-only"
+/// quantization, activations stay in floating point). SDK 1.3.
+///
+/// LibTorch's C++ modules cannot be swapped for quantized ones after the fact: a parent calls its
+/// typed member (`torch::nn::Linear fc`) directly. A model that wants to serve quantized declares
+/// this layer where it would declare torch::nn::Linear. Unquantized it computes exactly what
+/// torch::nn::Linear computes (the same at::linear call), with the same parameter names (`weight`,
+/// `bias`) and initialization, so checkpoints and state dicts are interchangeable with
+/// torch.nn.Linear.
+///
+/// Quantized (quantize_weight, or load_quantized_weights for a file `fulgur quantize` wrote), the
+/// float `weight` parameter is replaced by buffers, stored unpacked so that any program can read
+/// them:
+///
+///   int8:  weight [out, in] int8, weight_scale [out] float32;            w = weight * scale
+///   int4:  weight [out, in] uint8 in 0..15, weight_scale and weight_zero
+///          [out, in / group_size] float32;                                w = (weight - 8) * scale + zero
+///
+/// (the int4 convention is tinygemm's, as torchao's Int4WeightOnlyConfig uses it). The forward then
+/// runs ATen's weight-only kernels (at::_weight_int8pack_mm; at::_weight_int4pack_mm_for_cpu on a
+/// weight packed once, at the first forward, for the CPU's kernel), and its output equals the input
+/// multiplied by the dequantized weight. Quantized layers are for inference: they have no weight
+/// gradient.
+#pragma once
+
+#include <fulgur/export.h>
+
+#include <torch/arg.h>
+#include <torch/nn/cloneable.h>
+#include <torch/nn/pimpl.h>
+
+#include <cstdint>
+#include <iosfwd>
+#include <map>
+#include <memory>
+#include <string>
+
+namespace fulgur::nn {
+
+/// Options of fulgur::nn::Linear: torch::nn::LinearOptions' fields and defaults,
+/// `fulgur::nn::LinearOptions(784, 256).bias(false)`.
+struct LinearOptions {
+  /// A layer from `in_features` inputs to `out_features` outputs.
+  LinearOptions(int64_t in_features, int64_t out_features) : in_features_(in_features), out_features_(out_features) {}
+  /// Size of each input sample (the input's last dimension).
+  TORCH_ARG(int64_t, in_features);
+  /// Size of each output sample.
+  TORCH_ARG(int64_t, out_features);
+  /// Learn an additive bias.
+  TORCH_ARG(bool, bias) = true;
+};
+
+/// How a weight is stored. The values are stable (they are written into files' metadata by name,
+/// see to_string).
+enum class WeightQuantization : int32_t {
+  none = 0,  ///< float weight (the parameter `weight`)
+  int8 = 1,  ///< symmetric int8, one scale per output channel
+  int4 = 2,  ///< asymmetric 4-bit, a scale and a zero per group of `group_size` inputs
+};
+
+/// "none", "int8" or "int4" (what safetensors metadata and `fulgur quantize --method` say).
+FULGUR_SDK_API std::string to_string(WeightQuantization quantization);
+
+/// The WeightQuantization named `name` ("int8", "int4", "none"); throws fulgur::Error(config)
+/// naming the accepted names otherwise.
+FULGUR_SDK_API WeightQuantization weight_quantization_from_string(const std::string& name);
+
+/// What quantize_weight does: `fulgur::nn::QuantizeOptions(WeightQuantization::int4).group_size(32)`.
+struct QuantizeOptions {
+  /// Quantize to `method`.
+  /* implicit */ QuantizeOptions(WeightQuantization method) : method_(method) {}
+  /// The storage to quantize to.
+  TORCH_ARG(WeightQuantization, method);
+  /// int4: inputs per group (32, 64, 128 or 256; it must divide in_features).
+  TORCH_ARG(int64_t, group_size) = 128;
+};
+
+/// A fully connected layer, y = x Wᵀ + b, like torch::nn::Linear, that can hold its weight
+/// quantized (see the file comment).
+class FULGUR_SDK_API LinearImpl : public torch::nn::Cloneable<LinearImpl> {
+ public:
+  /// A layer with `options`' sizes, initialized as torch::nn::Linear initializes.
+  explicit LinearImpl(const LinearOptions& options);
+  /// A layer from `in_features` to `out_features` with a bias.
+  LinearImpl(int64_t in_features, int64_t out_features) : LinearImpl(LinearOptions(in_features, out_features)) {}
+  /// A copy with its own quantization state (what torch::nn::Cloneable::clone starts from; clone()
+  /// of a quantized layer is refused by libtorch, its parameters differ from a fresh layer's).
+  LinearImpl(const LinearImpl& other);
+  /// Assigns `other`'s options, tensors and quantization state (torch::nn::Cloneable's clone_ uses it).
+  LinearImpl& operator=(const LinearImpl& other);
+  ~LinearImpl() override;
+  /// Creates the float parameters and initializes them (kaiming-uniform weight, uniform bias): what
+  /// the constructor and torch::nn::Cloneable::clone call, on a layer without parameters.
+  void reset() override;
+  /// Re-initializes the float parameters as torch::nn::Linear::reset_parameters does.
+  void reset_parameters();
+  /// `input` [..., in_features] → [..., out_features], in the input's floating type.
+  at::Tensor forward(const at::Tensor& input);
+  /// `fulgur::nn::Linear(in_features=…, out_features=…, bias=…[, weight=int8])`.
+  void pretty_print(std::ostream& stream) const override;
+
+  /// Quantizes the float weight in place (the parameter `weight` becomes the buffers the file
+  /// comment lists). int8: scale = max |w| / 127 per output channel, weight = round(w / scale).
+  /// int4: per group, scale = (max - min) / 15, zero = min + 8 scale, weight = round((w - min) /
+  /// scale) clamped to 0..15. Throws fulgur::Error(invalid_argument) if the layer is quantized
+  /// already or group_size does not divide in_features.
+  void quantize_weight(const QuantizeOptions& options);
+  /// Gives the layer the quantized buffers of `method`, with the right shapes and zero values, for
+  /// a strict load of a quantized state dict (load_quantized_weights does this for every layer).
+  void prepare_quantized(const QuantizeOptions& options);
+  /// How the weight is stored now.
+  WeightQuantization quantization() const;
+  /// int4: the group size; 0 otherwise.
+  int64_t group_size() const;
+  /// The weight as float32 [out_features, in_features]: the parameter, or the dequantized buffers.
+  at::Tensor dequantized_weight() const;
+
+  /// The options the layer was made with.
+  LinearOptions options;
+  /// Unquantized: the float weight [out_features, in_features] (a parameter). Quantized: the
+  /// integer weight (a buffer; see the file comment).
+  at::Tensor weight;
+  /// The bias [out_features] (a parameter; undefined without bias).
+  at::Tensor bias;
+
+ private:
+  struct State;
+  std::unique_ptr<State> state_;  // quantization scales, packed kernel weights; grows without changing this layout
+};
+
+/// The module holder: `fulgur::nn::Linear fc = register_module("fc", fulgur::nn::Linear(784, 256));`.
+TORCH_MODULE(Linear);
+
+/// Quantizes the weight of every fulgur::nn::Linear under `module` (itself included) whose dotted
+/// name matches the ECMAScript regex `filter` (empty: all), e.g. "^(?!lm_head)" to skip the output
+/// layer. Returns the names of the layers it quantized. Layers declared as torch::nn::Linear are
+/// left alone (they cannot run quantized); convolutions and embeddings are not touched.
+FULGUR_SDK_API std::vector<std::string> quantize_linear_weights(torch::nn::Module& module,
+                                                                const QuantizeOptions& options,
+                                                                const std::string& filter = "");
+
+/// The safetensors metadata key under which quantized weight files say how they were quantized:
+/// "fulgur.quantization" = "int8" | "int4", with "fulgur.group_size" for int4, and
+/// "fulgur.quantized_layers" = the comma-separated dotted names of the quantized layers.
+inline constexpr const char* kQuantizationMetadataKey = "fulgur.quantization";
+
+/// Before a strict load of a file written from a quantized model: prepares every layer that
+/// `metadata` (the file's safetensors metadata) lists as quantized. Returns false, doing nothing,
+/// when the metadata says nothing of quantization. Throws fulgur::Error(checkpoint) naming the
+/// layer when a listed layer is missing from `module` or is not a fulgur::nn::Linear (declare it
+/// as fulgur::nn::Linear to serve it quantized).
+FULGUR_SDK_API bool prepare_quantized_layers(torch::nn::Module& module,
+                                             const std::map<std::string, std::string>& metadata);
+
+}  // namespace fulgur::nn
