@@ -259,3 +259,50 @@ TEST_CASE("#38.3 fulgur quantize: int8 and int4 weight-only Fashion-MNIST MLP se
   CHECK(no_ckpt.exit_code == 2);
   FULGUR_CHECK_CONTAINS(no_ckpt.output, "quantize needs --ckpt_path=FILE");
 }
+
+TEST_CASE("#38.2 qat callback: int4 quantization-aware training serves within 0.5 points of float training") {
+  if (fashion_mnist_missing()) return;
+  TempDir dir;
+  const auto config = [&](const std::string& root, const std::string& extra) {
+    return fmt::format(
+        "[trainer]\nmax_epochs = 1\nseed = 5\nlimit_train_batches = 300\nlimit_val_batches = 2\n"
+        "enable_progress_bar = false\nenable_model_summary = false\ndefault_root_dir = \"{}\"\n\n"
+        "[model]\nname = \"fashion_mnist_mlp\"\n\n[data]\nname = \"fashion_mnist\"\ndir = \"{}\"\n"
+        "batch_size = 64\n\n[[callbacks]]\nname = \"model_checkpoint\"\nsave_last = true\n{}",
+        (dir / root).string(), kFashionMnist.string(), extra);
+  };
+  const auto last_of = [&](const std::string& root) {
+    for (const auto& entry : fs::recursive_directory_iterator(dir / root))
+      if (entry.path().filename() == "last.ckpt") return entry.path().string();
+    FAIL("no last.ckpt under " << root);
+    return std::string();
+  };
+  // Float training, then its weights served as int4 (post-training quantization).
+  write_bytes(dir / "run.toml", config("float", ""));
+  REQUIRE(run_process({FULGUR_TEST_FULGUR_BIN, "fit", "--config", "run.toml"}, kEnv, dir.path()).exit_code == 0);
+  const double fp32 = test_accuracy(dir, last_of("float"));
+
+  // The same run with quantization-aware training for int4 (group 32).
+  write_bytes(dir / "run.toml", config("qat", "\n[[callbacks]]\nname = \"qat\"\nmethod = \"int4\"\ngroup_size = 32\n"));
+  const ProcessRun qat = run_process({FULGUR_TEST_FULGUR_BIN, "fit", "--config", "run.toml"},
+                                     {{"FULGUR_LOG_LEVEL", "info"}, {"FULGUR_PLUGIN_PATH", ""}}, dir.path());
+  REQUIRE_MESSAGE(qat.exit_code == 0, qat.output);
+  FULGUR_CHECK_CONTAINS(qat.output, "callback 'qat': training 2 layers for int4 storage (group size 32): fc1, fc2");
+  FULGUR_CHECK_CONTAINS(qat.output, "callback 'qat': converted 2 layers to int4 (group size 32)");
+  const std::string qat_last = last_of("qat");
+  // With the callback configured, `fulgur test` evaluates the fake-quantized model...
+  const double fake_quantized = test_accuracy(dir, qat_last);
+  // ...which is what the quantized file serves.
+  const ProcessRun converted = quantize(dir, qat_last, {"--method=int4", "--group_size=32", "--out=qat.safetensors"});
+  REQUIRE_MESSAGE(converted.exit_code == 0, converted.output);
+  const double served = test_accuracy(dir, "qat.safetensors");
+  MESSAGE("test accuracy: float " << fp32 << ", int4 QAT fake-quantized " << fake_quantized << ", served " << served);
+  CHECK(std::abs(served - fake_quantized) <= 2e-4);  // the same values up to float summation order
+  CHECK(std::abs(served - fp32) <= 0.005);
+
+  // Bad options: one clear line.
+  write_bytes(dir / "bad.toml", config("bad", "\n[[callbacks]]\nname = \"qat\"\nmethod = \"int2\"\n"));
+  const ProcessRun bad = run_process({FULGUR_TEST_FULGUR_BIN, "fit", "--config", "bad.toml"}, kEnv, dir.path());
+  CHECK(bad.exit_code != 0);
+  FULGUR_CHECK_CONTAINS(bad.output, "callback 'qat': method = \"int2\" must be \"int8\" or \"int4\"");
+}

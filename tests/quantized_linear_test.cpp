@@ -165,3 +165,31 @@ TEST_CASE("#38.3 quantized weights for a layer declared as torch::nn::Linear are
   CHECK(contains(error_from([&] { fulgur::nn::weight_quantization_from_string("int3"); }).what(),
                  "unknown weight quantization 'int3'"));
 }
+
+TEST_CASE(
+    "#38.2 quantization-aware training: the forward is the quantized layer's, the gradient goes straight through") {
+  for (const auto method : {WeightQuantization::int8, WeightQuantization::int4}) {
+    CAPTURE(fulgur::nn::to_string(method));
+    torch::manual_seed(8);
+    fulgur::nn::Linear trained(784, 10);  // int4: 24 whole groups of 32 and one of 16
+    trained->fake_quantize(fulgur::nn::FakeQuantizeOptions(method).group_size(32));
+    CHECK((trained->fake_quantization() == method));
+    const at::Tensor x = torch::randn({6, 784});
+    const at::Tensor y = trained->forward(x);
+    // The same layer stored quantized computes the same outputs.
+    auto stored = std::dynamic_pointer_cast<fulgur::nn::LinearImpl>(trained->clone());
+    stored->fake_quantize(WeightQuantization::none);
+    stored->quantize_weight(QuantizeOptions(method).group_size(32));
+    CHECK(torch::allclose(y, stored->forward(x), 1e-5, 1e-5));
+    CHECK_FALSE(torch::allclose(y, torch::nn::functional::linear(x, trained->weight, trained->bias), 1e-4, 1e-4));
+    // Straight through: the float weight's gradient is the gradient at the quantized weight.
+    y.pow(2).sum().backward();
+    const at::Tensor w_q = stored->dequantized_weight().requires_grad_(true);
+    torch::nn::functional::linear(x, w_q, trained->bias.detach()).pow(2).sum().backward();
+    CHECK(torch::allclose(trained->weight.grad(), w_q.grad(), 1e-5, 1e-4));
+  }
+  // A quantized layer has no float weight to train.
+  fulgur::nn::Linear done(64, 4);
+  done->quantize_weight(WeightQuantization::int8);
+  CHECK(contains(error_from([&] { done->fake_quantize(WeightQuantization::int8); }).what(), "needs the float weight"));
+}

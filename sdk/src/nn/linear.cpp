@@ -16,6 +16,8 @@ namespace fulgur::nn {
 struct LinearImpl::State {
   WeightQuantization quantization = WeightQuantization::none;
   int64_t group_size = 0;
+  WeightQuantization fake = WeightQuantization::none;  // quantization-aware training
+  int64_t fake_group_size = 0;
   at::Tensor scale;  // int8: [out]; int4: [out, in / group]
   at::Tensor zero;   // int4: [out, in / group]
   // int4 on the CPU: the kernel's packed layout and its [in / group, out, 2] scales and zeros, made
@@ -138,70 +140,97 @@ void LinearImpl::prepare_quantized(const QuantizeOptions& q) {
   state_->packed = at::Tensor();
 }
 
-void LinearImpl::quantize_weight(const QuantizeOptions& q) {
-  if (state_->quantization != WeightQuantization::none)
-    throw Error(ErrorKind::invalid_argument, fmt::format("fulgur::nn::Linear: the weight is already quantized ({})",
-                                                         to_string(state_->quantization)));
-  if (q.method() == WeightQuantization::int4) check_group_size(q.group_size());
-  const at::Tensor w = weight.detach().to(at::kFloat);
-  at::Tensor values, scale, zero;
-  if (q.method() == WeightQuantization::int8) {
+namespace {
+
+struct QuantizedWeight {
+  at::Tensor values, scale, zero;  // zero: int4 only
+};
+
+// The storage quantize_weight makes from the float weight `w` [out, in] (see the header).
+QuantizedWeight quantize(const at::Tensor& w, WeightQuantization method, int64_t group_size) {
+  QuantizedWeight q;
+  if (method == WeightQuantization::int8) {
     // Symmetric per output channel; an all-zero row keeps scale 1 (any scale represents it).
-    scale = w.abs().amax(1) / 127.0;
-    scale = at::where(scale > 0, scale, at::ones_like(scale));
-    values = at::clamp(at::round(w / scale.unsqueeze(1)), -128, 127).to(at::kChar);
-  } else if (q.method() == WeightQuantization::int4) {
-    // Asymmetric per group: min maps to 0, max to 15; zero is the value code 8 stands for. A last
-    // group cut short by in_features takes its min and max over the columns it has.
-    const int64_t out = options.out_features(), in = options.in_features();
-    const int64_t groups = group_count(in, q.group_size()), padded = groups * q.group_size();
-    const auto grouped = [&](double fill) {
-      return pad_columns(w, padded, fill).reshape({out, groups, q.group_size()});
-    };
-    const at::Tensor low = grouped(INFINITY).amin(-1), high = grouped(-INFINITY).amax(-1);
-    scale = (high - low) / 15.0;
-    scale = at::where(scale > 0, scale, at::ones_like(scale));
-    zero = low + scale * 8.0;
-    values = at::clamp(at::round((grouped(0.0) - low.unsqueeze(-1)) / scale.unsqueeze(-1)), 0, 15)
+    q.scale = w.abs().amax(1) / 127.0;
+    q.scale = at::where(q.scale > 0, q.scale, at::ones_like(q.scale));
+    q.values = at::clamp(at::round(w / q.scale.unsqueeze(1)), -128, 127).to(at::kChar);
+    return q;
+  }
+  // Asymmetric per group: min maps to 0, max to 15; zero is the value code 8 stands for. A last
+  // group cut short by in_features takes its min and max over the columns it has.
+  const int64_t out = w.size(0), in = w.size(1);
+  const int64_t groups = group_count(in, group_size), padded = groups * group_size;
+  const auto grouped = [&](double fill) { return pad_columns(w, padded, fill).reshape({out, groups, group_size}); };
+  const at::Tensor low = grouped(INFINITY).amin(-1), high = grouped(-INFINITY).amax(-1);
+  q.scale = (high - low) / 15.0;
+  q.scale = at::where(q.scale > 0, q.scale, at::ones_like(q.scale));
+  q.zero = low + q.scale * 8.0;
+  q.values = at::clamp(at::round((grouped(0.0) - low.unsqueeze(-1)) / q.scale.unsqueeze(-1)), 0, 15)
                  .to(at::kByte)
                  .reshape({out, padded})
                  .narrow(1, 0, in)
                  .contiguous();
-  } else {
-    throw Error(ErrorKind::invalid_argument, "fulgur::nn::Linear::quantize_weight: choose int8 or int4");
-  }
-  prepare_quantized(q);
-  torch::NoGradGuard no_grad;
-  weight.copy_(values);
-  state_->scale.copy_(scale);
-  if (zero.defined()) state_->zero.copy_(zero);
+  return q;
 }
+
+// The float weight the storage stands for (int8: values * scale; int4: (values - 8) * scale + zero).
+at::Tensor dequantize(const at::Tensor& values, const at::Tensor& scale, const at::Tensor& zero, int64_t group_size) {
+  if (!zero.defined()) return values.to(at::kFloat) * scale.unsqueeze(1);
+  const int64_t out = values.size(0), in = values.size(1);
+  const int64_t groups = scale.size(1), padded = groups * group_size;
+  const at::Tensor grouped = pad_columns(values.to(at::kFloat), padded, 8.0).reshape({out, groups, group_size});
+  return ((grouped - 8.0) * scale.unsqueeze(-1) + zero.unsqueeze(-1)).reshape({out, padded}).narrow(1, 0, in);
+}
+
+}  // namespace
+
+void LinearImpl::quantize_weight(const QuantizeOptions& q) {
+  if (state_->quantization != WeightQuantization::none)
+    throw Error(ErrorKind::invalid_argument, fmt::format("fulgur::nn::Linear: the weight is already quantized ({})",
+                                                         to_string(state_->quantization)));
+  if (q.method() == WeightQuantization::none)
+    throw Error(ErrorKind::invalid_argument, "fulgur::nn::Linear::quantize_weight: choose int8 or int4");
+  if (q.method() == WeightQuantization::int4) check_group_size(q.group_size());
+  const QuantizedWeight quantized = quantize(weight.detach().to(at::kFloat), q.method(), q.group_size());
+  prepare_quantized(q);
+  state_->fake = WeightQuantization::none;
+  torch::NoGradGuard no_grad;
+  weight.copy_(quantized.values);
+  state_->scale.copy_(quantized.scale);
+  if (quantized.zero.defined()) state_->zero.copy_(quantized.zero);
+}
+
+void LinearImpl::fake_quantize(const FakeQuantizeOptions& options) {
+  if (state_->quantization != WeightQuantization::none)
+    throw Error(ErrorKind::invalid_argument,
+                "fulgur::nn::Linear::fake_quantize: the weight is quantized already (quantization-aware training "
+                "needs the float weight)");
+  if (options.method() == WeightQuantization::int4) check_group_size(options.group_size());
+  state_->fake = options.method();
+  state_->fake_group_size = options.method() == WeightQuantization::int4 ? options.group_size() : 0;
+}
+
+WeightQuantization LinearImpl::fake_quantization() const { return state_->fake; }
 
 WeightQuantization LinearImpl::quantization() const { return state_->quantization; }
 int64_t LinearImpl::group_size() const { return state_->group_size; }
 
 at::Tensor LinearImpl::dequantized_weight() const {
-  switch (state_->quantization) {
-    case WeightQuantization::none:
-      return weight.detach().to(at::kFloat);
-    case WeightQuantization::int8:
-      return weight.to(at::kFloat) * state_->scale.unsqueeze(1);
-    case WeightQuantization::int4: {
-      const int64_t out = options.out_features(), in = options.in_features();
-      const int64_t groups = state_->scale.size(1), padded = groups * state_->group_size;
-      const at::Tensor grouped =
-          pad_columns(weight.to(at::kFloat), padded, 8.0).reshape({out, groups, state_->group_size});
-      return ((grouped - 8.0) * state_->scale.unsqueeze(-1) + state_->zero.unsqueeze(-1))
-          .reshape({out, padded})
-          .narrow(1, 0, in);
-    }
-  }
-  return {};
+  if (state_->quantization == WeightQuantization::none) return weight.detach().to(at::kFloat);
+  return dequantize(weight, state_->scale, state_->zero, state_->group_size);
 }
 
 at::Tensor LinearImpl::forward(const at::Tensor& input) {
   State& s = *state_;
-  if (s.quantization == WeightQuantization::none) return at::linear(input, weight, bias);
+  if (s.quantization == WeightQuantization::none) {
+    if (s.fake == WeightQuantization::none) return at::linear(input, weight, bias);
+    // Quantization-aware training: the stored weight's values forward, the float weight's gradient
+    // backward (w + (q(w) - w).detach() has the value q(w) and the derivative 1).
+    const at::Tensor w = weight.detach().to(at::kFloat);
+    const QuantizedWeight q = quantize(w, s.fake, s.fake_group_size);
+    const at::Tensor offset = (dequantize(q.values, q.scale, q.zero, s.fake_group_size) - w).to(weight.scalar_type());
+    return at::linear(input, weight + offset, bias);
+  }
   // The weight-only kernels take a 2-D input of the scales' floating type.
   const auto leading = input.sizes().slice(0, input.dim() - 1);
   const at::Tensor x = input.reshape({-1, options.in_features()});
@@ -269,6 +298,30 @@ std::vector<std::string> quantize_linear_weights(torch::nn::Module& module, cons
     if (!linear || linear->quantization() != WeightQuantization::none) continue;
     if (pattern && !std::regex_search(key, *pattern)) continue;
     linear->quantize_weight(options);
+    done.push_back(key);
+  }
+  return done;
+}
+
+std::vector<std::string> fake_quantize_linear_layers(torch::nn::Module& module, const FakeQuantizeOptions& options,
+                                                     const std::string& filter) {
+  std::optional<std::regex> pattern;
+  if (!filter.empty()) {
+    try {
+      pattern.emplace(filter, std::regex::ECMAScript);
+    } catch (const std::regex_error& e) {
+      throw Error(ErrorKind::config, fmt::format("layer filter '{}' is not a valid regex: {}", filter, e.what()));
+    }
+  }
+  std::vector<std::pair<std::string, torch::nn::Module*>> layers = {{"", &module}};
+  for (const auto& item : module.named_modules("", /*include_self=*/false))
+    layers.emplace_back(item.key(), item.value().get());
+  std::vector<std::string> done;
+  for (const auto& [key, layer] : layers) {
+    auto* linear = dynamic_cast<LinearImpl*>(layer);
+    if (!linear || linear->quantization() != WeightQuantization::none) continue;
+    if (pattern && !std::regex_search(key, *pattern)) continue;
+    linear->fake_quantize(options);
     done.push_back(key);
   }
   return done;

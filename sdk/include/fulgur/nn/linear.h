@@ -77,6 +77,20 @@ struct QuantizeOptions {
   TORCH_ARG(int64_t, group_size) = 128;
 };
 
+/// Quantization-aware training: the forward computes with the weight as `quantize_weight(options)`
+/// would store it (quantized then dequantized with scales from the current weight), while the
+/// gradient flows to the float weight unchanged (straight-through estimator). Since the scales come
+/// from each row's (int8) or group's (int4) minimum and maximum, no weight is clipped, so the
+/// straight-through gradient is exact. `fulgur::nn::FakeQuantizeOptions(WeightQuantization::int4).group_size(32)`.
+struct FakeQuantizeOptions {
+  /// Train for `method` storage.
+  /* implicit */ FakeQuantizeOptions(WeightQuantization method) : method_(method) {}
+  /// The storage the training prepares for (int8 or int4).
+  TORCH_ARG(WeightQuantization, method);
+  /// int4: inputs per group (32, 64, 128 or 256).
+  TORCH_ARG(int64_t, group_size) = 128;
+};
+
 /// A fully connected layer, y = x Wᵀ + b, like torch::nn::Linear, that can hold its weight
 /// quantized (see the file comment).
 class FULGUR_SDK_API LinearImpl : public torch::nn::Cloneable<LinearImpl> {
@@ -110,6 +124,12 @@ class FULGUR_SDK_API LinearImpl : public torch::nn::Cloneable<LinearImpl> {
   /// Gives the layer the quantized buffers of `method`, with the right shapes and zero values, for
   /// a strict load of a quantized state dict (load_quantized_weights does this for every layer).
   void prepare_quantized(const QuantizeOptions& options);
+  /// Quantization-aware training on (see FakeQuantizeOptions) or, with WeightQuantization::none, off.
+  /// Throws fulgur::Error(invalid_argument) on a quantized layer or for a group size the int4
+  /// storage cannot take.
+  void fake_quantize(const FakeQuantizeOptions& options);
+  /// What fake_quantize set: WeightQuantization::none when off.
+  WeightQuantization fake_quantization() const;
   /// How the weight is stored now.
   WeightQuantization quantization() const;
   /// int4: the group size; 0 otherwise.
@@ -132,6 +152,13 @@ class FULGUR_SDK_API LinearImpl : public torch::nn::Cloneable<LinearImpl> {
 
 /// The module holder: `fulgur::nn::Linear fc = register_module("fc", fulgur::nn::Linear(784, 256));`.
 TORCH_MODULE(Linear);
+
+/// Turns quantization-aware training on (or off, with WeightQuantization::none) for every
+/// unquantized fulgur::nn::Linear under `module` whose dotted name matches `filter` (as
+/// quantize_linear_weights). Returns the names of the layers it set.
+FULGUR_SDK_API std::vector<std::string> fake_quantize_linear_layers(torch::nn::Module& module,
+                                                                    const FakeQuantizeOptions& options,
+                                                                    const std::string& filter = "");
 
 /// Quantizes the weight of every fulgur::nn::Linear under `module` (itself included) whose dotted
 /// name matches the ECMAScript regex `filter` (empty: all), e.g. "^(?!lm_head)" to skip the output
