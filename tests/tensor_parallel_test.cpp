@@ -1,0 +1,153 @@
+// Tensor and sequence parallelism (fulgur/device_mesh.h, fulgur/nn/tensor_parallel.h) on 2 and 4
+// Gloo processes over loopback: every rank runs tests/tp_worker.cpp, which compares the parallel
+// layers with the same model computed whole in one process and prints what it found.
+#include <arpa/inet.h>
+#include <doctest/doctest.h>
+#include <fmt/format.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <map>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "test_support.h"
+
+namespace {
+
+using fulgur::test::TempDir;
+namespace fs = std::filesystem;
+
+int free_port() {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof(addr);
+  REQUIRE(bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0);
+  REQUIRE(getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0);
+  close(fd);
+  return ntohs(addr.sin_port);
+}
+
+struct Rank {
+  int status = -1;
+  std::string output;
+  std::map<std::string, double> diffs;  // `diff <name> <value>`
+  std::map<std::string, int> checks;    // `check <name> <0|1>`
+};
+
+// Runs `scenario` on `world` ranks; kills them all after two minutes (a hang fails the test).
+std::vector<Rank> run_ranks(const std::string& scenario, int world) {
+  TempDir dir;
+  const int port = free_port();
+  std::vector<pid_t> pids;
+  for (int r = 0; r < world; ++r) {
+    const std::map<std::string, std::string> env{{"RANK", std::to_string(r)},  {"WORLD_SIZE", std::to_string(world)},
+                                                 {"MASTER_ADDR", "127.0.0.1"}, {"MASTER_PORT", std::to_string(port)},
+                                                 {"OMP_NUM_THREADS", "1"},     {"GLOO_SOCKET_IFNAME", ""}};
+    pids.push_back(fulgur::test::spawn_process({FULGUR_TEST_TP_WORKER, scenario}, env, dir.path(),
+                                               dir.path() / fmt::format("rank{}.log", r)));
+  }
+  std::vector<Rank> ranks(static_cast<size_t>(world));
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::minutes(2);
+  for (int r = 0; r < world; ++r) {
+    int status = 0;
+    while (waitpid(pids[r], &status, WNOHANG) != pids[r]) {
+      if (std::chrono::steady_clock::now() > deadline) {
+        for (pid_t p : pids) kill(p, SIGKILL);
+        waitpid(pids[r], &status, 0);
+        break;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+    Rank& rank = ranks[static_cast<size_t>(r)];
+    rank.status = WIFEXITED(status) ? WEXITSTATUS(status) : -WTERMSIG(status);
+    rank.output = fulgur::test::read_bytes(dir.path() / fmt::format("rank{}.log", r));
+    std::istringstream lines(rank.output);
+    std::string kind, name;
+    for (std::string line; std::getline(lines, line);) {
+      std::istringstream words(line);
+      double value = 0;
+      if (!(words >> kind >> name >> value)) continue;
+      if (kind == "diff") rank.diffs[name] = value;
+      if (kind == "check") rank.checks[name] = static_cast<int>(value);
+    }
+  }
+  return ranks;
+}
+
+// Every rank exited 0, printed each of `diffs` at most `tolerance` and each of `checks` true.
+void require_all(const std::vector<Rank>& ranks, const std::vector<std::string>& diffs,
+                 const std::vector<std::string>& checks, double tolerance = 1e-5) {
+  for (size_t r = 0; r < ranks.size(); ++r) {
+    INFO("rank " << r << " output:\n" << ranks[r].output);
+    REQUIRE(ranks[r].status == 0);
+    for (const auto& name : diffs) {
+      INFO(name);
+      REQUIRE(ranks[r].diffs.count(name) == 1);
+      CHECK(ranks[r].diffs.at(name) <= tolerance);
+    }
+    for (const auto& name : checks) {
+      INFO(name);
+      REQUIRE(ranks[r].checks.count(name) == 1);
+      CHECK(ranks[r].checks.at(name) == 1);
+    }
+  }
+}
+
+const std::vector<std::string> kMlpDiffs{
+    "init_col_weight",    "init_row_weight",    "init_row_bias",   "output",     "grad_col_weight",
+    "grad_col_bias",      "grad_row_weight",    "grad_row_bias",   "grad_input", "grad_norm_relative",
+    "clipped_col_weight", "clipped_row_weight", "clipped_row_bias"};
+
+}  // namespace
+
+TEST_CASE("tensor parallel: the device mesh lays out ranks as init_device_mesh (2 x 2)") {
+  require_all(run_ranks("mesh", 4), {},
+              {"mesh_tp_ranks", "mesh_dp_ranks", "mesh_coordinate", "mesh_local_ranks", "mesh_tp_all_reduce",
+               "mesh_dp_all_reduce"});
+}
+
+TEST_CASE("tensor parallel: a column-row MLP equals one process (tp 2)") {
+  require_all(run_ranks("mlp", 2), kMlpDiffs, {});
+}
+
+TEST_CASE("tensor parallel: a column-row MLP equals one process (dp 2 x tp 2)") {
+  require_all(run_ranks("mlp", 4), kMlpDiffs, {});
+}
+
+TEST_CASE("tensor parallel: sequence parallel LayerNorm and MLP equal one process (tp 2)") {
+  std::vector<std::string> diffs = kMlpDiffs;
+  diffs.insert(diffs.end(), {"grad_norm_weight", "grad_norm_bias"});
+  require_all(run_ranks("mlp_sp", 2), diffs, {});
+}
+
+TEST_CASE("tensor parallel: sequence parallel LayerNorm and MLP equal one process (dp 2 x tp 2)") {
+  std::vector<std::string> diffs = kMlpDiffs;
+  diffs.insert(diffs.end(), {"grad_norm_weight", "grad_norm_bias"});
+  require_all(run_ranks("mlp_sp", 4), diffs, {});
+}
+
+TEST_CASE("tensor parallel: vocab-parallel embedding and cross-entropy equal one process (tp 2)") {
+  std::vector<std::string> diffs;
+  std::vector<std::string> checks;
+  for (std::string tag : {"", "sp_"}) {
+    for (const char* name : {"init_embedding", "init_head", "logits", "loss", "grad_embedding", "grad_head"})
+      diffs.push_back(tag + name);
+    checks.push_back(tag + "logits_stay_split");
+  }
+  require_all(run_ranks("vocab", 2), diffs, checks);
+}
+
+TEST_CASE("tensor parallel: dropout differs in sharded regions and matches in replicated ones") {
+  require_all(run_ranks("rng", 2), {},
+              {"rng_sharded_differs_across_tp", "rng_replicated_equal_across_tp", "rng_stream_advances",
+               "rng_default_stream_untouched", "rng_sharded_reproducible"});
+}
