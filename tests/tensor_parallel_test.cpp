@@ -8,6 +8,7 @@
 #include <signal.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
+#include <torch/torch.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -16,6 +17,10 @@
 #include <string>
 #include <thread>
 #include <vector>
+
+#include <fulgur/device_mesh.h>
+#include <fulgur/error.h>
+#include <fulgur/nn/tensor_parallel.h>
 
 #include "test_support.h"
 
@@ -150,4 +155,55 @@ TEST_CASE("tensor parallel: dropout differs in sharded regions and matches in re
   require_all(run_ranks("rng", 2), {},
               {"rng_sharded_differs_across_tp", "rng_replicated_equal_across_tp", "rng_stream_advances",
                "rng_default_stream_untouched", "rng_sharded_reproducible"});
+}
+
+TEST_CASE("tensor parallel: mesh layout of a 2 x 3 x 2 mesh is init_device_mesh's") {
+  // torch.arange(12).view(2, 3, 2): the group along a dimension varies that index only.
+  const std::vector<int64_t> shape{2, 3, 2};
+  CHECK(fulgur::DeviceMesh::group_ranks(shape, 7, 0) == std::vector<int64_t>{1, 7});
+  CHECK(fulgur::DeviceMesh::group_ranks(shape, 7, 1) == std::vector<int64_t>{7, 9, 11});
+  CHECK(fulgur::DeviceMesh::group_ranks(shape, 7, 2) == std::vector<int64_t>{6, 7});
+  CHECK(fulgur::DeviceMesh::coordinate_of(shape, 7) == std::vector<int64_t>{1, 0, 1});
+  const auto mesh = fulgur::DeviceMesh::from_groups(7, shape, {"pp", "dp", "tp"}, {nullptr, nullptr, nullptr});
+  CHECK(mesh.size("dp") == 3);
+  CHECK(mesh.local_rank("tp") == 1);
+  CHECK(mesh.group_ranks("dp") == std::vector<int64_t>{7, 9, 11});
+  const auto unknown = fulgur::test::error_from([&] { mesh.dim("ep"); });
+  CHECK(unknown.kind() == fulgur::ErrorKind::invalid_argument);
+  CHECK(fulgur::test::contains(unknown.what(), "no dimension 'ep'; the mesh has (pp, dp, tp)"));
+  const auto duplicate = fulgur::test::error_from([] {
+    fulgur::DeviceMesh::from_groups(0, {1, 1}, {"tp", "tp"}, {nullptr, nullptr});
+  });
+  CHECK(fulgur::test::contains(duplicate.what(), "distinct"));
+}
+
+TEST_CASE("tensor parallel: with one rank the layers are torch::nn::Linear and Embedding") {
+  torch::manual_seed(3);
+  torch::nn::Linear linear(6, 4);
+  torch::manual_seed(3);
+  fulgur::nn::ColumnParallelLinear column(fulgur::nn::ParallelLinearOptions(6, 4));
+  torch::manual_seed(3);
+  fulgur::nn::RowParallelLinear row(fulgur::nn::ParallelLinearOptions(6, 4));
+  const at::Tensor x = torch::randn({5, 6});
+  CHECK(column(x).equal(linear(x)));
+  CHECK(torch::allclose(row(x), linear(x), 1e-6, 1e-6));  // matmul then bias, not addmm
+  // State dict names and shapes are torch.nn.Linear's.
+  const auto names = column->named_parameters();
+  CHECK(names.contains("weight"));
+  CHECK(names.contains("bias"));
+  CHECK(names["weight"].sizes() == linear->weight.sizes());
+  torch::manual_seed(5);
+  torch::nn::Embedding embedding(10, 3);
+  torch::manual_seed(5);
+  fulgur::nn::VocabParallelEmbedding vocab(fulgur::nn::VocabParallelEmbeddingOptions(10, 3));
+  const at::Tensor ids = torch::tensor({0, 9, 4});
+  CHECK(vocab(ids).equal(embedding(ids)));
+  const at::Tensor logits = torch::randn({3, 10}, torch::requires_grad());
+  const at::Tensor target = torch::tensor({1, 2, 9});
+  const at::Tensor loss = fulgur::nn::vocab_parallel_cross_entropy(logits, target, nullptr).mean();
+  CHECK(torch::allclose(loss, torch::nn::functional::cross_entropy(logits, target)));
+  const auto mismatch = fulgur::test::error_from([&] {
+    fulgur::nn::vocab_parallel_cross_entropy(logits, torch::tensor({1, 2}), nullptr);
+  });
+  CHECK(fulgur::test::contains(mismatch.what(), "do not fit"));
 }
