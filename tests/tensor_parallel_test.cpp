@@ -49,14 +49,18 @@ struct Rank {
 };
 
 // Runs `scenario` on `world` ranks; kills them all after two minutes (a hang fails the test).
-std::vector<Rank> run_ranks(const std::string& scenario, int world) {
+std::vector<Rank> run_ranks(const std::string& scenario, int world, int tp_size = 2) {
   TempDir dir;
   const int port = free_port();
   std::vector<pid_t> pids;
   for (int r = 0; r < world; ++r) {
-    const std::map<std::string, std::string> env{{"RANK", std::to_string(r)},  {"WORLD_SIZE", std::to_string(world)},
-                                                 {"MASTER_ADDR", "127.0.0.1"}, {"MASTER_PORT", std::to_string(port)},
-                                                 {"OMP_NUM_THREADS", "1"},     {"GLOO_SOCKET_IFNAME", ""}};
+    const std::map<std::string, std::string> env{{"RANK", std::to_string(r)},
+                                                 {"WORLD_SIZE", std::to_string(world)},
+                                                 {"MASTER_ADDR", "127.0.0.1"},
+                                                 {"MASTER_PORT", std::to_string(port)},
+                                                 {"FULGUR_TEST_TP_SIZE", std::to_string(tp_size)},
+                                                 {"OMP_NUM_THREADS", "1"},
+                                                 {"GLOO_SOCKET_IFNAME", ""}};
     pids.push_back(fulgur::test::spawn_process({FULGUR_TEST_TP_WORKER, scenario}, env, dir.path(),
                                                dir.path() / fmt::format("rank{}.log", r)));
   }
@@ -140,7 +144,17 @@ TEST_CASE("tensor parallel: sequence parallel LayerNorm and MLP equal one proces
   require_all(run_ranks("mlp_sp", 4), diffs, {});
 }
 
-TEST_CASE("tensor parallel: vocab-parallel embedding and cross-entropy equal one process (tp 2)") {
+TEST_CASE("tensor parallel: sequence parallel LayerNorm and MLP equal one process (tp 4)") {
+  std::vector<std::string> diffs = kMlpDiffs;
+  diffs.insert(diffs.end(), {"grad_norm_weight", "grad_norm_bias"});
+  require_all(run_ranks("mlp_sp", 4, 4), diffs, {});
+}
+
+TEST_CASE("tensor parallel: sizes that do not split and a mesh that does not fit are clear errors") {
+  require_all(run_ranks("errors", 2), {}, {"error_column_split", "error_vocab_split", "error_mesh_size"});
+}
+
+TEST_CASE("tensor parallel: vocab-parallel embedding and cross-entropy equal one process (tp 2 and tp 4)") {
   std::vector<std::string> diffs;
   std::vector<std::string> checks;
   for (std::string tag : {"", "sp_"}) {
@@ -149,6 +163,7 @@ TEST_CASE("tensor parallel: vocab-parallel embedding and cross-entropy equal one
     checks.push_back(tag + "logits_stay_split");
   }
   require_all(run_ranks("vocab", 2), diffs, checks);
+  require_all(run_ranks("vocab", 4, 4), diffs, checks);
 }
 
 TEST_CASE("tensor parallel: dropout differs in sharded regions and matches in replicated ones") {
@@ -157,7 +172,7 @@ TEST_CASE("tensor parallel: dropout differs in sharded regions and matches in re
                "rng_default_stream_untouched", "rng_sharded_reproducible"});
 }
 
-TEST_CASE("tensor parallel: mesh layout of a 2 x 3 x 2 mesh is init_device_mesh's") {
+TEST_CASE("tensor parallel: mesh layout of a 2 x 3 x 2 mesh matches init_device_mesh") {
   // torch.arange(12).view(2, 3, 2): the group along a dimension varies that index only.
   const std::vector<int64_t> shape{2, 3, 2};
   CHECK(fulgur::DeviceMesh::group_ranks(shape, 7, 0) == std::vector<int64_t>{1, 7});

@@ -3,7 +3,8 @@
 // and compares tensor-parallel layers against the same model computed whole in this process.
 //
 //   fulgur_tp_worker <scenario>     scenario: mesh | mlp | mlp_sp | vocab | rng
-//   RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT as torchrun sets them.
+//   RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT as torchrun sets them; FULGUR_TEST_TP_SIZE (2):
+//   the mesh is (WORLD_SIZE / tp) x tp.
 //
 // Prints `diff <name> <max abs difference>` for what must match and `check <name> <0|1>` for
 // facts; the test requires every named line and judges them. Exit code 0 unless it threw.
@@ -199,11 +200,31 @@ void rng_scenario(fulgur::DeviceMesh& mesh) {
   }
 }
 
+// What a wrong size or layout says.
+void errors_scenario(fulgur::Communicator& world, fulgur::DeviceMesh& mesh) {
+  auto message = [](auto&& body) -> std::string {
+    try {
+      body();
+    } catch (const fulgur::Error& e) {
+      return e.kind() == fulgur::ErrorKind::invalid_argument ? e.what() : "";
+    }
+    return "";
+  };
+  const std::string column =
+      message([&] { tp::ColumnParallelLinear(tp::ParallelLinearOptions(16, 33).group(mesh.group("tp"))); });
+  check("error_column_split", column.find("out_features = 33 does not split into 2 equal shards") != std::string::npos);
+  const std::string embedding =
+      message([&] { tp::VocabParallelEmbedding(tp::VocabParallelEmbeddingOptions(15, 4).group(mesh.group("tp"))); });
+  check("error_vocab_split", embedding.find("num_embeddings = 15") != std::string::npos);
+  const std::string layout = message([&] { fulgur::DeviceMesh::create(world, {3, 2}, {"dp", "tp"}); });
+  check("error_mesh_size", layout.find("the sizes' product must equal the number of processes") != std::string::npos);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   if (argc < 2) {
-    std::cerr << "usage: fulgur_tp_worker mesh|mlp|mlp_sp|vocab|rng\n";
+    std::cerr << "usage: fulgur_tp_worker mesh|mlp|mlp_sp|vocab|rng|errors\n";
     return 2;
   }
   try {
@@ -226,6 +247,8 @@ int main(int argc, char** argv) {
       mlp_scenario(mesh, scenario == "mlp_sp");
     else if (scenario == "vocab")
       vocab_scenario(mesh);
+    else if (scenario == "errors")
+      errors_scenario(*world, mesh);
     else if (scenario == "rng")
       rng_scenario(mesh);
     else
