@@ -354,14 +354,18 @@ double clip_grad_norm_tensor_parallel(torch::nn::Module& model, double max_norm,
   visit(model);
   for (const auto& child : model.modules(/*include_self=*/false)) visit(*child);
   for (const auto& p : model.parameters()) add(p, false);  // the rest: replicated
-  auto squares = [](const std::vector<at::Tensor>& grads) {
-    at::Tensor total = torch::zeros({}, torch::kDouble);
-    for (const auto& g : grads) total = total + g.detach().to(at::kDouble).pow(2).sum().cpu();
+  if (sharded.empty() && replicated.empty()) return 0.0;
+  // Sums of squares on the gradients' device in double; one host read for the norm.
+  const at::TensorOptions options =
+      at::TensorOptions(at::kDouble).device((sharded.empty() ? replicated : sharded).front().device());
+  auto squares = [&](const std::vector<at::Tensor>& grads) {
+    at::Tensor total = torch::zeros({1}, options);
+    for (const auto& g : grads) total += g.detach().to(options).pow(2).sum();
     return total;
   };
-  at::Tensor sharded_total = squares(sharded).reshape({1});
+  at::Tensor sharded_total = squares(sharded);
   if (group != nullptr && group->world_size() > 1) group->all_reduce(sharded_total, ReduceOp::sum);
-  const double norm = std::sqrt((sharded_total[0] + squares(replicated)).item<double>());
+  const double norm = std::sqrt((sharded_total + squares(replicated)).item<double>());
   const double coefficient = max_norm / (norm + 1e-6);
   if (coefficient < 1) {
     torch::NoGradGuard no_grad;
