@@ -150,6 +150,13 @@ TEST_CASE("tensor parallel: sequence parallel LayerNorm and MLP equal one proces
   require_all(run_ranks("mlp_sp", 4, 4), diffs, {});
 }
 
+TEST_CASE("tensor parallel: 20 AdamW steps on dp 2 x tp 2 with sequence parallelism and clipping equal one process") {
+  const std::vector<std::string> diffs{"train_loss",     "train_col_weight",  "train_col_bias", "train_row_weight",
+                                       "train_row_bias", "train_norm_weight", "train_norm_bias"};
+  require_all(run_ranks("train", 4), diffs, {"train_weights_moved", "train_clipping_engaged"});
+  require_all(run_ranks("train", 2), diffs, {"train_weights_moved", "train_clipping_engaged"});
+}
+
 TEST_CASE("tensor parallel: sizes that do not split and a mesh that does not fit are clear errors") {
   require_all(run_ranks("errors", 2), {}, {"error_column_split", "error_vocab_split", "error_mesh_size"});
 }

@@ -200,6 +200,75 @@ void rng_scenario(fulgur::DeviceMesh& mesh) {
   }
 }
 
+// 2D training: a sequence-parallel LayerNorm + column/row MLP on (dp x tp), the batch split over
+// dp (gradients summed over the dp group), norm clipping over the shards, 20 AdamW steps, against
+// the whole model trained on the whole batch in this process.
+void train_scenario(fulgur::Communicator& world, fulgur::DeviceMesh& mesh) {
+  const auto group = mesh.group("tp");
+  const auto dp = mesh.group("dp");
+  constexpr int64_t S = 8, B = 4, H = 16, F = 32, O = 8, steps = 20;
+  const double elements = static_cast<double>(S * B * O);
+  torch::manual_seed(5);
+  torch::nn::LayerNorm norm(torch::nn::LayerNormOptions({H}));
+  torch::nn::Linear fc1(H, F), fc2(F, O);
+  const at::Tensor x = torch::randn({S, B, H});
+  const at::Tensor target = torch::randn({S, B, O});
+  std::vector<at::Tensor> whole = norm->parameters();
+  for (auto* m : {&fc1, &fc2})
+    for (const auto& p : (*m)->parameters()) whole.push_back(p);
+  const at::Tensor initial = fc1->weight.detach().clone();
+  torch::optim::AdamW whole_optimizer(whole, torch::optim::AdamWOptions(1e-2).weight_decay(0.1));
+
+  torch::manual_seed(5);
+  torch::nn::LayerNorm tp_norm(torch::nn::LayerNormOptions({H}));
+  tp::ColumnParallelLinear col(tp::ParallelLinearOptions(H, F).group(group).sequence_parallel(true));
+  tp::RowParallelLinear row(tp::ParallelLinearOptions(F, O).group(group).sequence_parallel(true));
+  torch::nn::Module model;
+  model.register_module("norm", tp_norm);
+  model.register_module("col", col);
+  model.register_module("row", row);
+  torch::optim::AdamW optimizer(model.parameters(), torch::optim::AdamWOptions(1e-2).weight_decay(0.1));
+  // This rank's part of the data: its dp slice of the batch, its tp slice of the sequence.
+  auto local = [&](const at::Tensor& t) {
+    return chunk(t.chunk(mesh.size("dp"), 1)[static_cast<size_t>(mesh.local_rank("dp"))], mesh, 0).contiguous();
+  };
+  const at::Tensor x_local = local(x), target_local = local(target);
+
+  double whole_loss = 0, tp_loss = 0;
+  for (int64_t step = 0; step < steps; ++step) {
+    whole_optimizer.zero_grad();
+    const at::Tensor y = fc2(torch::gelu(fc1(norm(x))));
+    const at::Tensor loss = (y - target).pow(2).sum() / elements;
+    loss.backward();
+    torch::nn::utils::clip_grad_norm_(whole, 0.05);
+    whole_optimizer.step();
+    whole_loss = loss.item<double>();
+
+    optimizer.zero_grad();
+    const at::Tensor h = torch::layer_norm(x_local, {H}, tp::replicated_parameter(tp_norm->weight, group.get()),
+                                           tp::replicated_parameter(tp_norm->bias, group.get()));
+    const at::Tensor local_loss = (row(torch::gelu(col(h))) - target_local).pow(2).sum() / elements;
+    local_loss.backward();
+    // Data parallelism: the dp replicas' gradients (each a sum over its slice) add up.
+    for (auto& p : model.parameters()) dp->all_reduce(p.mutable_grad(), fulgur::ReduceOp::sum);
+    const double grad_norm = tp::clip_grad_norm_tensor_parallel(model, 0.05, group.get());
+    if (step == 0) check("train_clipping_engaged", grad_norm > 0.05);
+    optimizer.step();
+    at::Tensor total = local_loss.detach().reshape({1}).clone();
+    world.all_reduce(total, fulgur::ReduceOp::sum);
+    tp_loss = total.item<double>();
+  }
+  diff("train_loss", torch::tensor(tp_loss), torch::tensor(whole_loss));
+  diff("train_col_weight", col->weight, chunk(fc1->weight, mesh, 0));
+  diff("train_col_bias", col->bias, chunk(fc1->bias, mesh, 0));
+  diff("train_row_weight", row->weight, chunk(fc2->weight, mesh, 1));
+  diff("train_row_bias", row->bias, fc2->bias);
+  diff("train_norm_weight", tp_norm->weight, norm->weight);
+  diff("train_norm_bias", tp_norm->bias, norm->bias);
+  // The weights moved (the comparison is not of two untouched initializations).
+  check("train_weights_moved", (fc1->weight - initial).abs().max().item<double>() > 1e-2);
+}
+
 // What a wrong size or layout says.
 void errors_scenario(fulgur::Communicator& world, fulgur::DeviceMesh& mesh) {
   auto message = [](auto&& body) -> std::string {
@@ -224,7 +293,7 @@ void errors_scenario(fulgur::Communicator& world, fulgur::DeviceMesh& mesh) {
 
 int main(int argc, char** argv) {
   if (argc < 2) {
-    std::cerr << "usage: fulgur_tp_worker mesh|mlp|mlp_sp|vocab|rng|errors\n";
+    std::cerr << "usage: fulgur_tp_worker mesh|mlp|mlp_sp|vocab|rng|errors|train\n";
     return 2;
   }
   try {
@@ -247,6 +316,8 @@ int main(int argc, char** argv) {
       mlp_scenario(mesh, scenario == "mlp_sp");
     else if (scenario == "vocab")
       vocab_scenario(mesh);
+    else if (scenario == "train")
+      train_scenario(*world, mesh);
     else if (scenario == "errors")
       errors_scenario(*world, mesh);
     else if (scenario == "rng")
