@@ -229,3 +229,86 @@ TEST_CASE("tensor parallel: with one rank the layers are torch::nn::Linear and E
   });
   CHECK(fulgur::test::contains(mismatch.what(), "do not fit"));
 }
+
+namespace {
+
+// `fulgur fit` of the tp_mlp fixture on tp_regression under `strategy_table` with `devices`
+// processes, 10 SGD steps with norm clipping at 0.05 (engaged from the first step); returns the
+// metrics.csv columns (rank 0's values).
+std::map<std::string, std::vector<std::string>> fit_tp_mlp(
+    const std::string& strategy_table, int devices, const std::string& trainer_extra = "enable_checkpointing = false",
+    fulgur::test::ProcessRun* run_out = nullptr) {
+  TempDir dir;
+  const fs::path plugins = dir.subdir("plugins");
+  for (const char* library : {"libfulgur-fixture-tp-mlp.so", "libfulgur-fixture-tp-regression.so"})
+    fulgur::test::copy_library(fulgur::test::fixture(library), plugins / library);
+  fulgur::test::write_bytes(
+      dir / "run.toml",
+      fmt::format("[trainer]\nmax_epochs = 1\nseed = 7\nlimit_train_batches = 10\nnum_sanity_val_steps = 0\n"
+                  "log_every_n_steps = 1\ngradient_clip_val = 0.05\nenable_progress_bar = false\n"
+                  "enable_model_summary = false\naccelerator = \"cpu\"\ndevices = {}\n"
+                  "default_root_dir = \"{}\"\n{}\n[strategy]\n{}\n\n"
+                  "[model]\nname = \"tp_mlp\"\nlr = 0.1\n\n[data]\nname = \"tp_regression\"\n"
+                  "batch_size = 16\n\n[[loggers]]\nname = \"csv\"\n",
+                  devices, (dir / "runs").string(), trainer_extra, strategy_table));
+  const fulgur::test::ProcessRun run = fulgur::test::run_process(
+      {FULGUR_TEST_FULGUR_BIN, "fit", "--config", "run.toml"},
+      {{"FULGUR_LOG_LEVEL", "warn"}, {"FULGUR_PLUGIN_PATH", plugins.string()}, {"OMP_NUM_THREADS", "1"}}, dir.path());
+  if (run_out != nullptr) {
+    *run_out = run;
+    return {};
+  }
+  INFO(run.output);
+  REQUIRE(run.exit_code == 0);
+  return fulgur::test::read_csv(dir / "runs" / "lightning_logs" / "version_0" / "metrics.csv");
+}
+
+std::vector<double> column(const std::map<std::string, std::vector<std::string>>& csv, const std::string& name) {
+  REQUIRE(csv.count(name) == 1);
+  std::vector<double> values;
+  for (const auto& cell : csv.at(name))
+    if (!cell.empty()) values.push_back(std::stod(cell));
+  return values;
+}
+
+void require_same_losses(const std::map<std::string, std::vector<std::string>>& a,
+                         const std::map<std::string, std::vector<std::string>>& b) {
+  const std::vector<double> la = column(a, "train/loss"), lb = column(b, "train/loss");
+  REQUIRE(la.size() >= 8);  // 10 steps; 8 with two replicas (256 rows / 2 / 16)
+  REQUIRE(lb.size() == la.size());
+  for (size_t i = 0; i < la.size(); ++i) {
+    INFO("step " << i);
+    CHECK(std::abs(la[i] - lb[i]) <= 1e-5);
+  }
+}
+
+}  // namespace
+
+TEST_CASE("model_parallel: fulgur fit with tensor_parallel_size 2 equals single_device and 2 x 2 equals ddp") {
+  const auto single = fit_tp_mlp("name = \"single_device\"", 1);
+  const auto tp2 = fit_tp_mlp("name = \"model_parallel\"\ntensor_parallel_size = 2\ntimeout = 60.0", 2);
+  require_same_losses(single, tp2);
+  CHECK(column(single, "shard/col_rows").front() == 32);
+  CHECK(column(tp2, "shard/col_rows").front() == 16);  // the layer really is split
+
+  // Two replicas of a 2-way split model train as two ddp replicas of the whole model.
+  const auto ddp = fit_tp_mlp("name = \"ddp\"\ntimeout = 60.0", 2);
+  const auto mesh =
+      fit_tp_mlp("name = \"model_parallel\"\ntensor_parallel_size = 2\ndata_parallel_size = 2\ntimeout = 60.0", 4);
+  require_same_losses(ddp, mesh);
+  CHECK(column(mesh, "shard/col_rows").front() == 16);
+}
+
+TEST_CASE("model_parallel: a mesh that does not fit the job and split checkpoints are clear errors") {
+  fulgur::test::ProcessRun run;
+  fit_tp_mlp("name = \"model_parallel\"\ntensor_parallel_size = 2\ndata_parallel_size = 2\ntimeout = 60.0", 2,
+             "enable_checkpointing = false", &run);
+  CHECK(run.exit_code != 0);
+  CHECK(fulgur::test::contains(run.output,
+                               "data_parallel_size 2 x tensor_parallel_size 2 = 4 ranks, but the job "
+                               "has 2 processes"));
+  fit_tp_mlp("name = \"model_parallel\"\ntensor_parallel_size = 2\ntimeout = 60.0", 2, "enable_checkpointing = true",
+             &run);
+  CHECK(run.exit_code != 0);
+  CHECK(fulgur::test::contains(run.output, "checkpoints of tensor-parallel shards are not supported yet"));
+}
