@@ -728,7 +728,7 @@ TEST_CASE("every built-in plugin passes the testing kit's conformance checks for
     INFO("logger " << name);
     CHECK_NOTHROW(kit::check_logger_conformance(kit::create_plugin<fulgur::Logger>(fulgur::PluginKind::logger, name)));
   }
-  for (const char* name : {"single_device", "ddp", "fsdp"}) {
+  for (const char* name : {"single_device", "ddp", "fsdp", "model_parallel"}) {
     INFO("strategy " << name);
     CHECK_NOTHROW(
         kit::check_strategy_conformance(kit::create_plugin<fulgur::Strategy>(fulgur::PluginKind::strategy, name)));

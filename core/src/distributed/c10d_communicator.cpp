@@ -12,6 +12,7 @@
 #include "distributed/local_launcher.h"
 #include "distributed/nccl_backend.h"
 
+#include <fulgur/device_mesh.h>
 #include <fulgur/error.h>
 
 #include <torch/torch.h>
@@ -28,6 +29,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <mutex>
+#include <span>
 #include <sstream>
 #include <string_view>
 
@@ -139,11 +141,55 @@ class ReducerGradientSync final : public GradientSync {
   int64_t rank_;
 };
 
-class C10dCommunicator final : public Communicator {
+// A process group over `store` (already prefixed for it) for `rank` of `size`, on the backend of
+// `options`. Defined below.
+c10::intrusive_ptr<c10d::ProcessGroup> make_group(const c10::intrusive_ptr<c10d::Store>& root,
+                                                  const c10::intrusive_ptr<c10d::Store>& store,
+                                                  const std::string& prefix, const ClusterInfo& cluster, int rank,
+                                                  int size, const CommunicatorOptions& options);
+
+class C10dCommunicator final : public Communicator, public CommunicatorGroups {
  public:
   C10dCommunicator(c10::intrusive_ptr<c10d::Store> store, c10::intrusive_ptr<c10d::ProcessGroup> group,
-                   std::string backend, int64_t rank, int64_t world)
-      : store_(std::move(store)), group_(std::move(group)), backend_(std::move(backend)), rank_(rank), world_(world) {}
+                   std::string backend, int64_t rank, int64_t world, ClusterInfo cluster = {},
+                   CommunicatorOptions options = {}, std::vector<int64_t> global_ranks = {})
+      : store_(std::move(store)),
+        group_(std::move(group)),
+        backend_(std::move(backend)),
+        rank_(rank),
+        world_(world),
+        cluster_(std::move(cluster)),
+        options_(std::move(options)),
+        global_ranks_(std::move(global_ranks)) {
+    if (global_ranks_.empty())
+      for (int64_t r = 0; r < world_; ++r) global_ranks_.push_back(r);
+  }
+
+  // A sub-group over its own store prefix: only its members take part (torch.distributed's
+  // new_group over a PrefixStore, without the world-wide agreement Python's needs).
+  std::shared_ptr<Communicator> new_group(std::span<const int64_t> ranks, std::string_view name) override {
+    const int64_t me = global_ranks_[static_cast<size_t>(rank_)];
+    int64_t sub_rank = -1;
+    std::vector<int64_t> members(ranks.begin(), ranks.end());
+    for (size_t i = 0; i < members.size(); ++i) {
+      const bool ascending = i == 0 || members[i] > members[i - 1];
+      const bool known = std::find(global_ranks_.begin(), global_ranks_.end(), members[i]) != global_ranks_.end();
+      if (!ascending || !known)
+        throw Error(ErrorKind::invalid_argument,
+                    fmt::format("new_group '{}': ranks ({}) must be ascending, distinct ranks of this group ({})", name,
+                                fmt::join(members, ", "), fmt::join(global_ranks_, ", ")));
+      if (members[i] == me) sub_rank = static_cast<int64_t>(i);
+    }
+    if (sub_rank < 0)
+      throw Error(ErrorKind::invalid_argument,
+                  fmt::format("new_group '{}': rank {} is not among the ranks ({}); only members form a group", name,
+                              me, fmt::join(members, ", ")));
+    const std::string prefix = fmt::format("fulgur/group/{}", name);
+    auto group = make_group(store_, c10::make_intrusive<c10d::PrefixStore>(prefix, store_), prefix, cluster_,
+                            static_cast<int>(sub_rank), static_cast<int>(members.size()), options_);
+    return std::make_shared<C10dCommunicator>(store_, std::move(group), backend_, sub_rank,
+                                              static_cast<int64_t>(members.size()), cluster_, options_, members);
+  }
 
   ~C10dCommunicator() override {
     // Rank 0 serves the store: leave together so no rank loses its rendezvous mid-teardown. Not
@@ -353,6 +399,9 @@ class C10dCommunicator final : public Communicator {
   c10::intrusive_ptr<c10d::ProcessGroup> group_;
   std::string backend_;
   int64_t rank_, world_;
+  ClusterInfo cluster_;
+  CommunicatorOptions options_;
+  std::vector<int64_t> global_ranks_;  // this group's members by global rank
   bool failed_ = false;
 };
 
@@ -400,7 +449,8 @@ c10::intrusive_ptr<c10d::Store> rendezvous(const ClusterInfo& cluster, const Com
 }
 
 c10::intrusive_ptr<c10d::Backend> make_gloo_backend(const c10::intrusive_ptr<c10d::Store>& store,
-                                                    const ClusterInfo& cluster, std::chrono::milliseconds timeout) {
+                                                    const ClusterInfo& cluster, int rank, int size,
+                                                    std::chrono::milliseconds timeout) {
   auto gloo_options = c10d::ProcessGroupGloo::Options::create(timeout);
   // Like torch.distributed: GLOO_SOCKET_IFNAME picks the interface. A single-node job talks over
   // loopback, which exists in every container (the hostname often resolves to an unusable address).
@@ -410,8 +460,46 @@ c10::intrusive_ptr<c10d::Backend> make_gloo_backend(const c10::intrusive_ptr<c10
     gloo_options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1"));
   else
     gloo_options->devices.push_back(c10d::ProcessGroupGloo::createDefaultDevice());
-  return c10::make_intrusive<c10d::ProcessGroupGloo>(store, static_cast<int>(cluster.global_rank),
-                                                     static_cast<int>(cluster.world_size), gloo_options);
+  return c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, size, gloo_options);
+}
+
+c10::intrusive_ptr<c10d::ProcessGroup> make_group(const c10::intrusive_ptr<c10d::Store>& root,
+                                                  const c10::intrusive_ptr<c10d::Store>& prefixed,
+                                                  const std::string& prefix, const ClusterInfo& cluster, int rank,
+                                                  int size, const CommunicatorOptions& options) {
+  auto group = c10::make_intrusive<c10d::ProcessGroup>(prefixed, rank, size);
+  try {
+    if (options.backend == "gloo") {
+      auto gloo = make_gloo_backend(prefixed, cluster, rank, size, options.timeout);
+      group->setDefaultBackend(c10d::ProcessGroup::BackendType::GLOO);
+      group->setBackend(c10::DeviceType::CPU, c10d::ProcessGroup::BackendType::GLOO, gloo);
+      // Gloo also moves CUDA tensors (through host memory), as torch.distributed allows. Any
+      // other accelerator's tensors (a PrivateUse1 plugin device, XPU, ...) are staged through
+      // host memory around Gloo: without it c10d finds no backend for their device type.
+      group->setBackend(c10::DeviceType::CUDA, c10d::ProcessGroup::BackendType::GLOO, gloo);
+      const auto staged = make_host_staged_backend(gloo);
+      for (c10::DeviceType type : kHostStagedDeviceTypes)
+        group->setBackend(type, c10d::ProcessGroup::BackendType::CUSTOM, staged);
+    } else {
+      auto nccl = make_nccl_backend(prefixed, rank, size, options.timeout);
+      group->setDefaultBackend(c10d::ProcessGroup::BackendType::NCCL);
+      group->setBackend(c10::DeviceType::CUDA, c10d::ProcessGroup::BackendType::NCCL, nccl);
+      // Host tensors (decisions, strings, metrics kept on the CPU) travel over Gloo, as with
+      // torch.distributed's "cpu:gloo,cuda:nccl".
+      auto cpu_store = c10::make_intrusive<c10d::PrefixStore>(prefix + "_cpu", root);
+      group->setBackend(c10::DeviceType::CPU, c10d::ProcessGroup::BackendType::GLOO,
+                        make_gloo_backend(cpu_store, cluster, rank, size, options.timeout));
+    }
+    group->setGroupName(prefix == "fulgur/default_pg" ? "0" : prefix);
+  } catch (const Error&) {
+    throw;
+  } catch (const std::exception& e) {
+    const auto* c10_error = dynamic_cast<const c10::Error*>(&e);
+    throw Error(ErrorKind::distributed,
+                fmt::format("rank {} of {} could not create the {} process group '{}': {}", rank, size, options.backend,
+                            prefix, first_line(c10_error ? c10_error->what_without_backtrace() : e.what())));
+  }
+  return group;
 }
 
 }  // namespace
@@ -440,39 +528,8 @@ std::shared_ptr<Communicator> connect_process_group(const ClusterInfo& cluster, 
   const int rank = static_cast<int>(cluster.global_rank);
   const int size = static_cast<int>(cluster.world_size);
   auto prefixed = c10::make_intrusive<c10d::PrefixStore>("fulgur/default_pg", store);
-  auto group = c10::make_intrusive<c10d::ProcessGroup>(prefixed, rank, size);
-  try {
-    if (options.backend == "gloo") {
-      auto gloo = make_gloo_backend(prefixed, cluster, options.timeout);
-      group->setDefaultBackend(c10d::ProcessGroup::BackendType::GLOO);
-      group->setBackend(c10::DeviceType::CPU, c10d::ProcessGroup::BackendType::GLOO, gloo);
-      // Gloo also moves CUDA tensors (through host memory), as torch.distributed allows. Any
-      // other accelerator's tensors (a PrivateUse1 plugin device, XPU, ...) are staged through
-      // host memory around Gloo: without it c10d finds no backend for their device type.
-      group->setBackend(c10::DeviceType::CUDA, c10d::ProcessGroup::BackendType::GLOO, gloo);
-      const auto staged = make_host_staged_backend(gloo);
-      for (c10::DeviceType type : kHostStagedDeviceTypes)
-        group->setBackend(type, c10d::ProcessGroup::BackendType::CUSTOM, staged);
-    } else {
-      auto nccl = make_nccl_backend(prefixed, rank, size, options.timeout);
-      group->setDefaultBackend(c10d::ProcessGroup::BackendType::NCCL);
-      group->setBackend(c10::DeviceType::CUDA, c10d::ProcessGroup::BackendType::NCCL, nccl);
-      // Host tensors (decisions, strings, metrics kept on the CPU) travel over Gloo, as with
-      // torch.distributed's "cpu:gloo,cuda:nccl".
-      auto cpu_store = c10::make_intrusive<c10d::PrefixStore>("fulgur/default_pg_cpu", store);
-      group->setBackend(c10::DeviceType::CPU, c10d::ProcessGroup::BackendType::GLOO,
-                        make_gloo_backend(cpu_store, cluster, options.timeout));
-    }
-    group->setGroupName("0");
-  } catch (const Error&) {
-    throw;
-  } catch (const std::exception& e) {
-    const auto* c10_error = dynamic_cast<const c10::Error*>(&e);
-    throw Error(ErrorKind::distributed,
-                fmt::format("rank {} of {} could not create the {} process group: {}", rank, size, options.backend,
-                            first_line(c10_error ? c10_error->what_without_backtrace() : e.what())));
-  }
-  return std::make_shared<C10dCommunicator>(store, group, options.backend, rank, size);
+  auto group = make_group(store, prefixed, "fulgur/default_pg", cluster, rank, size, options);
+  return std::make_shared<C10dCommunicator>(store, group, options.backend, rank, size, cluster, options);
 }
 
 }  // namespace fulgur::detail

@@ -1,0 +1,154 @@
+// Built-in strategy `model_parallel`: Lightning's ModelParallelStrategy(data_parallel_size,
+// tensor_parallel_size). The ranks form a DeviceMesh (dp, tp), row-major as init_device_mesh; the
+// model gets it before its configure_model (fulgur::DeviceMeshReceiver) and builds its layers on
+// mesh.group("tp") (fulgur/nn/tensor_parallel.h). Each dp replica reads its own slice of the data
+// (every tp rank of a replica the same), gradients are averaged over the dp group after backward,
+// and norm clipping counts each tensor-parallel shard once. Checkpoints of split layers are not
+// written yet (issue #35): with tensor_parallel_size > 1 saving refuses, naming the fix.
+#include <fulgur/communicator.h>
+#include <fulgur/device_mesh.h>
+#include <fulgur/model_parallel.h>
+#include <fulgur/nn/tensor_parallel.h>
+#include <fulgur/plugin.h>
+#include <fulgur/precision.h>
+
+#include <ATen/ops/cat.h>
+#include <fmt/format.h>
+#include <torch/nn/module.h>
+#include <torch/optim/optimizer.h>
+
+#include <optional>
+#include <string>
+
+#include "../common/process_group_strategy.h"
+
+namespace {
+
+class ModelParallelStrategy final : public fulgur::process_group::ProcessGroupStrategy {
+ public:
+  FULGUR_OPTIONS(Options,
+                 (string, backend, "Process group backend: \"auto\" (the accelerator's), \"gloo\", \"nccl\"", "auto"),
+                 (floating, timeout,
+                  "Seconds a collective or the rendezvous may wait for the other ranks before failing", 1800.0),
+                 (integer, data_parallel_size, "Replicas of the model (0: the processes / tensor_parallel_size)", 0),
+                 (integer, tensor_parallel_size, "Ranks each layer is split across (the mesh's tp dimension)", 1));
+  explicit ModelParallelStrategy(const Options& options)
+      : ProcessGroupStrategy("model_parallel", options.given()),
+        data_parallel_size_(options.data_parallel_size),
+        tensor_parallel_size_(options.tensor_parallel_size) {
+    if (tensor_parallel_size_ < 1 || data_parallel_size_ < 0)
+      throw fulgur::Error(fulgur::ErrorKind::config,
+                          "strategy 'model_parallel': tensor_parallel_size must be at least 1 and "
+                          "data_parallel_size at least 0 (0: the processes / tensor_parallel_size)");
+  }
+
+  void setup_environment(const fulgur::StrategyEnvironment& environment) override {
+    ProcessGroupStrategy::setup_environment(environment);
+    const int64_t world = cluster_.world_size;
+    const int64_t dp = data_parallel_size_ == 0 ? world / tensor_parallel_size_ : data_parallel_size_;
+    if (dp * tensor_parallel_size_ != world)
+      throw fulgur::Error(fulgur::ErrorKind::config,
+                          fmt::format("strategy 'model_parallel': data_parallel_size {} x tensor_parallel_size {} = {} "
+                                      "ranks, but the job has {} processes; make the product equal the number of "
+                                      "devices (or leave data_parallel_size = 0)",
+                                      dp, tensor_parallel_size_, dp * tensor_parallel_size_, world));
+    if (communicator_)
+      mesh_ = fulgur::DeviceMesh::create(*communicator_, {dp, tensor_parallel_size_}, {"dp", "tp"});
+    else
+      mesh_ = fulgur::DeviceMesh::from_groups(0, {1, 1}, {"dp", "tp"}, {nullptr, nullptr});
+  }
+
+  void configure_model(torch::nn::Module& module, const fulgur::ModelBuild& build) override {
+    if (auto* receiver = fulgur::find_device_mesh_receiver(module))
+      receiver->set_device_mesh(*mesh_);
+    else if (tensor_parallel_size_ > 1)
+      throw fulgur::Error(fulgur::ErrorKind::config,
+                          "strategy 'model_parallel': tensor_parallel_size > 1, but the model does not take the device "
+                          "mesh; derive it from fulgur::DeviceMeshReceiver (fulgur/model_parallel.h) and build its "
+                          "layers on mesh.group(\"tp\") in configure_model");
+    if (build.configure) build.configure();
+  }
+
+  void setup_module(torch::nn::Module& module) override {
+    module.to(device_);
+    module_ = &module;
+    // The replicas of one shard start from dp rank 0's values (each tp rank holds its own shard).
+    if (auto dp = mesh_->group("dp"); dp && dp->world_size() > 1) {
+      std::vector<at::Tensor> state;
+      for (auto& p : module.parameters()) state.push_back(p);
+      for (auto& b : module.buffers()) state.push_back(b);
+      dp->broadcast_coalesced(state, 0);
+    }
+  }
+
+  void backward(const at::Tensor& loss, fulgur::Precision& precision, bool sync_gradients) override {
+    precision.scale_loss(loss).backward();
+    auto dp = mesh_->group("dp");
+    if (!sync_gradients || !dp || dp->world_size() == 1 || !module_) return;
+    // One all-reduce of every gradient, flattened (the mean over the replicas' batches).
+    std::vector<at::Tensor> grads;
+    for (auto& p : module_->parameters())
+      if (p.requires_grad() && p.grad().defined()) grads.push_back(p.mutable_grad());
+    if (grads.empty()) return;
+    std::vector<at::Tensor> flat;
+    for (const auto& g : grads) flat.push_back(g.reshape({-1}));
+    at::Tensor buffer = at::cat(flat);
+    dp->all_reduce(buffer, fulgur::ReduceOp::mean);
+    int64_t offset = 0;
+    for (auto& g : grads) {
+      g.copy_(buffer.narrow(0, offset, g.numel()).view_as(g));
+      offset += g.numel();
+    }
+  }
+
+  void clip_gradients(torch::optim::Optimizer& optimizer, fulgur::Precision& precision, double clip_value,
+                      fulgur::GradClipAlgorithm algorithm) override {
+    if (algorithm != fulgur::GradClipAlgorithm::norm || !module_ || tensor_parallel_size_ == 1) {
+      precision.clip_gradients(optimizer, clip_value, algorithm);  // elementwise, or nothing split
+      return;
+    }
+    if (clip_value > 0) fulgur::nn::clip_grad_norm_tensor_parallel(*module_, clip_value, mesh_->group("tp").get());
+  }
+
+  bool optimizer_step(torch::optim::Optimizer& optimizer, fulgur::Precision& precision) override {
+    return precision.optimizer_step(optimizer);
+  }
+
+  // Tensor-parallel ranks of one replica read the same batches.
+  int64_t data_parallel_rank() const override { return mesh_ ? mesh_->local_rank("dp") : 0; }
+  int64_t data_parallel_size() const override { return mesh_ ? mesh_->size("dp") : 1; }
+
+  void save_checkpoint(const fulgur::CheckpointParts& parts, const std::string& path) override {
+    refuse_split_checkpoint("save", path);
+    Strategy::save_checkpoint(parts, path);
+  }
+  void load_checkpoint(const std::string& path, const fulgur::CheckpointParts& out) override {
+    refuse_split_checkpoint("load", path);
+    Strategy::load_checkpoint(path, out);
+  }
+
+  void teardown() override {
+    module_ = nullptr;
+    ProcessGroupStrategy::teardown();
+  }
+
+ private:
+  void refuse_split_checkpoint(const char* what, const std::string& path) const {
+    if (tensor_parallel_size_ > 1)
+      throw fulgur::Error(fulgur::ErrorKind::checkpoint,
+                          fmt::format("strategy 'model_parallel': cannot {} '{}': checkpoints of tensor-parallel "
+                                      "shards are not supported yet (issue #35); set [trainer] "
+                                      "enable_checkpointing = false, or train with tensor_parallel_size = 1",
+                                      what, path));
+  }
+
+  int64_t data_parallel_size_, tensor_parallel_size_;
+  std::optional<fulgur::DeviceMesh> mesh_;
+  torch::nn::Module* module_ = nullptr;
+};
+
+}  // namespace
+
+FULGUR_PLUGIN(ModelParallelStrategy, "model_parallel", "0.1.0",
+              "Tensor parallelism inside data parallelism on a (dp, tp) device mesh: layers split with "
+              "fulgur/nn/tensor_parallel.h, gradients averaged over dp")

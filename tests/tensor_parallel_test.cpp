@@ -1,0 +1,314 @@
+// Tensor and sequence parallelism (fulgur/device_mesh.h, fulgur/nn/tensor_parallel.h) on 2 and 4
+// Gloo processes over loopback: every rank runs tests/tp_worker.cpp, which compares the parallel
+// layers with the same model computed whole in one process and prints what it found.
+#include <arpa/inet.h>
+#include <doctest/doctest.h>
+#include <fmt/format.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <torch/torch.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <map>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <fulgur/device_mesh.h>
+#include <fulgur/error.h>
+#include <fulgur/nn/tensor_parallel.h>
+
+#include "test_support.h"
+
+namespace {
+
+using fulgur::test::TempDir;
+namespace fs = std::filesystem;
+
+int free_port() {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof(addr);
+  REQUIRE(bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0);
+  REQUIRE(getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0);
+  close(fd);
+  return ntohs(addr.sin_port);
+}
+
+struct Rank {
+  int status = -1;
+  std::string output;
+  std::map<std::string, double> diffs;  // `diff <name> <value>`
+  std::map<std::string, int> checks;    // `check <name> <0|1>`
+};
+
+// Runs `scenario` on `world` ranks; kills them all after two minutes (a hang fails the test).
+std::vector<Rank> run_ranks(const std::string& scenario, int world, int tp_size = 2) {
+  TempDir dir;
+  const int port = free_port();
+  std::vector<pid_t> pids;
+  for (int r = 0; r < world; ++r) {
+    const std::map<std::string, std::string> env{{"RANK", std::to_string(r)},
+                                                 {"WORLD_SIZE", std::to_string(world)},
+                                                 {"MASTER_ADDR", "127.0.0.1"},
+                                                 {"MASTER_PORT", std::to_string(port)},
+                                                 {"FULGUR_TEST_TP_SIZE", std::to_string(tp_size)},
+                                                 {"OMP_NUM_THREADS", "1"},
+                                                 {"GLOO_SOCKET_IFNAME", ""}};
+    pids.push_back(fulgur::test::spawn_process({FULGUR_TEST_TP_WORKER, scenario}, env, dir.path(),
+                                               dir.path() / fmt::format("rank{}.log", r)));
+  }
+  std::vector<Rank> ranks(static_cast<size_t>(world));
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::minutes(2);
+  for (int r = 0; r < world; ++r) {
+    int status = 0;
+    while (waitpid(pids[r], &status, WNOHANG) != pids[r]) {
+      if (std::chrono::steady_clock::now() > deadline) {
+        for (pid_t p : pids) kill(p, SIGKILL);
+        waitpid(pids[r], &status, 0);
+        break;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+    Rank& rank = ranks[static_cast<size_t>(r)];
+    rank.status = WIFEXITED(status) ? WEXITSTATUS(status) : -WTERMSIG(status);
+    rank.output = fulgur::test::read_bytes(dir.path() / fmt::format("rank{}.log", r));
+    std::istringstream lines(rank.output);
+    std::string kind, name;
+    for (std::string line; std::getline(lines, line);) {
+      std::istringstream words(line);
+      double value = 0;
+      if (!(words >> kind >> name >> value)) continue;
+      if (kind == "diff") rank.diffs[name] = value;
+      if (kind == "check") rank.checks[name] = static_cast<int>(value);
+    }
+  }
+  return ranks;
+}
+
+// Every rank exited 0, printed each of `diffs` at most `tolerance` and each of `checks` true.
+void require_all(const std::vector<Rank>& ranks, const std::vector<std::string>& diffs,
+                 const std::vector<std::string>& checks, double tolerance = 1e-5) {
+  for (size_t r = 0; r < ranks.size(); ++r) {
+    INFO("rank " << r << " output:\n" << ranks[r].output);
+    REQUIRE(ranks[r].status == 0);
+    for (const auto& name : diffs) {
+      INFO(name);
+      REQUIRE(ranks[r].diffs.count(name) == 1);
+      CHECK(ranks[r].diffs.at(name) <= tolerance);
+    }
+    for (const auto& name : checks) {
+      INFO(name);
+      REQUIRE(ranks[r].checks.count(name) == 1);
+      CHECK(ranks[r].checks.at(name) == 1);
+    }
+  }
+}
+
+const std::vector<std::string> kMlpDiffs{
+    "init_col_weight",    "init_row_weight",    "init_row_bias",   "output",     "grad_col_weight",
+    "grad_col_bias",      "grad_row_weight",    "grad_row_bias",   "grad_input", "grad_norm_relative",
+    "clipped_col_weight", "clipped_row_weight", "clipped_row_bias"};
+
+}  // namespace
+
+TEST_CASE("tensor parallel: the device mesh lays out ranks as init_device_mesh (2 x 2)") {
+  require_all(run_ranks("mesh", 4), {},
+              {"mesh_tp_ranks", "mesh_dp_ranks", "mesh_coordinate", "mesh_local_ranks", "mesh_tp_all_reduce",
+               "mesh_dp_all_reduce"});
+}
+
+TEST_CASE("tensor parallel: a column-row MLP equals one process (tp 2)") {
+  require_all(run_ranks("mlp", 2), kMlpDiffs, {});
+}
+
+TEST_CASE("tensor parallel: a column-row MLP equals one process (dp 2 x tp 2)") {
+  require_all(run_ranks("mlp", 4), kMlpDiffs, {});
+}
+
+TEST_CASE("tensor parallel: sequence parallel LayerNorm and MLP equal one process (tp 2)") {
+  std::vector<std::string> diffs = kMlpDiffs;
+  diffs.insert(diffs.end(), {"grad_norm_weight", "grad_norm_bias"});
+  require_all(run_ranks("mlp_sp", 2), diffs, {});
+}
+
+TEST_CASE("tensor parallel: sequence parallel LayerNorm and MLP equal one process (dp 2 x tp 2)") {
+  std::vector<std::string> diffs = kMlpDiffs;
+  diffs.insert(diffs.end(), {"grad_norm_weight", "grad_norm_bias"});
+  require_all(run_ranks("mlp_sp", 4), diffs, {});
+}
+
+TEST_CASE("tensor parallel: sequence parallel LayerNorm and MLP equal one process (tp 4)") {
+  std::vector<std::string> diffs = kMlpDiffs;
+  diffs.insert(diffs.end(), {"grad_norm_weight", "grad_norm_bias"});
+  require_all(run_ranks("mlp_sp", 4, 4), diffs, {});
+}
+
+TEST_CASE("tensor parallel: 20 AdamW steps on dp 2 x tp 2 with sequence parallelism and clipping equal one process") {
+  const std::vector<std::string> diffs{"train_loss",     "train_col_weight",  "train_col_bias", "train_row_weight",
+                                       "train_row_bias", "train_norm_weight", "train_norm_bias"};
+  require_all(run_ranks("train", 4), diffs, {"train_weights_moved", "train_clipping_engaged"});
+  require_all(run_ranks("train", 2), diffs, {"train_weights_moved", "train_clipping_engaged"});
+}
+
+TEST_CASE("tensor parallel: sizes that do not split and a mesh that does not fit are clear errors") {
+  require_all(run_ranks("errors", 2), {}, {"error_column_split", "error_vocab_split", "error_mesh_size"});
+}
+
+TEST_CASE("tensor parallel: vocab-parallel embedding and cross-entropy equal one process (tp 2 and tp 4)") {
+  std::vector<std::string> diffs;
+  std::vector<std::string> checks;
+  for (std::string tag : {"", "sp_"}) {
+    for (const char* name : {"init_embedding", "init_head", "logits", "loss", "grad_embedding", "grad_head"})
+      diffs.push_back(tag + name);
+    checks.push_back(tag + "logits_stay_split");
+  }
+  require_all(run_ranks("vocab", 2), diffs, checks);
+  require_all(run_ranks("vocab", 4, 4), diffs, checks);
+}
+
+TEST_CASE("tensor parallel: dropout differs in sharded regions and matches in replicated ones") {
+  require_all(run_ranks("rng", 2), {},
+              {"rng_sharded_differs_across_tp", "rng_replicated_equal_across_tp", "rng_stream_advances",
+               "rng_default_stream_untouched", "rng_sharded_reproducible"});
+}
+
+TEST_CASE("tensor parallel: mesh layout of a 2 x 3 x 2 mesh matches init_device_mesh") {
+  // torch.arange(12).view(2, 3, 2): the group along a dimension varies that index only.
+  const std::vector<int64_t> shape{2, 3, 2};
+  CHECK(fulgur::DeviceMesh::group_ranks(shape, 7, 0) == std::vector<int64_t>{1, 7});
+  CHECK(fulgur::DeviceMesh::group_ranks(shape, 7, 1) == std::vector<int64_t>{7, 9, 11});
+  CHECK(fulgur::DeviceMesh::group_ranks(shape, 7, 2) == std::vector<int64_t>{6, 7});
+  CHECK(fulgur::DeviceMesh::coordinate_of(shape, 7) == std::vector<int64_t>{1, 0, 1});
+  const auto mesh = fulgur::DeviceMesh::from_groups(7, shape, {"pp", "dp", "tp"}, {nullptr, nullptr, nullptr});
+  CHECK(mesh.size("dp") == 3);
+  CHECK(mesh.local_rank("tp") == 1);
+  CHECK(mesh.group_ranks("dp") == std::vector<int64_t>{7, 9, 11});
+  const auto unknown = fulgur::test::error_from([&] { mesh.dim("ep"); });
+  CHECK(unknown.kind() == fulgur::ErrorKind::invalid_argument);
+  CHECK(fulgur::test::contains(unknown.what(), "no dimension 'ep'; the mesh has (pp, dp, tp)"));
+  const auto duplicate = fulgur::test::error_from([] {
+    fulgur::DeviceMesh::from_groups(0, {1, 1}, {"tp", "tp"}, {nullptr, nullptr});
+  });
+  CHECK(fulgur::test::contains(duplicate.what(), "distinct"));
+}
+
+TEST_CASE("tensor parallel: with one rank the layers are torch::nn::Linear and Embedding") {
+  torch::manual_seed(3);
+  torch::nn::Linear linear(6, 4);
+  torch::manual_seed(3);
+  fulgur::nn::ColumnParallelLinear column(fulgur::nn::ParallelLinearOptions(6, 4));
+  torch::manual_seed(3);
+  fulgur::nn::RowParallelLinear row(fulgur::nn::ParallelLinearOptions(6, 4));
+  const at::Tensor x = torch::randn({5, 6});
+  CHECK(column(x).equal(linear(x)));
+  CHECK(torch::allclose(row(x), linear(x), 1e-6, 1e-6));  // matmul then bias, not addmm
+  // State dict names and shapes are torch.nn.Linear's.
+  const auto names = column->named_parameters();
+  CHECK(names.contains("weight"));
+  CHECK(names.contains("bias"));
+  CHECK(names["weight"].sizes() == linear->weight.sizes());
+  torch::manual_seed(5);
+  torch::nn::Embedding embedding(10, 3);
+  torch::manual_seed(5);
+  fulgur::nn::VocabParallelEmbedding vocab(fulgur::nn::VocabParallelEmbeddingOptions(10, 3));
+  const at::Tensor ids = torch::tensor({0, 9, 4});
+  CHECK(vocab(ids).equal(embedding(ids)));
+  const at::Tensor logits = torch::randn({3, 10}, torch::requires_grad());
+  const at::Tensor target = torch::tensor({1, 2, 9});
+  const at::Tensor loss = fulgur::nn::vocab_parallel_cross_entropy(logits, target, nullptr).mean();
+  CHECK(torch::allclose(loss, torch::nn::functional::cross_entropy(logits, target)));
+  const auto mismatch = fulgur::test::error_from([&] {
+    fulgur::nn::vocab_parallel_cross_entropy(logits, torch::tensor({1, 2}), nullptr);
+  });
+  CHECK(fulgur::test::contains(mismatch.what(), "do not fit"));
+}
+
+namespace {
+
+// `fulgur fit` of the tp_mlp fixture on tp_regression under `strategy_table` with `devices`
+// processes, 10 SGD steps with norm clipping at 0.05 (engaged from the first step); returns the
+// metrics.csv columns (rank 0's values).
+std::map<std::string, std::vector<std::string>> fit_tp_mlp(
+    const std::string& strategy_table, int devices, const std::string& trainer_extra = "enable_checkpointing = false",
+    fulgur::test::ProcessRun* run_out = nullptr) {
+  TempDir dir;
+  const fs::path plugins = dir.subdir("plugins");
+  for (const char* library : {"libfulgur-fixture-tp-mlp.so", "libfulgur-fixture-tp-regression.so"})
+    fulgur::test::copy_library(fulgur::test::fixture(library), plugins / library);
+  fulgur::test::write_bytes(
+      dir / "run.toml",
+      fmt::format("[trainer]\nmax_epochs = 1\nseed = 7\nlimit_train_batches = 10\nnum_sanity_val_steps = 0\n"
+                  "log_every_n_steps = 1\ngradient_clip_val = 0.05\nenable_progress_bar = false\n"
+                  "enable_model_summary = false\naccelerator = \"cpu\"\ndevices = {}\n"
+                  "default_root_dir = \"{}\"\n{}\n[strategy]\n{}\n\n"
+                  "[model]\nname = \"tp_mlp\"\nlr = 0.1\n\n[data]\nname = \"tp_regression\"\n"
+                  "batch_size = 16\n\n[[loggers]]\nname = \"csv\"\n",
+                  devices, (dir / "runs").string(), trainer_extra, strategy_table));
+  const fulgur::test::ProcessRun run = fulgur::test::run_process(
+      {FULGUR_TEST_FULGUR_BIN, "fit", "--config", "run.toml"},
+      {{"FULGUR_LOG_LEVEL", "warn"}, {"FULGUR_PLUGIN_PATH", plugins.string()}, {"OMP_NUM_THREADS", "1"}}, dir.path());
+  if (run_out != nullptr) {
+    *run_out = run;
+    return {};
+  }
+  INFO(run.output);
+  REQUIRE(run.exit_code == 0);
+  return fulgur::test::read_csv(dir / "runs" / "lightning_logs" / "version_0" / "metrics.csv");
+}
+
+std::vector<double> column(const std::map<std::string, std::vector<std::string>>& csv, const std::string& name) {
+  REQUIRE(csv.count(name) == 1);
+  std::vector<double> values;
+  for (const auto& cell : csv.at(name))
+    if (!cell.empty()) values.push_back(std::stod(cell));
+  return values;
+}
+
+void require_same_losses(const std::map<std::string, std::vector<std::string>>& a,
+                         const std::map<std::string, std::vector<std::string>>& b) {
+  const std::vector<double> la = column(a, "train/loss"), lb = column(b, "train/loss");
+  REQUIRE(la.size() >= 8);  // 10 steps; 8 with two replicas (256 rows / 2 / 16)
+  REQUIRE(lb.size() == la.size());
+  for (size_t i = 0; i < la.size(); ++i) {
+    INFO("step " << i);
+    CHECK(std::abs(la[i] - lb[i]) <= 1e-5);
+  }
+}
+
+}  // namespace
+
+TEST_CASE("model_parallel: fulgur fit with tensor_parallel_size 2 equals single_device and 2 x 2 equals ddp") {
+  const auto single = fit_tp_mlp("name = \"single_device\"", 1);
+  const auto tp2 = fit_tp_mlp("name = \"model_parallel\"\ntensor_parallel_size = 2\ntimeout = 60.0", 2);
+  require_same_losses(single, tp2);
+  CHECK(column(single, "shard/col_rows").front() == 32);
+  CHECK(column(tp2, "shard/col_rows").front() == 16);  // the layer really is split
+
+  // Two replicas of a 2-way split model train as two ddp replicas of the whole model.
+  const auto ddp = fit_tp_mlp("name = \"ddp\"\ntimeout = 60.0", 2);
+  const auto mesh =
+      fit_tp_mlp("name = \"model_parallel\"\ntensor_parallel_size = 2\ndata_parallel_size = 2\ntimeout = 60.0", 4);
+  require_same_losses(ddp, mesh);
+  CHECK(column(mesh, "shard/col_rows").front() == 16);
+}
+
+TEST_CASE("model_parallel: a mesh that does not fit the job and split checkpoints are clear errors") {
+  fulgur::test::ProcessRun run;
+  fit_tp_mlp("name = \"model_parallel\"\ntensor_parallel_size = 2\ndata_parallel_size = 2\ntimeout = 60.0", 2,
+             "enable_checkpointing = false", &run);
+  CHECK(run.exit_code != 0);
+  CHECK(fulgur::test::contains(run.output,
+                               "data_parallel_size 2 x tensor_parallel_size 2 = 4 ranks, but the job "
+                               "has 2 processes"));
+  fit_tp_mlp("name = \"model_parallel\"\ntensor_parallel_size = 2\ntimeout = 60.0", 2, "enable_checkpointing = true",
+             &run);
+  CHECK(run.exit_code != 0);
+  CHECK(fulgur::test::contains(run.output, "checkpoints of tensor-parallel shards are not supported yet"));
+}
