@@ -505,13 +505,12 @@ Config config_from_root(std::shared_ptr<toml::table> root, const fs::path& origi
     // Loggers write local files under default_root_dir; object storage reaches checkpoints only so
     // far (fulgur/storage.h), so a URL here would leave logs in a local directory named "s3:".
     if (is_storage_url(root_dir.string()))
-      throw Error(
-          ErrorKind::config,
-          fmt::format("{}: [trainer] default_root_dir = \"{}\": logs cannot go to object storage yet; keep "
-                      "default_root_dir local and send the checkpoints there with [[callbacks]] name = "
-                      "\"model_checkpoint\", dirpath = \"{}/checkpoints\" (ckpt_path = \"last\" finds them there)",
-                      given == config.trainer_locations.end() ? std::string("[trainer]") : given->second.str(),
-                      root_dir.string(), root_dir.string()));
+      throw Error(ErrorKind::config,
+                  fmt::format("{}: [trainer] default_root_dir = \"{}\": logs cannot go to object storage yet; keep "
+                              "default_root_dir local and send the checkpoints there with the checkpoint callback's "
+                              "dirpath = \"{}/checkpoints\" (ckpt_path = \"last\" finds them there)",
+                              given == config.trainer_locations.end() ? std::string("[trainer]") : given->second.str(),
+                              root_dir.string(), root_dir.string()));
     if (!root_dir.is_absolute())
       config.trainer.set("default_root_dir", (root_base / root_dir).lexically_normal().string());
     // init_weights and a ckpt_path file like default_root_dir: relative to the file (or flag) that
