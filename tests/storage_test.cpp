@@ -228,6 +228,38 @@ TEST_CASE("s3 storage: fulgur fit saves to s3://, keeps top-k there and resumes 
   CHECK(fulgur::test::job::checkpoint_dict(dir / "b-ckpt" / "last.ckpt").at("global_step").toInt() == 12);
 }
 
+TEST_CASE("s3 storage: SIGKILL in the middle of an upload leaves the previous last.ckpt and no partial object") {
+  if (moto_missing()) return;
+  if (!FULGUR_TEST_FAULT_INJECTION) {
+    fulgur::test::skip_test("this build has no fault injection (configure with -DFULGUR_FAULT_INJECTION=ON)");
+    return;
+  }
+  TempDir dir;
+  MotoServer server(dir);
+  const ProcessRun reference =
+      fit(dir, "reference.toml", fit_toml(dir / "ref", 2, (dir / "ref-ckpt").string(), ""), server.env());
+  REQUIRE_MESSAGE(reference.exit_code == 0, reference.output);
+
+  // Uploads: step 2's epoch=0-step=2.ckpt and last.ckpt, then step 4's epoch=0-step=4.ckpt, the
+  // third, dies half sent.
+  const std::string dirpath = "s3://ckpts/killed/checkpoints";
+  std::map<std::string, std::string> env = server.env();
+  env["FULGUR_FAULT_INJECT"] = "s3_upload:3";
+  const ProcessRun killed = fit(dir, "killed.toml", fit_toml(dir / "k", 2, dirpath, ""), env);
+  INFO(killed.output);
+  REQUIRE(killed.exit_code == -SIGKILL);
+  CHECK(server.keys("killed/") ==
+        std::vector<std::string>{"killed/checkpoints/epoch=0-step=2.ckpt", "killed/checkpoints/last.ckpt"});
+  server.client({"get", "killed/checkpoints/last.ckpt", (dir / "at-kill.ckpt").string()});
+  CHECK(fulgur::test::job::checkpoint_dict(dir / "at-kill.ckpt").at("global_step").toInt() == 2);
+
+  // A new process resumes from that last.ckpt, mid-epoch, and ends where the uninterrupted run did.
+  const ProcessRun resumed = fit(dir, "resumed.toml", fit_toml(dir / "k", 2, dirpath, "last"), server.env());
+  REQUIRE_MESSAGE(resumed.exit_code == 0, resumed.output);
+  server.client({"get", "killed/checkpoints/last.ckpt", (dir / "final.ckpt").string()});
+  CHECK(fulgur::test::job::same_weights(dir / "final.ckpt", dir / "ref-ckpt" / "last.ckpt"));
+}
+
 TEST_CASE("s3 storage: a wrong secret is refused with the bucket, key, HTTP status and the fix") {
   if (moto_missing()) return;
   TempDir dir;

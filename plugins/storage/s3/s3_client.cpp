@@ -12,8 +12,10 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cctype>
 #include <chrono>
+#include <csignal>
 #include <cstdlib>
 #include <cstring>
 #include <ctime>
@@ -130,13 +132,34 @@ size_t collect_header(char* data, size_t size, size_t n, void* out) {
   return size * n;
 }
 
+// Test-only fault injection (compiled in with FULGUR_FAULT_INJECTION, as the SDK's
+// checkpoint_write seam): FULGUR_FAULT_INJECT = "s3_upload:N" kills this process with SIGKILL
+// once half of the body of its N-th object upload (1-based) has gone to the server, so that
+// tests/storage_test.cpp can show that an upload cut short leaves no object behind.
+long upload_to_kill() {
+#if defined(FULGUR_FAULT_INJECTION)
+  static const long n = [] {
+    long v = 0;
+    const char* spec = std::getenv("FULGUR_FAULT_INJECT");
+    return spec && std::sscanf(spec, "s3_upload:%ld", &v) == 1 ? v : 0L;
+  }();
+  return n;
+#else
+  return 0;
+#endif
+}
+
+std::atomic<long> uploads_started{0};
+
 struct Upload {
   std::string_view body;
   size_t at = 0;
+  bool doomed = false;  // the upload the fault injection kills
 };
 
 size_t send_body(char* buffer, size_t size, size_t n, void* in) {
   auto* upload = static_cast<Upload*>(in);
+  if (upload->doomed && upload->at >= upload->body.size() / 2) ::raise(SIGKILL);
   const size_t count = std::min(size * n, upload->body.size() - upload->at);
   std::memcpy(buffer, upload->body.data() + upload->at, count);
   upload->at += count;
@@ -295,8 +318,10 @@ Client::Response Client::send_once(const Request& request) {
   add("x-amz-content-sha256: UNSIGNED-PAYLOAD");
   if (!creds.session_token.empty()) add("x-amz-security-token: " + creds.session_token);
   for (const std::string& header : request.headers) add(header);
-  Upload upload{request.body, 0};
+  Upload upload{request.body, 0, false};
   if (request.method == "PUT") {
+    if (const long kill_at = upload_to_kill(); kill_at > 0 && request.query.find("partNumber") == std::string::npos)
+      upload.doomed = uploads_started.fetch_add(1) + 1 == kill_at;
     // No "Expect:" to skip the 100-continue round trip: curl 7.88 signs that blanked header
     // without sending it, and the server then refuses the signature.
     add("Content-Type: application/octet-stream");
