@@ -145,6 +145,22 @@ class MotoServer {
             {"FULGUR_LOG_LEVEL", "warn"},   {"FULGUR_PLUGIN_PATH", ""}};
   }
 
+  // No key in the environment: the profile `profile` of a shared credentials file written here,
+  // after a [default] profile with a wrong secret.
+  std::map<std::string, std::string> profile_env(const std::string& profile) const {
+    const fs::path file = dir_ / "aws-credentials";
+    fulgur::test::write_bytes(file, fmt::format("[default]\naws_access_key_id = {}\naws_secret_access_key = wrong\n\n"
+                                                "# the key the test created\n[{}]\naws_access_key_id = {}\n"
+                                                "aws_secret_access_key = {}\n",
+                                                key_id_, profile, key_id_, secret_));
+    std::map<std::string, std::string> out = env();
+    out["AWS_ACCESS_KEY_ID"] = "";
+    out["AWS_SECRET_ACCESS_KEY"] = "";
+    out["AWS_SHARED_CREDENTIALS_FILE"] = file.string();
+    out["AWS_PROFILE"] = profile;
+    return out;
+  }
+
   // boto3's view of the bucket.
   std::string client(const std::vector<std::string>& args) const {
     std::vector<std::string> command = {FULGUR_TEST_PYTHON, (dir_ / "client.py").string(), url(), key_id_, secret_};
@@ -342,4 +358,22 @@ TEST_CASE("storage: default_root_dir on object storage is refused with the way t
   FULGUR_CHECK_CONTAINS(run.output, "logs cannot go to object storage yet");
   FULGUR_CHECK_CONTAINS(run.output, "dirpath = \"s3://ckpts/run/checkpoints\"");
   CHECK(!fs::exists(dir / "s3:"));
+}
+
+TEST_CASE("s3 storage: credentials from a profile of the shared credentials file (AWS_PROFILE)") {
+  if (moto_missing()) return;
+  TempDir dir;
+  MotoServer server(dir);
+  const ProcessRun run =
+      fit(dir, "profile.toml", fit_toml(dir.path(), 1, "s3://ckpts/profile", ""), server.profile_env("training"));
+  REQUIRE_MESSAGE(run.exit_code == 0, run.output);
+  CHECK(server.keys("profile/") == std::vector<std::string>{"profile/epoch=0-step=4.ckpt", "profile/last.ckpt"});
+  // The [default] profile holds a wrong secret: refused, naming the file and profile it came from.
+  std::map<std::string, std::string> env = server.profile_env("training");
+  env["AWS_PROFILE"] = "";
+  const ProcessRun wrong = fit(dir, "default.toml", fit_toml(dir.path(), 1, "s3://ckpts/default", ""), env);
+  INFO(wrong.output);
+  CHECK(wrong.exit_code != 0);
+  FULGUR_CHECK_CONTAINS(wrong.output, "SignatureDoesNotMatch");
+  FULGUR_CHECK_CONTAINS(wrong.output, "aws-credentials [default]");
 }
