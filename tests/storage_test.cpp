@@ -291,7 +291,7 @@ TEST_CASE("s3 storage: a wrong secret is refused with the bucket, key, HTTP stat
   CHECK(server.keys("wrong/").empty());
 }
 
-TEST_CASE("s3 storage: objects above the part size go up as a multipart upload; ranged reads and listing") {
+TEST_CASE("s3 storage: objects above the part size go up as a multipart upload, and ranged reads and listing work") {
   if (moto_missing()) return;
   TempDir dir;
   MotoServer server(dir);
