@@ -11,6 +11,7 @@
 #include <fulgur/module.h>
 #include <fulgur/nn/linear.h>
 #include <fulgur/registry/registry.h>
+#include <fulgur/storage.h>
 #include <fulgur/suggest.h>
 #include <fulgur/trainer.h>
 #include <fulgur/trainer_context.h>
@@ -292,6 +293,8 @@ c10::impl::GenericDict as_generic_dict(const TensorMap& tensors) {
 std::optional<c10::impl::GenericDict> read_checkpoint_state(const std::string& path, const std::string& flag,
                                                             bool resume) {
   if (path.empty() || path == "last" || path == "best") return std::nullopt;
+  // On object storage (s3://...): the Trainer checks it once the storage library is loaded.
+  if (is_storage_url(path)) return std::nullopt;
   std::error_code ec;
   if (fs::is_directory(path, ec) && dcp::is_distributed_checkpoint(path))
     return distributed_checkpoint_state(path, flag);

@@ -6,6 +6,7 @@
 #include <fulgur/error.h>
 #include <fulgur/registry/registry.h>
 #include <fulgur/registry/toml_options.h>
+#include <fulgur/storage.h>
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -252,7 +253,7 @@ fs::path base_of(const SourceLocation& where);
 
 // A path option's value: absolute, lexically normal; "" stays "" (not set).
 std::string absolute_path(const std::string& text, const fs::path& base) {
-  if (text.empty()) return text;
+  if (text.empty() || is_storage_url(text)) return text;  // s3://bucket/key (fulgur/storage.h)
   const fs::path p(text);
   return fs::absolute(p.is_absolute() ? p : base / p).lexically_normal().string();
 }
@@ -501,13 +502,23 @@ Config config_from_root(std::shared_ptr<toml::table> root, const fs::path& origi
     fs::path root_dir = config.trainer.get_string("default_root_dir");
     const auto given = config.trainer_locations.find("default_root_dir");
     const fs::path root_base = given == config.trainer_locations.end() ? base : base_of(given->second);
+    // Loggers write local files under default_root_dir; object storage reaches checkpoints only so
+    // far (fulgur/storage.h), so a URL here would leave logs in a local directory named "s3:".
+    if (is_storage_url(root_dir.string()))
+      throw Error(ErrorKind::config,
+                  fmt::format("{}: [trainer] default_root_dir = \"{}\": logs cannot go to object storage yet; keep "
+                              "default_root_dir local and send the checkpoints there with the checkpoint callback's "
+                              "dirpath = \"{}/checkpoints\" (ckpt_path = \"last\" finds them there)",
+                              given == config.trainer_locations.end() ? std::string("[trainer]") : given->second.str(),
+                              root_dir.string(), root_dir.string()));
     if (!root_dir.is_absolute())
       config.trainer.set("default_root_dir", (root_base / root_dir).lexically_normal().string());
     // init_weights and a ckpt_path file like default_root_dir: relative to the file (or flag) that
     // gave them, absolute in the config a run saves (which then resumes from any directory).
     for (const char* key : {"init_weights", "ckpt_path"}) {
       const fs::path path = config.trainer.get_string(key);
-      if (path.empty() || path.is_absolute() || path == "last" || path == "best") continue;
+      if (path.empty() || path.is_absolute() || path == "last" || path == "best" || is_storage_url(path.string()))
+        continue;
       const auto at = config.trainer_locations.find(key);
       const fs::path path_base = at == config.trainer_locations.end() ? base : base_of(at->second);
       config.trainer.set(key, (path_base / path).lexically_normal().string());

@@ -3,6 +3,7 @@
 #include <fulgur/cluster_environment.h>
 #include <fulgur/communicator.h>
 #include <fulgur/error.h>
+#include <fulgur/storage.h>
 #include <fulgur/trainer.h>
 
 #include <ATen/Context.h>
@@ -417,8 +418,9 @@ void TrainerEngine::fit(Module& module, DataModule& data, const std::string& ckp
     std::optional<CheckpointConnector::ReadCheckpoint> checkpoint;
     if (!resolved.empty()) {
       if (global_rank() == 0) {
-        spdlog::info("Restoring states from the checkpoint path at {}",
-                     std::filesystem::absolute(resolved).lexically_normal().string());
+        spdlog::info(
+            "Restoring states from the checkpoint path at {}",
+            is_storage_url(resolved) ? resolved : std::filesystem::absolute(resolved).lexically_normal().string());
         if (!trainer_config_.init_weights.path.empty())
           spdlog::info("[trainer] init_weights = \"{}\" is not loaded: the run resumes from {}, whose weights win",
                        trainer_config_.init_weights.path, resolved);

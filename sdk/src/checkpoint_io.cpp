@@ -10,6 +10,7 @@
 #include <fulgur/checkpoint_io.h>
 #include <fulgur/distributed_checkpoint.h>
 #include <fulgur/error.h>
+#include <fulgur/storage.h>
 
 #include <ATen/core/ivalue.h>
 #include <c10/util/Exception.h>
@@ -409,9 +410,42 @@ void check_archive_framing(const std::string& path) {
   }
 }
 
+// A checkpoint for object storage is serialized into a local temporary file first (the same
+// streaming writer), then handed to the storage in one write, which is atomic there (one PUT, or
+// a multipart upload completed last): a half-written checkpoint is never listed.
+std::string local_temporary(std::string_view what) {
+  static std::atomic<uint64_t> counter{0};
+  const char* tmp = std::getenv("TMPDIR");
+  return fmt::format("{}/.fulgur-{}-{}-{}", tmp && *tmp ? tmp : "/tmp", what, ::getpid(), counter.fetch_add(1));
+}
+
+// Removes a local temporary file when it goes out of scope.
+struct TemporaryFile {
+  std::string path;
+  ~TemporaryFile() { ::unlink(path.c_str()); }
+};
+
+// `message` with every mention of the temporary file replaced by the URL the user gave.
+std::string with_url(std::string message, const std::string& temporary, const std::string& url) {
+  for (size_t at = message.find(temporary); at != std::string::npos; at = message.find(temporary, at + url.size()))
+    message.replace(at, temporary.size(), url);
+  return message;
+}
+
 }  // namespace
 
 void write_checkpoint_file(const c10::IValue& checkpoint, const std::string& path) {
+  if (is_storage_url(path)) {
+    Storage& storage = storage_for(path);
+    const TemporaryFile temporary{local_temporary("upload")};
+    try {
+      write_checkpoint_file(checkpoint, temporary.path);
+    } catch (const Error& e) {
+      throw Error(e.kind(), with_url(e.what(), temporary.path, path));
+    }
+    storage.write(path, local_storage().read(temporary.path));
+    return;
+  }
   // Pickling first, before any file exists: the pickle refers to tensors by storage id and is
   // small; the storages themselves are streamed below.
   std::vector<char> pickle_bytes;
@@ -457,6 +491,16 @@ void write_checkpoint_file(const c10::IValue& checkpoint, const std::string& pat
 }
 
 c10::IValue read_checkpoint_file(const std::string& path, c10::Device map_location) {
+  if (is_storage_url(path)) {
+    Storage& storage = storage_for(path);
+    const TemporaryFile temporary{local_temporary("download")};
+    atomic_write_text(temporary.path, storage.read(path));
+    try {
+      return read_checkpoint_file(temporary.path, map_location);
+    } catch (const Error& e) {
+      throw Error(e.kind(), with_url(e.what(), temporary.path, path));
+    }
+  }
   check_archive_framing(path);
   try {
     caffe2::serialize::PyTorchStreamReader reader(path);
@@ -496,12 +540,17 @@ c10::IValue read_checkpoint_file(const std::string& path, c10::Device map_locati
 }
 
 void atomic_write_text(const std::string& path, std::string_view content) {
+  if (is_storage_url(path)) return storage_for(path).write(path, content);
   AtomicFile file(path, "file");
   file.write(content.data(), content.size());
   file.commit();
 }
 
 std::optional<int64_t> checkpoint_completed_ns(const std::string& path) {
+  if (is_storage_url(path)) {
+    const std::optional<StorageObject> object = storage_for(path).stat(path);
+    return object ? std::optional<int64_t>(object->modified_ns) : std::nullopt;
+  }
   struct stat info {};
   if (path.empty() || ::stat(path.c_str(), &info) != 0) return std::nullopt;
   if (S_ISDIR(info.st_mode)) {

@@ -5,6 +5,7 @@
 #include <fulgur/error.h>
 #include <fulgur/precision.h>
 #include <fulgur/state_dict.h>
+#include <fulgur/storage.h>
 #include <fulgur/strategy.h>
 
 #include <ATen/core/ivalue.h>
@@ -46,7 +47,9 @@ void Strategy::load_optimizer_state_dict(torch::optim::Optimizer& optimizer, con
 void Strategy::save_checkpoint(const CheckpointParts& parts, const std::string& path) {
   if (is_global_zero()) {
     // Like Lightning's TorchCheckpointIO, a checkpoint may go to a directory that does not exist yet.
-    const std::filesystem::path parent = std::filesystem::path(path).parent_path();
+    // Object stores have no directories to create.
+    const std::filesystem::path parent =
+        is_storage_url(path) ? std::filesystem::path() : std::filesystem::path(path).parent_path();
     std::error_code error;
     if (!parent.empty()) std::filesystem::create_directories(parent, error);
     if (error)
@@ -73,6 +76,7 @@ void Strategy::load_checkpoint(const std::string& path, const CheckpointParts& o
 }
 
 bool Strategy::is_checkpoint(const std::string& path) const {
+  if (is_storage_url(path)) return storage_for(path).exists(path);
   std::error_code error;
   return std::filesystem::is_regular_file(path, error) || dcp::is_distributed_checkpoint(path);
 }

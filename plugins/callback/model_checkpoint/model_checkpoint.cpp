@@ -6,6 +6,7 @@
 #include <fulgur/checkpoint_io.h>
 #include <fulgur/distributed_checkpoint.h>
 #include <fulgur/plugin.h>
+#include <fulgur/storage.h>
 
 #include "../common/callback_conventions.h"
 
@@ -133,7 +134,15 @@ std::string expand_user(const std::string& path) {
 // Disk access goes through POSIX, not std::filesystem: libtorch.so exports its own (GCC 13) copies
 // of several std::filesystem functions, and remove_all among them crashes with Debian 12's
 // libstdc++ (see tests/test_support.h). Only the lexical path operations are used here.
+//
+// A URL (s3://bucket/prefix, fulgur/storage.h) is kept as it is, less a trailing '/'; its files are
+// reached through fulgur::storage_for().
 std::string absolute_path(const std::string& path) {
+  if (fulgur::is_storage_url(path)) {
+    std::string url = path;
+    while (url.ends_with('/') && !url.ends_with("://")) url.pop_back();
+    return url;
+  }
   fs::path p(expand_user(path));
   if (p.is_relative()) {
     std::string cwd(PATH_MAX, '\0');
@@ -145,11 +154,13 @@ std::string absolute_path(const std::string& path) {
 }
 
 bool path_exists(const std::string& path) {
+  if (fulgur::is_storage_url(path)) return fulgur::storage_for(path).exists(path);
   struct stat info {};
   return ::stat(path.c_str(), &info) == 0;
 }
 
 bool directory_has_entries(const std::string& path) {
+  if (fulgur::is_storage_url(path)) return !fulgur::storage_for(path).list(fulgur::join_storage_path(path, "")).empty();
   DIR* dir = ::opendir(path.c_str());
   if (dir == nullptr) return false;
   bool found = false;
@@ -182,6 +193,9 @@ int remove_tree(const std::string& path) {
 // True when `file` lies somewhere below `directory`. Both are compared as absolute, lexically
 // normalized paths, the form in which this callback composes every path it writes.
 bool is_inside(const std::string& file, const std::string& directory) {
+  if (fulgur::is_storage_url(file) || fulgur::is_storage_url(directory))
+    return file.starts_with(fulgur::join_storage_path(absolute_path(directory), "")) &&
+           file.size() > absolute_path(directory).size() + 1;
   fs::path f(absolute_path(file));
   fs::path d(absolute_path(directory));
   auto [d_end, f_it] = std::mismatch(d.begin(), d.end(), f.begin(), f.end());
@@ -235,6 +249,23 @@ enum class Trigger { train_step, train_epoch_end, validation_end };
 // in any directory named "checkpoints" below it (where <log_dir>/checkpoints lands for every
 // logger version). Empty when there is none. POSIX only, as above.
 std::string newest_last_checkpoint(const std::string& directory, bool checkpoints_below) {
+  if (fulgur::is_storage_url(directory)) {
+    // Object stores list what is complete: an upload appears only when it has finished.
+    std::string newest;
+    int64_t newest_time = 0;
+    for (const fulgur::StorageObject& object :
+         fulgur::storage_for(directory).list(fulgur::join_storage_path(directory, ""))) {
+      const size_t slash = object.url.rfind('/');
+      const std::string name = object.url.substr(slash + 1), parent = object.url.substr(0, slash);
+      if (!name.starts_with(kLastFilename) || !name.ends_with(kExtension)) continue;
+      const bool wanted = checkpoints_below ? parent.ends_with("/checkpoints") : parent == directory;
+      if (wanted && (newest.empty() || object.modified_ns > newest_time)) {
+        newest = object.url;
+        newest_time = object.modified_ns;
+      }
+    }
+    return newest;
+  }
   struct Search {
     std::string newest;
     int64_t newest_time = 0;
@@ -349,7 +380,7 @@ class ModelCheckpoint final : public fulgur::Callback, public fulgur::Checkpoint
     // ... or the newest last*.ckpt where this callback saves: a new process resuming a killed run.
     if (path.empty() && trainer.is_global_zero()) {
       const auto [directory, below] = search_location(trainer);
-      if (path_exists(directory)) path = newest_last_checkpoint(directory, below);
+      if (fulgur::is_storage_url(directory) || path_exists(directory)) path = newest_last_checkpoint(directory, below);
     }
     return trainer.broadcast(path, 0);  // every rank resumes from rank zero's choice
   }
@@ -657,6 +688,14 @@ class ModelCheckpoint final : public fulgur::Callback, public fulgur::Checkpoint
 
   static void remove_checkpoint(fulgur::TrainerContext& trainer, const std::string& path) {
     if (!trainer.is_global_zero()) return;
+    if (fulgur::is_storage_url(path)) {
+      try {
+        fulgur::storage_for(path).remove(path);
+      } catch (const fulgur::Error& e) {
+        fulgur::log::warn(fmt::format("{}: could not delete {}, which is no longer kept: {}", kOwner, path, e.what()));
+      }
+      return;
+    }
     if (int error = remove_tree(path); error != 0)
       fulgur::log::warn(
           fmt::format("{}: could not delete {}, which is no longer kept: {}", kOwner, path, std::strerror(error)));
@@ -690,7 +729,7 @@ class ModelCheckpoint final : public fulgur::Callback, public fulgur::Checkpoint
   // best_model_path from the state this callback left in the newest last*.ckpt (empty if none).
   std::string best_recorded_in_last(fulgur::TrainerContext& trainer) const {
     const auto [directory, below] = search_location(trainer);
-    if (!path_exists(directory)) return {};
+    if (!fulgur::is_storage_url(directory) && !path_exists(directory)) return {};
     const std::string last = newest_last_checkpoint(directory, below);
     if (last.empty()) return {};
     try {

@@ -1,0 +1,379 @@
+// Checkpoints on object storage (fulgur/storage.h, plugins/storage/s3) against a real S3 server:
+// moto_server (pinned in scripts/requirements.txt) on a free port with IAM authentication and
+// SigV4 signature verification on, its user, key and policy created through its IAM API, and every
+// object read back with boto3, a client that shares no code with ours. Skipped (CTest: Skipped)
+// where moto_server is missing, which scripts/setup.sh prevents.
+#include <fulgur/error.h>
+#include <fulgur/storage.h>
+
+#include <doctest/doctest.h>
+#include <fmt/format.h>
+
+#include <arpa/inet.h>
+#include <dlfcn.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <map>
+#include <random>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "test_support.h"
+#include "training_job.h"
+
+namespace {
+
+namespace fs = std::filesystem;
+using fulgur::test::contains;
+using fulgur::test::ProcessRun;
+using fulgur::test::TempDir;
+
+fs::path moto_executable() { return fs::path(FULGUR_TEST_PYTHON).parent_path() / "moto_server"; }
+
+bool moto_missing() {
+  if (fs::exists(moto_executable())) return false;
+  fulgur::test::skip_test(moto_executable().string() + " is missing; scripts/setup.sh installs it (moto[server])");
+  return true;
+}
+
+int free_port() {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  REQUIRE(fd >= 0);
+  sockaddr_in address{};
+  address.sin_family = AF_INET;
+  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  REQUIRE(::bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof address) == 0);
+  socklen_t length = sizeof address;
+  REQUIRE(::getsockname(fd, reinterpret_cast<sockaddr*>(&address), &length) == 0);
+  ::close(fd);
+  return ntohs(address.sin_port);
+}
+
+// A TCP connect only: every HTTP request counts against INITIAL_NO_AUTH_ACTION_COUNT.
+bool listening(int port) {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  if (fd < 0) return false;
+  sockaddr_in address{};
+  address.sin_family = AF_INET;
+  address.sin_port = htons(static_cast<uint16_t>(port));
+  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  const bool ok = ::connect(fd, reinterpret_cast<sockaddr*>(&address), sizeof address) == 0;
+  ::close(fd);
+  return ok;
+}
+
+// Creates the user, its key and an s3:* policy (the three unauthenticated calls moto allows), then
+// the bucket with the new key, which proves the key works; prints the key id and secret.
+constexpr const char* kSetup = R"(
+import json, sys, boto3
+url = "http://127.0.0.1:%s" % sys.argv[1]
+iam = boto3.client("iam", endpoint_url=url, region_name="us-east-1",
+                   aws_access_key_id="bootstrap", aws_secret_access_key="bootstrap")
+iam.create_user(UserName="fulgur")
+key = iam.create_access_key(UserName="fulgur")["AccessKey"]
+iam.put_user_policy(UserName="fulgur", PolicyName="s3", PolicyDocument=json.dumps(
+    {"Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Action": "s3:*", "Resource": "*"}]}))
+s3 = boto3.client("s3", endpoint_url=url, region_name="us-east-1",
+                  aws_access_key_id=key["AccessKeyId"], aws_secret_access_key=key["SecretAccessKey"])
+s3.create_bucket(Bucket="ckpts")
+print("KEY", key["AccessKeyId"], key["SecretAccessKey"])
+)";
+
+// boto3 on the bucket: `list PREFIX` prints "key size" lines; `get KEY FILE` downloads; `etag KEY`.
+constexpr const char* kClient = R"(
+import sys, boto3
+url, key_id, secret, action = sys.argv[1:5]
+s3 = boto3.client("s3", endpoint_url=url, region_name="us-east-1",
+                  aws_access_key_id=key_id, aws_secret_access_key=secret)
+if action == "list":
+    for o in s3.list_objects_v2(Bucket="ckpts", Prefix=sys.argv[5]).get("Contents", []):
+        print("OBJ", o["Key"], o["Size"])
+elif action == "get":
+    s3.download_file("ckpts", sys.argv[5], sys.argv[6])
+elif action == "etag":
+    print("ETAG", s3.head_object(Bucket="ckpts", Key=sys.argv[5])["ETag"])
+print("python-ok")
+)";
+
+class MotoServer {
+ public:
+  explicit MotoServer(const TempDir& dir) : dir_(dir), port_(free_port()) {
+    pid_ = fulgur::test::spawn_process(
+        {"/usr/bin/setsid", moto_executable().string(), "-H", "127.0.0.1", "-p", std::to_string(port_)},
+        {{"INITIAL_NO_AUTH_ACTION_COUNT", "3"}}, dir_.path(), dir_ / "moto.log");
+    const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(120);  // a safety net
+    while (!listening(port_)) {
+      int status = 0;
+      REQUIRE_MESSAGE(::waitpid(pid_, &status, WNOHANG) == 0, "moto_server exited:\n"
+                                                                  << fulgur::test::read_bytes(dir_ / "moto.log"));
+      REQUIRE_MESSAGE(std::chrono::steady_clock::now() < until, "moto_server did not listen");
+      timespec pause{0, 100'000'000};
+      ::nanosleep(&pause, nullptr);
+    }
+    fulgur::test::write_bytes(dir_ / "setup.py", kSetup);
+    fulgur::test::write_bytes(dir_ / "client.py", kClient);
+    const ProcessRun setup = fulgur::test::run_process(
+        {FULGUR_TEST_PYTHON, (dir_ / "setup.py").string(), std::to_string(port_)}, {}, dir_.path());
+    REQUIRE_MESSAGE(setup.exit_code == 0, setup.output);
+    std::istringstream words(setup.output.substr(setup.output.find("KEY ")));
+    std::string marker;
+    words >> marker >> key_id_ >> secret_;
+    REQUIRE(!secret_.empty());
+  }
+  ~MotoServer() {
+    ::kill(-pid_, SIGKILL);
+    int status = 0;
+    ::waitpid(pid_, &status, 0);
+  }
+  MotoServer(const MotoServer&) = delete;
+  MotoServer& operator=(const MotoServer&) = delete;
+
+  std::string url() const { return fmt::format("http://127.0.0.1:{}", port_); }
+
+  // What a process needs to reach the bucket: the variables the AWS tools read.
+  std::map<std::string, std::string> env(const std::string& secret = "") const {
+    return {{"AWS_ENDPOINT_URL", url()},    {"AWS_REGION", "us-east-1"},
+            {"AWS_ACCESS_KEY_ID", key_id_}, {"AWS_SECRET_ACCESS_KEY", secret.empty() ? secret_ : secret},
+            {"AWS_SESSION_TOKEN", ""},      {"AWS_PROFILE", ""},
+            {"FULGUR_LOG_LEVEL", "warn"},   {"FULGUR_PLUGIN_PATH", ""}};
+  }
+
+  // No key in the environment: the profile `profile` of a shared credentials file written here,
+  // after a [default] profile with a wrong secret.
+  std::map<std::string, std::string> profile_env(const std::string& profile) const {
+    const fs::path file = dir_ / "aws-credentials";
+    fulgur::test::write_bytes(file, fmt::format("[default]\naws_access_key_id = {}\naws_secret_access_key = wrong\n\n"
+                                                "# the key the test created\n[{}]\naws_access_key_id = {}\n"
+                                                "aws_secret_access_key = {}\n",
+                                                key_id_, profile, key_id_, secret_));
+    std::map<std::string, std::string> out = env();
+    out["AWS_ACCESS_KEY_ID"] = "";
+    out["AWS_SECRET_ACCESS_KEY"] = "";
+    out["AWS_SHARED_CREDENTIALS_FILE"] = file.string();
+    out["AWS_PROFILE"] = profile;
+    return out;
+  }
+
+  // boto3's view of the bucket.
+  std::string client(const std::vector<std::string>& args) const {
+    std::vector<std::string> command = {FULGUR_TEST_PYTHON, (dir_ / "client.py").string(), url(), key_id_, secret_};
+    command.insert(command.end(), args.begin(), args.end());
+    const ProcessRun run = fulgur::test::run_process(command, {}, dir_.path());
+    REQUIRE_MESSAGE(contains(run.output, "python-ok"), run.output);
+    return run.output;
+  }
+
+  // Keys below `prefix`, sorted.
+  std::vector<std::string> keys(const std::string& prefix) const {
+    std::vector<std::string> out;
+    std::istringstream lines(client({"list", prefix}));
+    for (std::string line; std::getline(lines, line);)
+      if (line.starts_with("OBJ ")) out.push_back(line.substr(4, line.rfind(' ') - 4));
+    std::sort(out.begin(), out.end());
+    return out;
+  }
+
+ private:
+  const TempDir& dir_;
+  int port_;
+  pid_t pid_ = -1;
+  std::string key_id_, secret_;
+};
+
+// `fulgur fit` on the Fashion-MNIST plugins: 4 batches per epoch, model_checkpoint saving every 2
+// steps into `dirpath`, keeping the latest one and last.ckpt.
+std::string fit_toml(const fs::path& root, int max_epochs, const std::string& dirpath, const std::string& ckpt_path) {
+  return fmt::format(
+      "[trainer]\nmax_epochs = {}\nseed = 7\nlimit_train_batches = 4\nlimit_val_batches = 2\n"
+      "enable_progress_bar = false\nenable_model_summary = false\ndefault_root_dir = \"{}\"\nckpt_path = \"{}\"\n\n"
+      "[model]\nname = \"fashion_mnist_mlp\"\nlr = 0.002\n\n[data]\nname = \"fashion_mnist\"\nbatch_size = 32\n\n"
+      "[[callbacks]]\nname = \"model_checkpoint\"\ndirpath = \"{}\"\nevery_n_train_steps = 2\nsave_top_k = 1\n"
+      "save_last = true\n",
+      max_epochs, (root / "runs").string(), ckpt_path, dirpath);
+}
+
+ProcessRun fit(const TempDir& dir, const std::string& name, const std::string& toml,
+               const std::map<std::string, std::string>& env) {
+  fulgur::test::write_bytes(dir / name, toml);
+  return fulgur::test::run_process({FULGUR_TEST_FULGUR_BIN, "fit", "--config", name}, env, dir.path());
+}
+
+}  // namespace
+
+TEST_CASE("s3 storage: fulgur fit saves to s3://, keeps top-k there and resumes from last bitwise") {
+  if (moto_missing()) return;
+  TempDir dir;
+  MotoServer server(dir);
+
+  // The reference: two epochs in one go, on local disk.
+  const ProcessRun reference =
+      fit(dir, "reference.toml", fit_toml(dir / "ref", 2, (dir / "ref-ckpt").string(), ""), server.env());
+  REQUIRE_MESSAGE(reference.exit_code == 0, reference.output);
+
+  // One epoch to s3://, then a new process resumes from "last", found by listing the bucket.
+  const std::string dirpath = "s3://ckpts/run/checkpoints";
+  const ProcessRun first = fit(dir, "first.toml", fit_toml(dir / "a", 1, dirpath, ""), server.env());
+  REQUIRE_MESSAGE(first.exit_code == 0, first.output);
+  // Saved at steps 2 and 4; save_top_k = 1 deleted step 2's object once step 4's was written.
+  CHECK(server.keys("run/") ==
+        std::vector<std::string>{"run/checkpoints/epoch=0-step=4.ckpt", "run/checkpoints/last.ckpt"});
+  CHECK(fulgur::test::job::files_in(dir / "a" / "runs").size() == 1);  // logs stay local (lightning_logs)
+
+  const ProcessRun resumed = fit(dir, "resumed.toml", fit_toml(dir / "a", 2, dirpath, "last"), server.env());
+  REQUIRE_MESSAGE(resumed.exit_code == 0, resumed.output);
+  CHECK(server.keys("run/") ==
+        std::vector<std::string>{"run/checkpoints/epoch=1-step=8.ckpt", "run/checkpoints/last.ckpt"});
+
+  // The resumed run ends where the uninterrupted one did, bit for bit.
+  server.client({"get", "run/checkpoints/last.ckpt", (dir / "downloaded.ckpt").string()});
+  CHECK(fulgur::test::job::same_weights(dir / "downloaded.ckpt", dir / "ref-ckpt" / "last.ckpt"));
+  const auto resumed_state = fulgur::test::job::checkpoint_dict(dir / "downloaded.ckpt");
+  CHECK(resumed_state.at("global_step").toInt() == 8);
+
+  // An explicit s3:// ckpt_path is a file like any other: validate from it.
+  const ProcessRun explicit_path = fit(
+      dir, "explicit.toml", fit_toml(dir / "b", 3, (dir / "b-ckpt").string(), dirpath + "/last.ckpt"), server.env());
+  REQUIRE_MESSAGE(explicit_path.exit_code == 0, explicit_path.output);
+  CHECK(fulgur::test::job::checkpoint_dict(dir / "b-ckpt" / "last.ckpt").at("global_step").toInt() == 12);
+}
+
+TEST_CASE("s3 storage: SIGKILL in the middle of an upload leaves the previous last.ckpt and no partial object") {
+  if (moto_missing()) return;
+  if (!FULGUR_TEST_FAULT_INJECTION) {
+    fulgur::test::skip_test("this build has no fault injection (configure with -DFULGUR_FAULT_INJECTION=ON)");
+    return;
+  }
+  TempDir dir;
+  MotoServer server(dir);
+  const ProcessRun reference =
+      fit(dir, "reference.toml", fit_toml(dir / "ref", 2, (dir / "ref-ckpt").string(), ""), server.env());
+  REQUIRE_MESSAGE(reference.exit_code == 0, reference.output);
+
+  // Uploads: step 2's epoch=0-step=2.ckpt and last.ckpt, then step 4's epoch=0-step=4.ckpt, the
+  // third, dies half sent.
+  const std::string dirpath = "s3://ckpts/killed/checkpoints";
+  std::map<std::string, std::string> env = server.env();
+  env["FULGUR_FAULT_INJECT"] = "s3_upload:3";
+  const ProcessRun killed = fit(dir, "killed.toml", fit_toml(dir / "k", 2, dirpath, ""), env);
+  INFO(killed.output);
+  REQUIRE(killed.exit_code == -SIGKILL);
+  CHECK(server.keys("killed/") ==
+        std::vector<std::string>{"killed/checkpoints/epoch=0-step=2.ckpt", "killed/checkpoints/last.ckpt"});
+  server.client({"get", "killed/checkpoints/last.ckpt", (dir / "at-kill.ckpt").string()});
+  CHECK(fulgur::test::job::checkpoint_dict(dir / "at-kill.ckpt").at("global_step").toInt() == 2);
+
+  // A new process resumes from that last.ckpt, mid-epoch, and ends where the uninterrupted run did.
+  const ProcessRun resumed = fit(dir, "resumed.toml", fit_toml(dir / "k", 2, dirpath, "last"), server.env());
+  REQUIRE_MESSAGE(resumed.exit_code == 0, resumed.output);
+  server.client({"get", "killed/checkpoints/last.ckpt", (dir / "final.ckpt").string()});
+  CHECK(fulgur::test::job::same_weights(dir / "final.ckpt", dir / "ref-ckpt" / "last.ckpt"));
+}
+
+TEST_CASE("s3 storage: a wrong secret is refused with the bucket, key, HTTP status and the fix") {
+  if (moto_missing()) return;
+  TempDir dir;
+  MotoServer server(dir);
+  const ProcessRun run =
+      fit(dir, "wrong.toml", fit_toml(dir.path(), 1, "s3://ckpts/wrong", ""), server.env("not-the-secret"));
+  INFO(run.output);
+  CHECK(run.exit_code != 0);
+  FULGUR_CHECK_CONTAINS(run.output, "bucket 'ckpts'");
+  FULGUR_CHECK_CONTAINS(run.output, "s3://ckpts/wrong/");  // model_checkpoint's first look at its directory
+  FULGUR_CHECK_CONTAINS(run.output, "HTTP 403 SignatureDoesNotMatch");
+  FULGUR_CHECK_CONTAINS(run.output, "check AWS_SECRET_ACCESS_KEY");
+  CHECK(server.keys("wrong/").empty());
+}
+
+TEST_CASE("s3 storage: objects above the part size go up as a multipart upload, and ranged reads and listing work") {
+  if (moto_missing()) return;
+  TempDir dir;
+  MotoServer server(dir);
+  for (const auto& [name, value] : server.env())
+    value.empty() ? ::unsetenv(name.c_str()) : ::setenv(name.c_str(), value.c_str(), 1);
+  ::setenv("FULGUR_S3_PART_SIZE", "5242880", 1);
+  // The storage library, loaded as the core's loader loads it (it registers "s3").
+  REQUIRE_MESSAGE(::dlopen(FULGUR_TEST_S3_STORAGE_LIBRARY, RTLD_NOW | RTLD_LOCAL) != nullptr, ::dlerror());
+  fulgur::Storage& storage = fulgur::storage_for("s3://ckpts/x");
+
+  std::string big(12 << 20, '\0');
+  std::mt19937_64 random(7);
+  for (char& c : big) c = static_cast<char>(random());
+  storage.write("s3://ckpts/big/blob.bin", big);
+  // Three parts of at most 5 MiB: S3's multipart ETag is "<md5 of the part md5s>-<parts>".
+  FULGUR_CHECK_CONTAINS(server.client({"etag", "big/blob.bin"}), "-3\"");
+  CHECK(storage.read("s3://ckpts/big/blob.bin") == big);
+  CHECK(storage.read_range("s3://ckpts/big/blob.bin", (5 << 20) - 10, 100) == big.substr((5 << 20) - 10, 100));
+  CHECK(storage.read_range("s3://ckpts/big/blob.bin", big.size() - 5, 100) == big.substr(big.size() - 5));
+
+  storage.write("s3://ckpts/big/small.txt", "hello");  // one PUT
+  const std::vector<fulgur::StorageObject> listed = storage.list("s3://ckpts/big/");
+  REQUIRE(listed.size() == 2);
+  CHECK(listed[0].url == "s3://ckpts/big/blob.bin");
+  CHECK(listed[0].size == big.size());
+  CHECK(storage.stat("s3://ckpts/big/small.txt")->size == 5);
+  CHECK(!storage.stat("s3://ckpts/big/none"));
+  CHECK(storage.remove("s3://ckpts/big/small.txt"));
+  CHECK(!storage.remove("s3://ckpts/big/small.txt"));
+  CHECK(server.keys("big/") == std::vector<std::string>{"big/blob.bin"});
+
+  // A bucket that does not exist: named, with the fix.
+  const fulgur::Error missing = fulgur::test::error_from([&] { storage.write("s3://nobucket/k", "x"); });
+  FULGUR_CHECK_CONTAINS(missing.what(), "NoSuchBucket");
+  FULGUR_CHECK_CONTAINS(missing.what(), "create bucket 'nobucket' first");
+}
+
+TEST_CASE("storage: local paths and URLs are told apart, and an unknown scheme names the fix") {
+  CHECK(fulgur::is_storage_url("s3://bucket/key"));
+  CHECK(!fulgur::is_storage_url("/tmp/s3://x"));
+  CHECK(!fulgur::is_storage_url("file:///tmp/x"));
+  CHECK(!fulgur::is_storage_url("relative/dir"));
+  CHECK(fulgur::join_storage_path("s3://b/run/", "last.ckpt") == "s3://b/run/last.ckpt");
+  const fulgur::Error error = fulgur::test::error_from([] { fulgur::storage_for("nosuch://bucket/key"); });
+  FULGUR_CHECK_CONTAINS(error.what(), "libfulgur-storage-nosuch.so");
+  TempDir dir;
+  fulgur::Storage& local = fulgur::local_storage();
+  local.write((dir / "a.bin").string(), "0123456789");
+  CHECK(local.read_range((dir / "a.bin").string(), 3, 4) == "3456");
+  CHECK(local.list((dir / "a").string()).size() == 1);
+  CHECK(local.remove((dir / "a.bin").string()));
+  CHECK(!local.exists((dir / "a.bin").string()));
+}
+
+TEST_CASE("storage: default_root_dir on object storage is refused with the way to get checkpoints there") {
+  TempDir dir;
+  std::string toml = fit_toml(dir.path(), 1, "s3://ckpts/run", "");
+  const std::string local = "default_root_dir = \"" + (dir / "runs").string() + "\"";
+  toml.replace(toml.find(local), local.size(), "default_root_dir = \"s3://ckpts/run\"");
+  const ProcessRun run = fit(dir, "root.toml", toml, {{"FULGUR_PLUGIN_PATH", ""}});
+  INFO(run.output);
+  CHECK(run.exit_code != 0);
+  FULGUR_CHECK_CONTAINS(run.output, "root.toml:8:");
+  FULGUR_CHECK_CONTAINS(run.output, "logs cannot go to object storage yet");
+  FULGUR_CHECK_CONTAINS(run.output, "dirpath = \"s3://ckpts/run/checkpoints\"");
+  CHECK(!fs::exists(dir / "s3:"));
+}
+
+TEST_CASE("s3 storage: credentials from a profile of the shared credentials file (AWS_PROFILE)") {
+  if (moto_missing()) return;
+  TempDir dir;
+  MotoServer server(dir);
+  const ProcessRun run =
+      fit(dir, "profile.toml", fit_toml(dir.path(), 1, "s3://ckpts/profile", ""), server.profile_env("training"));
+  REQUIRE_MESSAGE(run.exit_code == 0, run.output);
+  CHECK(server.keys("profile/") == std::vector<std::string>{"profile/epoch=0-step=4.ckpt", "profile/last.ckpt"});
+  // The [default] profile holds a wrong secret: refused, naming the file and profile it came from.
+  std::map<std::string, std::string> env = server.profile_env("training");
+  env["AWS_PROFILE"] = "";
+  const ProcessRun wrong = fit(dir, "default.toml", fit_toml(dir.path(), 1, "s3://ckpts/default", ""), env);
+  INFO(wrong.output);
+  CHECK(wrong.exit_code != 0);
+  FULGUR_CHECK_CONTAINS(wrong.output, "SignatureDoesNotMatch");
+  FULGUR_CHECK_CONTAINS(wrong.output, "aws-credentials [default]");
+}
