@@ -15,16 +15,21 @@
 #include <fulgur/communicator.h>
 #include <fulgur/data_module.h>
 #include <fulgur/data_values.h>
+#include <fulgur/device_mesh.h>
 #include <fulgur/error.h>
 #include <fulgur/log.h>
 #include <fulgur/logger.h>
 #include <fulgur/lr_scheduler.h>
+#include <fulgur/model_parallel.h>
 #include <fulgur/module.h>
 #include <fulgur/nn/batch_norm.h>
+#include <fulgur/nn/linear.h>
+#include <fulgur/nn/tensor_parallel.h>
 #include <fulgur/option_spec.h>
 #include <fulgur/options.h>
 #include <fulgur/precision.h>
 #include <fulgur/profiler.h>
+#include <fulgur/storage.h>
 #include <fulgur/strategy.h>
 #include <fulgur/trainer_context.h>
 #include <fulgur/types.h>
@@ -87,6 +92,25 @@ FULGUR_ABI_PROBE(nn_batch_norm, fulgur::nn::BatchNormImpl)
 FULGUR_ABI_PROBE(nn_batch_norm_options, fulgur::nn::BatchNormOptions)
 FULGUR_ABI_PROBE(closure_step_precision, fulgur::ClosureStepPrecision)
 FULGUR_ABI_PROBE(data_values, fulgur::DataValues)
+
+// SDK 1.3: device meshes and tensor-parallel layers (fulgur/device_mesh.h, fulgur/model_parallel.h,
+// fulgur/nn/tensor_parallel.h), object storage (fulgur/storage.h), quantizable linear layers
+// (fulgur/nn/linear.h).
+FULGUR_ABI_PROBE(device_mesh, fulgur::DeviceMesh)
+FULGUR_ABI_PROBE(communicator_groups, fulgur::CommunicatorGroups)
+FULGUR_ABI_PROBE(device_mesh_receiver, fulgur::DeviceMeshReceiver)
+FULGUR_ABI_PROBE(storage, fulgur::Storage)
+FULGUR_ABI_PROBE(storage_object, fulgur::StorageObject)
+FULGUR_ABI_PROBE(nn_linear, fulgur::nn::LinearImpl)
+FULGUR_ABI_PROBE(nn_linear_options, fulgur::nn::LinearOptions)
+FULGUR_ABI_PROBE(nn_quantize_options, fulgur::nn::QuantizeOptions)
+FULGUR_ABI_PROBE(nn_fake_quantize_options, fulgur::nn::FakeQuantizeOptions)
+FULGUR_ABI_PROBE(nn_column_parallel_linear, fulgur::nn::ColumnParallelLinearImpl)
+FULGUR_ABI_PROBE(nn_row_parallel_linear, fulgur::nn::RowParallelLinearImpl)
+FULGUR_ABI_PROBE(nn_parallel_linear_options, fulgur::nn::ParallelLinearOptions)
+FULGUR_ABI_PROBE(nn_vocab_parallel_embedding, fulgur::nn::VocabParallelEmbeddingImpl)
+FULGUR_ABI_PROBE(nn_vocab_parallel_embedding_options, fulgur::nn::VocabParallelEmbeddingOptions)
+FULGUR_ABI_PROBE(nn_tensor_parallel_rng, fulgur::nn::TensorParallelRng)
 
 // The Trainer as callbacks see it.
 FULGUR_ABI_PROBE(trainer_context, fulgur::TrainerContext)

@@ -109,6 +109,10 @@ class FULGUR_SDK_API ColumnParallelLinearImpl : public torch::nn::Cloneable<Colu
   ParallelLinearOptions options;
   at::Tensor weight;  ///< [out/tp, in]: chunk `rank` of the whole weight along dimension 0
   at::Tensor bias;    ///< [out/tp]
+
+ private:
+  struct State;
+  std::shared_ptr<State> state_;  // unused in 1.3: room to grow without changing this class's layout
 };
 /// The module holder of ColumnParallelLinearImpl.
 TORCH_MODULE(ColumnParallelLinear);
@@ -131,6 +135,10 @@ class FULGUR_SDK_API RowParallelLinearImpl : public torch::nn::Cloneable<RowPara
   ParallelLinearOptions options;
   at::Tensor weight;  ///< [out, in/tp]: chunk `rank` of the whole weight along dimension 1
   at::Tensor bias;    ///< [out], replicated
+
+ private:
+  struct State;
+  std::shared_ptr<State> state_;  // unused in 1.3: room to grow without changing this class's layout
 };
 /// The module holder of RowParallelLinearImpl.
 TORCH_MODULE(RowParallelLinear);
@@ -170,6 +178,10 @@ class FULGUR_SDK_API VocabParallelEmbeddingImpl : public torch::nn::Cloneable<Vo
   at::Tensor weight;        ///< [V/tp, D]
   int64_t vocab_start = 0;  ///< first id of this rank's range
   int64_t vocab_end = 0;    ///< one past its last
+
+ private:
+  struct State;
+  std::shared_ptr<State> state_;  // unused in 1.3: room to grow without changing this class's layout
 };
 /// The module holder of VocabParallelEmbeddingImpl.
 TORCH_MODULE(VocabParallelEmbedding);
