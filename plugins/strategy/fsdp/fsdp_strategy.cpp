@@ -77,6 +77,7 @@
 #include <mutex>
 #include <optional>
 #include <set>
+#include <utility>
 #include <string>
 #include <vector>
 
@@ -287,6 +288,11 @@ class FsdpStrategy final : public fulgur::process_group::ProcessGroupStrategy, p
     shards_.optimizers.clear();
     for (auto& optimizer : optimizers) {
       check_supported(*optimizer);
+      if (sharded_checkpoints_ && archived(*optimizer))
+        throw Error(ErrorKind::config,
+                    "strategy 'fsdp': state_dict_type = \"sharded\" writes the state of Adam, AdamW and SGD row by "
+                    "row; fulgur::optim's Lion and Muon keep theirs in one archive, gathered whole: use "
+                    "state_dict_type = \"full\"");
       shards_.optimizers.push_back(optimizer.get());
       std::vector<ShardedParameter*>& order = shards_.by_optimizer[optimizer.get()];
       for (auto& group : optimizer->param_groups())
@@ -417,8 +423,9 @@ class FsdpStrategy final : public fulgur::process_group::ProcessGroupStrategy, p
   }
 
   c10::IValue optimizer_state_dict(torch::optim::Optimizer& optimizer) override {
-    c10::IValue local = fulgur::optimizer_state_dict(optimizer);
     const std::vector<ShardedParameter*>& order = shards_.of_optimizer(optimizer);
+    if (archived(optimizer)) return whole_archived_state(optimizer, order);
+    c10::IValue local = fulgur::optimizer_state_dict(optimizer);
     if (!sharded_checkpoints_) return fulgur::fsdp::gathered_optimizer_state(local, order, group_);
     const auto position = std::find(shards_.optimizers.begin(), shards_.optimizers.end(), &optimizer);
     return fulgur::fsdp::sharded_optimizer_state(local, order, position - shards_.optimizers.begin(), placements_);
@@ -427,6 +434,11 @@ class FsdpStrategy final : public fulgur::process_group::ProcessGroupStrategy, p
   void load_optimizer_state_dict(torch::optim::Optimizer& optimizer, const c10::IValue& state,
                                  const std::string& origin) override {
     const std::vector<ShardedParameter*>& order = shards_.of_optimizer(optimizer);
+    if (archived(optimizer)) {
+      fulgur::load_optimizer_state_dict(optimizer, state, origin);
+      cut_archived_state(optimizer, order, origin);
+      return;
+    }
     fulgur::load_optimizer_state_dict(optimizer, fulgur::fsdp::local_optimizer_state(state, order, origin), origin);
   }
 
@@ -513,6 +525,67 @@ class FsdpStrategy final : public fulgur::process_group::ProcessGroupStrategy, p
     throw Error(ErrorKind::config,
                 "strategy 'fsdp': shards the state of Adam, AdamW, SGD, fulgur::optim::Lion and "
                 "fulgur::optim::Muon; configure_optimizers returned another optimizer (use ddp for it)");
+  }
+
+  // ---- Lion's and Muon's state ----------------------------------------------------------------
+  // The SDK keeps the state of optimizers other than Adam, AdamW and SGD as LibTorch's archive of
+  // the optimizer (one opaque blob), whose tensors here would be this rank's rows. So for these
+  // the strategy gathers the rows into whole tensors around the save, and cuts this rank's rows
+  // out of the whole tensors after a load: the file is the one a single process writes, and it
+  // loads under any strategy and world size.
+
+  static bool archived(const torch::optim::Optimizer& optimizer) {
+    return dynamic_cast<const fulgur::optim::Lion*>(&optimizer) || dynamic_cast<const fulgur::optim::Muon*>(&optimizer);
+  }
+
+  // The per-element tensors of a Lion or Muon parameter state (undefined ones included).
+  static std::vector<at::Tensor*> state_tensors(torch::optim::OptimizerParamState& state) {
+    if (auto* lion = dynamic_cast<fulgur::optim::LionParamState*>(&state)) return {&lion->exp_avg()};
+    if (auto* muon = dynamic_cast<fulgur::optim::MuonParamState*>(&state))
+      return {&muon->momentum_buffer(), &muon->exp_avg(), &muon->exp_avg_sq()};
+    return {};
+  }
+
+  // Collectives in the param groups' order (every rank holds state for the same parameters: they
+  // stepped together); rank zero's result is the one saved.
+  c10::IValue whole_archived_state(torch::optim::Optimizer& optimizer, const std::vector<ShardedParameter*>& order) {
+    std::vector<std::pair<at::Tensor*, at::Tensor>> rows;  // swapped out, put back afterwards
+    for (ShardedParameter* p : order) {
+      auto found = optimizer.state().find(p->stepped().unsafeGetTensorImpl());
+      if (found == optimizer.state().end()) continue;
+      for (at::Tensor* t : state_tensors(*found->second))
+        if (t->defined()) {
+          rows.emplace_back(t, *t);
+          *t = fulgur::fsdp::gather_rows(*p, *t, group_).to(t->device());
+        }
+    }
+    c10::IValue whole;
+    try {
+      whole = fulgur::optimizer_state_dict(optimizer);
+    } catch (...) {
+      for (auto& [t, mine] : rows) *t = mine;
+      throw;
+    }
+    for (auto& [t, mine] : rows) *t = mine;
+    return whole;
+  }
+
+  void cut_archived_state(torch::optim::Optimizer& optimizer, const std::vector<ShardedParameter*>& order,
+                          const std::string& origin) {
+    torch::NoGradGuard no_grad;
+    for (ShardedParameter* p : order) {
+      auto found = optimizer.state().find(p->stepped().unsafeGetTensorImpl());
+      if (found == optimizer.state().end()) continue;
+      for (at::Tensor* t : state_tensors(*found->second)) {
+        if (!t->defined() || t->sizes() == p->stepped().sizes()) continue;  // rows already (one rank)
+        if (t->numel() != p->full.numel())
+          throw Error(ErrorKind::checkpoint,
+                      fmt::format("{}: an optimizer state tensor of {} elements for a parameter of {} (shape {}); "
+                                  "the checkpoint belongs to another model",
+                                  origin, t->numel(), p->full.numel(), fmt::join(p->full.sizes(), "x")));
+        *t = p->rows_of(t->to(p->stepped().device()), p->begin, p->local_rows()).clone().reshape(p->shard_shape());
+      }
+    }
   }
 
   // Muon's matrices, now row shards: Newton-Schulz gathers each (MuonRowShard), counting bytes.
