@@ -808,6 +808,19 @@ TEST_CASE("#37 fsdp: Lion and Muon ZeRO-1/2/3 checkpoints resume bitwise, and on
     }
 }
 
+TEST_CASE("#37 fsdp: sharded checkpoints with Lion or Muon are refused, naming the state_dict_type to use") {
+  for (const std::string optimizer : {"lion", "muon"}) {
+    CAPTURE(optimizer);
+    auto run = run_worker(with_strategy_option(worker_config("fsdp:2", "2", 12, 2), "state_dict_type = \"sharded\""),
+                          {}, optim_env(optimizer));
+    CHECK(run->result.status != 0);
+    CHECK_MESSAGE(contains(run->result.output,
+                           "fulgur::optim's Lion and Muon keep theirs in one archive, gathered "
+                           "whole: use state_dict_type = \"full\""),
+                  run->result.output);
+  }
+}
+
 TEST_CASE("fsdp: a rank killed during a sharded save leaves the previous checkpoint whole and resumable") {
   if (!FULGUR_TEST_FAULT_INJECTION) {
     fulgur::test::skip_test("the SDK was built without the fault-injection seam (-DFULGUR_FAULT_INJECTION=OFF)");
