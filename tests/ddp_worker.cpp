@@ -7,7 +7,8 @@
 //   FULGUR_TEST_UNUSED_LAYER=1: the model has a layer that forward never uses.
 //   FULGUR_TEST_SCRAMBLE_INIT=1: ranks other than 0 perturb their initial weights.
 //   FULGUR_TEST_SHARDING_MODEL=1: adds a 0-dim parameter and a frozen layer (what sharding must handle).
-//   FULGUR_TEST_OPTIMIZER=adamw: AdamW with weight decay instead of SGD.
+//   FULGUR_TEST_OPTIMIZER=adamw: AdamW with weight decay instead of SGD; =lion: fulgur::optim::Lion;
+//   =muon: fulgur::optim::Muon on fc1's and fc2's weights, its AdamW on the rest.
 //   FULGUR_TEST_BLOCKS=1: fc1 and fc2 run as blocks (fulgur::run_block): units of zero_stage = 3;
 //   FULGUR_TEST_CHECKPOINT=1 adds activation checkpointing to them, FULGUR_TEST_DROPOUT=1 dropout
 //   inside fc1's. The metrics file then records the storage fc1.weight holds after fit (0 when
@@ -32,6 +33,8 @@
 #include <fulgur/metrics.h>
 #include <fulgur/module.h>
 #include <fulgur/nn/batch_norm.h>
+#include <fulgur/optim/lion.h>
+#include <fulgur/optim/muon.h>
 #include <fulgur/precision.h>
 #include <fulgur/strategy.h>
 #include <fulgur/trainer.h>
@@ -143,6 +146,12 @@ struct Mlp : fulgur::Module {
       adamw = std::make_shared<torch::optim::AdamW>(parameters(), torch::optim::AdamWOptions(1e-2).weight_decay(0.1));
       return {fulgur::OptimizerConfig(adamw)};
     }
+    if (which && std::string(which) == "lion")
+      return {fulgur::OptimizerConfig(
+          std::make_shared<fulgur::optim::Lion>(parameters(), fulgur::optim::LionOptions(1e-3).weight_decay(0.1)))};
+    if (which && std::string(which) == "muon")
+      return {fulgur::OptimizerConfig(std::make_shared<fulgur::optim::Muon>(fulgur::optim::muon_param_groups(
+          *this, fulgur::optim::MuonOptions(0.02), fulgur::optim::MuonOptions(1e-2).weight_decay(0.1))))};
     return {fulgur::OptimizerConfig(std::make_shared<torch::optim::SGD>(parameters(), torch::optim::SGDOptions(0.1)))};
   }
   torch::nn::Linear fc1{nullptr}, fc2{nullptr}, frozen{nullptr};

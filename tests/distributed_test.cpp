@@ -727,6 +727,100 @@ TEST_CASE("fsdp: sharded checkpoints, each rank writing its rows, resume on 2 an
   }
 }
 
+// ---- fsdp with fulgur::optim's Lion and Muon (#37) ---------------------------------------------
+
+namespace {
+// The blocks model of the ZeRO-3 tests (fc1 32x16, fc2 4x32: a short and, on 3 ranks, an empty
+// chunk) stepped by `optimizer`: Lion on every parameter, or Muon on the two weights and its AdamW
+// on the biases and the 0-dim scale. Without the unused layer: with it (it changes the frozen
+// layer's initial weights) a 1-ulp difference of the averaged gradient, which any 2-rank run has
+// (ddp too), flips one bfloat16 rounding of Newton-Schulz's input at step 3 and ddp and fsdp alike
+// end 3.3e-4 from one process; the gather itself is checked against ddp, bit for bit.
+std::map<std::string, std::string> optim_env(const std::string& optimizer) {
+  auto env = block_env();
+  env.erase("FULGUR_TEST_UNUSED_LAYER");
+  env["FULGUR_TEST_OPTIMIZER"] = optimizer;
+  return env;
+}
+}  // namespace
+
+TEST_CASE("#37 fsdp: Lion and Muon under ZeRO-1, 2 and 3 on 2 ranks reach the weights of one process") {
+  for (const std::string optimizer : {"lion", "muon"}) {
+    CAPTURE(optimizer);
+    auto single = run_worker(worker_config("single_device", "1", 24, 6, 2), {}, optim_env(optimizer));
+    REQUIRE_SUCCESS(single);
+    // ddp steps whole tensors with the same averaged gradients: sharding must not change a bit.
+    auto ddp = run_worker(worker_config("ddp", "2", 12, 6, 2), {}, optim_env(optimizer));
+    REQUIRE_SUCCESS(ddp);
+    for (int stage : {1, 2, 3}) {
+      CAPTURE(stage);
+      auto env = optim_env(optimizer);
+      env["FULGUR_TEST_SCRAMBLE_INIT"] = "1";  // rank 0's initial weights must win
+      env["FULGUR_LOG_LEVEL"] = "debug";
+      auto run = run_worker(worker_config(fmt::format("fsdp:{}", stage), "2", 12, 6, 2), {}, env);
+      REQUIRE_SUCCESS(run);
+      CHECK(max_difference(weights(*run, 0), weights(*run, 1)) == 0.0);
+      CHECK(max_difference(weights(*run, 0), weights(*ddp, 0)) == 0.0);
+      CHECK(max_difference(weights(*run, 0), weights(*single, 0)) < 1e-5);
+      CHECK(metrics(*run, 0).at("global_step") == 6);
+      if (optimizer == "muon") {
+        // Gathered per matrix, in bfloat16: per step each rank sends its padded rows of fc1.weight
+        // (16 x 16) and fc2.weight (2 x 32), 2 * (256 + 64) = 640 bytes, and receives the other
+        // rank's 640 (formula: 2 * ceil(R / N) * C bytes out and (N - 1) times that in per matrix).
+        for (int rank : {0, 1})
+          CHECK_MESSAGE(contains(run->result.output,
+                                 fmt::format("rank {} gathered 2 Muon matrices for Newton-Schulz in this step: sent "
+                                             "640 bytes, received 640 bytes (bfloat16 rows)",
+                                             rank)),
+                        run->result.output);
+      } else {
+        CHECK_FALSE(contains(run->result.output, "Muon matrices"));
+      }
+    }
+  }
+}
+
+TEST_CASE("#37 fsdp: Lion and Muon ZeRO-1/2/3 checkpoints resume bitwise, and on 3 ranks and in one process") {
+  for (const std::string optimizer : {"lion", "muon"})
+    for (int stage : {1, 2, 3}) {
+      CAPTURE(optimizer);
+      CAPTURE(stage);
+      const std::string strategy = fmt::format("fsdp:{}", stage);
+      const auto env = optim_env(optimizer);
+      auto whole = run_worker(worker_config(strategy, "2", 12, 10), {}, env);
+      REQUIRE_SUCCESS(whole);
+      auto first = run_worker(worker_config(strategy, "2", 12, 5) + kCheckpointEvery4Steps, {}, env);
+      REQUIRE_SUCCESS(first);
+      const fs::path ckpt = first->dir / "ckpts" / "step=4.ckpt";
+      REQUIRE_MESSAGE(fs::exists(ckpt), first->result.output);
+      auto resumed = run_worker(worker_config(strategy, "2", 12, 10), {"--resume", ckpt.string()}, env);
+      REQUIRE_SUCCESS(resumed);
+      CHECK(contains(resumed->result.output, "global step 4"));
+      CHECK(max_difference(weights(*resumed, 0), weights(*whole, 0)) == 0.0);
+      CHECK(max_difference(weights(*resumed, 1), weights(*whole, 1)) == 0.0);
+      // Resharded: 3 ranks (fc2's 4 rows: 2, 2 and none) and one process.
+      auto on_three = run_worker(worker_config(strategy, "3", 8, 10), {"--resume", ckpt.string()}, env);
+      REQUIRE_SUCCESS(on_three);
+      CHECK(max_difference(weights(*on_three, 0), weights(*whole, 0)) < 1e-5);
+      auto alone = run_worker(worker_config("single_device", "1", 24, 10), {"--resume", ckpt.string()}, env);
+      REQUIRE_SUCCESS(alone);
+      CHECK(max_difference(weights(*alone, 0), weights(*whole, 0)) < 1e-5);
+    }
+}
+
+TEST_CASE("#37 fsdp: sharded checkpoints with Lion or Muon are refused, naming the state_dict_type to use") {
+  for (const std::string optimizer : {"lion", "muon"}) {
+    CAPTURE(optimizer);
+    auto run = run_worker(with_strategy_option(worker_config("fsdp:2", "2", 12, 2), "state_dict_type = \"sharded\""),
+                          {}, optim_env(optimizer));
+    CHECK(run->result.status != 0);
+    CHECK_MESSAGE(contains(run->result.output,
+                           "fulgur::optim's Lion and Muon keep theirs in one archive, gathered "
+                           "whole: use state_dict_type = \"full\""),
+                  run->result.output);
+  }
+}
+
 TEST_CASE("fsdp: a rank killed during a sharded save leaves the previous checkpoint whole and resumable") {
   if (!FULGUR_TEST_FAULT_INJECTION) {
     fulgur::test::skip_test("the SDK was built without the fault-injection seam (-DFULGUR_FAULT_INJECTION=OFF)");

@@ -7,6 +7,7 @@
 #include <fulgur/config.h>
 #include <fulgur/data.h>
 #include <fulgur/lr_scheduler.h>
+#include <fulgur/lr_schedulers.h>
 #include <fulgur/module.h>
 #include <fulgur/trainer.h>
 #include <fulgur/trainer_context.h>
@@ -14,12 +15,15 @@
 #include <doctest/doctest.h>
 #include <fmt/format.h>
 #include <fmt/ranges.h>
+#include <spdlog/sinks/ostream_sink.h>
+#include <spdlog/spdlog.h>
 #include <torch/nn/functional/loss.h>
 #include <torch/nn/modules/linear.h>
 #include <torch/optim/sgd.h>
 
 #include <fstream>
 #include <functional>
+#include <sstream>
 
 #include "save_at_step.h"
 #include "test_support.h"
@@ -27,6 +31,7 @@
 namespace {
 
 using fulgur::SchedulerInterval;
+using fulgur::test::contains;
 using fulgur::test::TempDir;
 
 // One linear layer on 40 samples in batches of 8: 5 batches per epoch, a count no frequency
@@ -179,6 +184,91 @@ print("lrs", " ".join(repr(v) for v in out))
     for (int b = 0; b < 5; ++b) expected.push_back(lr);
   check_lrs(module.lrs, expected);
   CHECK(per_epoch.back() < 0.1);  // it did reduce
+}
+
+namespace {
+// What `run` logs through spdlog's default logger, message text only.
+template <class F>
+std::string capture_log(F&& run) {
+  std::ostringstream out;
+  auto previous = spdlog::default_logger();
+  auto logger = std::make_shared<spdlog::logger>("capture", std::make_shared<spdlog::sinks::ostream_sink_st>(out));
+  logger->set_pattern("%v");
+  spdlog::set_default_logger(logger);
+  try {
+    run();
+  } catch (...) {
+    spdlog::set_default_logger(previous);
+    throw;
+  }
+  spdlog::set_default_logger(previous);
+  return out.str();
+}
+
+// A step schedule (it halves the lr at every step it takes, metric or not) that monitors a metric
+// nobody logs, with Lightning's `name` and `strict`.
+ScheduledModule::Attach unlogged_monitor(bool strict) {
+  return [=](std::shared_ptr<torch::optim::SGD> sgd) {
+    return fulgur::OptimizerConfig(sgd).with_scheduler(
+        fulgur::with_scheduler_keys(*sgd, fulgur::make_step_lr(*sgd, 1, 0.5), {.name = "plateau", .strict = strict}),
+        SchedulerInterval::epoch, 1, "val/missing");
+  };
+}
+}  // namespace
+
+TEST_CASE("#37 scheduler strict: a monitor never logged stops the run when strict, else warns and skips the step") {
+  TempDir dir;
+  Data data;
+  {
+    // Lightning's default, strict: an error that names the scheduler, the metric and the way out.
+    fulgur::Trainer trainer(config(dir, "max_epochs = 2"));
+    ScheduledModule module(unlogged_monitor(true));
+    try {
+      trainer.fit(module, data);
+      FAIL("fit did not stop on the missing monitor");
+    } catch (const fulgur::Error& e) {
+      const std::string what = e.what();
+      CHECK_MESSAGE(contains(what, "the lr scheduler 'plateau' monitors 'val/missing', which was never logged"), what);
+      CHECK_MESSAGE(contains(what, "Logged metrics: "), what);
+      CHECK_MESSAGE(contains(what, "val/loss"), what);
+      CHECK_MESSAGE(contains(what, "strict = false"), what);
+    }
+  }
+  {
+    // strict = false: a warning, and the schedule does not move (each step it took would halve the lr).
+    fulgur::Trainer trainer(config(dir, "max_epochs = 3"));
+    ScheduledModule module(unlogged_monitor(false));
+    const std::string log = capture_log([&] { trainer.fit(module, data); });
+    CHECK_MESSAGE(contains(log,
+                           "the lr scheduler 'plateau' monitors 'val/missing', which is not available, but "
+                           "strict is false: its learning rate is not updated this time"),
+                  log);
+    check_lrs(module.lrs, std::vector<double>(15, 0.1));
+  }
+}
+
+TEST_CASE("#37 scheduler keys: a keyed scheduler steps, checkpoints and resumes as the one it wraps") {
+  auto sgd = std::make_shared<torch::optim::SGD>(std::vector<at::Tensor>{torch::zeros({1}, torch::requires_grad())},
+                                                 torch::optim::SGDOptions(0.1));
+  auto plain_sgd = std::make_shared<torch::optim::SGD>(
+      std::vector<at::Tensor>{torch::zeros({1}, torch::requires_grad())}, torch::optim::SGDOptions(0.1));
+  auto keyed = fulgur::with_scheduler_keys(*sgd, fulgur::make_step_lr(*sgd, 2, 0.5), {.name = "decay"});
+  auto plain = fulgur::make_step_lr(*plain_sgd, 2, 0.5);
+  CHECK(fulgur::scheduler_keys(*keyed).name == "decay");
+  CHECK(fulgur::scheduler_keys(*keyed).strict);
+  CHECK(fulgur::scheduler_keys(*plain).name.empty());
+  for (int i = 0; i < 5; ++i) {
+    keyed->step();
+    plain->step();
+    CHECK(keyed->last_lr() == plain->last_lr());
+    CHECK(keyed->step_count() == plain->step_count());
+  }
+  CHECK(keyed->state() == plain->state());
+  auto fresh_sgd = std::make_shared<torch::optim::SGD>(
+      std::vector<at::Tensor>{torch::zeros({1}, torch::requires_grad())}, torch::optim::SGDOptions(0.1));
+  auto restored = fulgur::make_step_lr(*fresh_sgd, 2, 0.5);
+  restored->load_state(keyed->state());
+  CHECK(restored->last_lr() == keyed->last_lr());
 }
 
 TEST_CASE("#37 a run resumed in the middle of a schedule sees the learning rates of the uninterrupted one") {

@@ -471,4 +471,39 @@ std::shared_ptr<LRScheduler> make_reduce_on_plateau(torch::optim::Optimizer& o, 
   return std::make_shared<ReduceOnPlateau>(o, mode_max, factor, patience, threshold, min_lr);
 }
 
+// ---- SchedulerKeys ----------------------------------------------------------------------------
+
+KeyedLRScheduler::KeyedLRScheduler(torch::optim::Optimizer& optimizer, std::shared_ptr<LRScheduler> scheduler,
+                                   SchedulerKeys keys)
+    : LRScheduler(optimizer), scheduler_(std::move(scheduler)), keys_(std::move(keys)) {
+  if (!scheduler_) throw Error(ErrorKind::invalid_argument, "with_scheduler_keys: the scheduler is null");
+  last_step_ = scheduler_->step_count();
+}
+
+// Forwarded whole (never through lrs_at): the wrapped scheduler may be driven by a metric.
+void KeyedLRScheduler::step() {
+  scheduler_->step();
+  last_step_ = scheduler_->step_count();
+}
+void KeyedLRScheduler::step(double metric) {
+  scheduler_->step(metric);
+  last_step_ = scheduler_->step_count();
+}
+std::vector<double> KeyedLRScheduler::state() const { return scheduler_->state(); }
+void KeyedLRScheduler::load_state(const std::vector<double>& state) {
+  scheduler_->load_state(state);
+  last_step_ = scheduler_->step_count();
+}
+std::vector<double> KeyedLRScheduler::lrs_at(int64_t) const { return scheduler_->last_lr(); }
+
+std::shared_ptr<LRScheduler> with_scheduler_keys(torch::optim::Optimizer& optimizer,
+                                                 std::shared_ptr<LRScheduler> scheduler, SchedulerKeys keys) {
+  return std::make_shared<KeyedLRScheduler>(optimizer, std::move(scheduler), std::move(keys));
+}
+
+SchedulerKeys scheduler_keys(const LRScheduler& scheduler) {
+  if (const auto* keyed = dynamic_cast<const KeyedLRScheduler*>(&scheduler)) return keyed->keys();
+  return {};
+}
+
 }  // namespace fulgur

@@ -3,6 +3,7 @@
 #include <fulgur/cluster_environment.h>
 #include <fulgur/communicator.h>
 #include <fulgur/error.h>
+#include <fulgur/lr_schedulers.h>
 #include <fulgur/storage.h>
 #include <fulgur/trainer.h>
 
@@ -556,8 +557,8 @@ void TrainerEngine::step_schedulers(SchedulerInterval interval, bool skip_monito
   // batch that just stepped; the count restarts every epoch) for step schedulers and epochs for
   // epoch ones. Called before the epoch loop records this batch as done.
   const RunPosition& position = fit_loop_.position();
-  const int64_t count = interval == SchedulerInterval::step ? fit_loop_.epoch_loop().batches_done_in_epoch() + 1
-                                                            : position.epoch + 1;
+  const int64_t count =
+      interval == SchedulerInterval::step ? fit_loop_.epoch_loop().batches_done_in_epoch() + 1 : position.epoch + 1;
   for (auto& cfg : optimizer_configs_) {
     if (!cfg.scheduler || cfg.interval != interval || count % cfg.frequency != 0) continue;
     if (cfg.monitor.empty()) {
@@ -568,11 +569,25 @@ void TrainerEngine::step_schedulers(SchedulerInterval interval, bool skip_monito
     const MetricMap& metrics = callback_metrics();
     auto it = metrics.find(cfg.monitor);
     if (it == metrics.end()) {
-      std::vector<std::string> keys;
-      for (const auto& [k, v] : metrics) keys.push_back(k);
-      throw Error(ErrorKind::config,
-                  fmt::format("the lr scheduler monitors '{}', which was never logged; logged metrics: {}", cfg.monitor,
-                              keys.empty() ? "none" : fmt::format("{}", fmt::join(keys, ", "))));
+      // Lightning's `strict` (fulgur::with_scheduler_keys): an error, or a warning and no step.
+      const SchedulerKeys keys = scheduler_keys(*cfg.scheduler);
+      const std::string which =
+          keys.name.empty() ? "the lr scheduler" : fmt::format("the lr scheduler '{}'", keys.name);
+      std::vector<std::string> logged;
+      for (const auto& [k, v] : metrics) logged.push_back(k);
+      const std::string available = logged.empty() ? "none" : fmt::format("{}", fmt::join(logged, ", "));
+      if (keys.strict)
+        throw Error(ErrorKind::config,
+                    fmt::format("{} monitors '{}', which was never logged. Logged metrics: {}. Log it, change "
+                                "OptimizerConfig::monitor, or set strict = false (fulgur::with_scheduler_keys) to "
+                                "skip the step instead",
+                                which, cfg.monitor, available));
+      if (global_rank() == 0)
+        spdlog::warn(
+            "{} monitors '{}', which is not available, but strict is false: its learning rate is not "
+            "updated this time. Logged metrics: {}",
+            which, cfg.monitor, available);
+      continue;
     }
     cfg.scheduler->step(it->second);
   }

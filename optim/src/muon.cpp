@@ -132,7 +132,8 @@ void check_group(const torch::optim::OptimizerParamGroup& group, size_t index) {
                 "e.g. with fulgur::optim::muon_param_groups()");
 }
 
-void muon_step(torch::Tensor& param, const torch::Tensor& grad, MuonParamState& state, const MuonOptions& o) {
+void muon_step(torch::Tensor& param, const torch::Tensor& grad, MuonParamState& state, const MuonOptions& o,
+               const MuonRowShard* shard) {
   TORCH_CHECK(!param.is_complex(), "Muon does not support complex parameters");
   TORCH_CHECK(!grad.is_sparse(), "Muon does not support sparse gradients");
   TORCH_CHECK(grad.dim() == 2, "Muon: the gradient must be a 2-D matrix");
@@ -141,8 +142,22 @@ void muon_step(torch::Tensor& param, const torch::Tensor& grad, MuonParamState& 
   const double momentum = o.momentum();
   buf.lerp_(grad, 1 - momentum);
   torch::Tensor update = o.nesterov() ? grad.lerp(buf, momentum) : buf;
-  update = zeropower_via_newtonschulz(update, o.ns_coefficients(), o.ns_steps(), o.eps());
-  const double adjusted_lr = muon_adjusted_lr(o.lr(), o.adjust_lr_fn(), param.size(0), param.size(1));
+  int64_t rows = param.size(0), cols = param.size(1);
+  if (shard) {
+    // Newton-Schulz starts by converting to bfloat16, element-wise: converting the rows first and
+    // gathering them gives the very matrix one process converts, at half the bytes of float32.
+    const torch::Tensor whole = shard->gather(update.to(torch::kBFloat16));
+    TORCH_CHECK(whole.dim() == 2 && whole.size(0) == shard->rows && whole.size(1) == shard->cols,
+                "Muon: the gathered matrix has shape ", whole.sizes(), ", expected [", shard->rows, ", ", shard->cols,
+                "]");
+    update = zeropower_via_newtonschulz(whole, o.ns_coefficients(), o.ns_steps(), o.eps())
+                 .narrow(0, shard->first_row, param.size(0));
+    rows = shard->rows;
+    cols = shard->cols;
+  } else {
+    update = zeropower_via_newtonschulz(update, o.ns_coefficients(), o.ns_steps(), o.eps());
+  }
+  const double adjusted_lr = muon_adjusted_lr(o.lr(), o.adjust_lr_fn(), rows, cols);
   param.mul_(1 - o.lr() * o.weight_decay());
   param.add_(update, -adjusted_lr);
 }
@@ -188,7 +203,7 @@ torch::Tensor Muon::step(LossClosure closure) {
       if (!slot) slot = std::make_unique<MuonParamState>();
       auto& state = static_cast<MuonParamState&>(*slot);
       if (options.use_muon())
-        muon_step(p, p.grad(), state, options);
+        muon_step(p, p.grad(), state, options, row_shards_ ? row_shards_(p) : nullptr);
       else
         adamw_step(p, p.grad(), state, options);
     }

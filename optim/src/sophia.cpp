@@ -3,6 +3,7 @@
 #include <fulgur/optim/sophia.h>
 
 #include <c10/util/Exception.h>
+#include <torch/autograd.h>
 #include <torch/serialize/archive.h>
 #include <torch/utils.h>
 
@@ -101,6 +102,46 @@ void SophiaG::refresh_hessian(const std::function<torch::Tensor()>& sampled_loss
   zero_grad();
 }
 
+void SophiaG::refresh_hessian_hutchinson(const std::function<torch::Tensor()>& loss) {
+  zero_grad();
+  std::vector<torch::Tensor> params;
+  std::vector<double> beta2s;
+  for (auto& group : param_groups_)
+    for (auto& p : group.params())
+      if (p.requires_grad()) {
+        params.push_back(p);
+        beta2s.push_back(std::get<1>(static_cast<const SophiaGOptions&>(group.options()).betas()));
+      }
+  if (params.empty()) return;
+  std::vector<torch::Tensor> directions, products;
+  {
+    at::AutoGradMode enable_grad(true);
+    const torch::Tensor value = loss();
+    TORCH_CHECK(value.numel() == 1, "SophiaG: the Hutchinson refresh needs a scalar loss, got shape ", value.sizes());
+    // create_graph: the gradient is differentiated again, along u (allow_unused: a parameter the
+    // loss does not reach gets a zero product).
+    const std::vector<torch::Tensor> grads =
+        torch::autograd::grad({value}, params, {}, /*retain_graph=*/true, /*create_graph=*/true, /*allow_unused=*/true);
+    torch::Tensor inner;
+    for (size_t i = 0; i < params.size(); ++i) {
+      directions.push_back(torch::randn_like(params[i]));
+      if (!grads[i].defined()) continue;
+      const torch::Tensor term = (grads[i] * directions[i]).sum();
+      inner = inner.defined() ? inner + term : term;
+    }
+    if (inner.defined() && inner.requires_grad())
+      products = torch::autograd::grad({inner}, params, {}, /*retain_graph=*/false, /*create_graph=*/false,
+                                       /*allow_unused=*/true);
+  }
+  torch::NoGradGuard no_grad;
+  for (size_t i = 0; i < params.size(); ++i) {
+    torch::Tensor& hessian = state_of(*this, params[i]).hessian();
+    hessian.mul_(beta2s[i]);
+    if (i < products.size() && products[i].defined()) hessian.addcmul_(directions[i], products[i], 1 - beta2s[i]);
+  }
+  zero_grad();
+}
+
 torch::Tensor SophiaG::step(LossClosure closure) {
   torch::NoGradGuard no_grad;
   const torch::Tensor loss = detail::evaluate_closure(closure);
@@ -116,7 +157,10 @@ torch::Tensor SophiaG::step(LossClosure closure) {
       state.step(state.step() + 1);
       p.mul_(1 - lr * wd);
       state.exp_avg().mul_(beta1).add_(grad, 1 - beta1);
-      const torch::Tensor ratio = (state.exp_avg().abs() / (rho * bs * state.hessian() + 1e-15)).clamp_max(1);
+      // The paper's max(rho * h, eps): a Hutchinson estimate may be negative, where the step is the
+      // clipped sign (sophia.py's rho * h + 1e-15 is the same for the never-negative GNB estimate).
+      const torch::Tensor ratio =
+          (state.exp_avg().abs() / ((rho * bs * state.hessian()).clamp_min(0) + 1e-15)).clamp_max(1);
       p.addcmul_(state.exp_avg().sign(), ratio, -lr);
     }
   }

@@ -52,4 +52,49 @@ std::shared_ptr<LRScheduler> make_sequential_lr(torch::optim::Optimizer& optimiz
 std::shared_ptr<LRScheduler> make_chained_lr(torch::optim::Optimizer& optimizer,
                                              const std::vector<SchedulerFactory>& schedulers);
 
+/// Lightning's lr-scheduler-dict keys that OptimizerConfig does not hold (its layout is frozen).
+struct SchedulerKeys {
+  /// What the scheduler is called: Lightning's `name`, the key lr_monitor logs its learning rate
+  /// under ("" = "lr-<Optimizer>"); the Trainer's messages about the scheduler say it.
+  std::string name;
+  /// Lightning's `strict`: with a `monitor` that has not been logged when the scheduler is due,
+  /// true stops the run with an error, false warns and skips that step of the schedule.
+  bool strict = true;
+};
+
+/// A scheduler that carries SchedulerKeys: it steps, checkpoints and resumes as the one it wraps
+/// (same state, so a checkpoint of either loads into the other). Made by with_scheduler_keys.
+class KeyedLRScheduler final : public LRScheduler {
+ public:
+  /// `optimizer` is the one `scheduler` was built on.
+  KeyedLRScheduler(torch::optim::Optimizer& optimizer, std::shared_ptr<LRScheduler> scheduler, SchedulerKeys keys);
+  void step() override;
+  void step(double metric) override;
+  std::vector<double> state() const override;
+  void load_state(const std::vector<double>& state) override;
+  /// The keys given.
+  const SchedulerKeys& keys() const { return keys_; }
+  /// The scheduler wrapped.
+  const std::shared_ptr<LRScheduler>& scheduler() const { return scheduler_; }
+
+ protected:
+  std::vector<double> lrs_at(int64_t step) const override;
+
+ private:
+  std::shared_ptr<LRScheduler> scheduler_;
+  SchedulerKeys keys_;
+};
+
+/// `scheduler` (built on `optimizer`) with Lightning's `name` and `strict`:
+///
+///   OptimizerConfig(sgd).with_scheduler(
+///       with_scheduler_keys(*sgd, make_reduce_on_plateau(*sgd), {.name = "plateau", .strict = false}),
+///       SchedulerInterval::epoch, 1, "val/loss");
+std::shared_ptr<LRScheduler> with_scheduler_keys(torch::optim::Optimizer& optimizer,
+                                                 std::shared_ptr<LRScheduler> scheduler, SchedulerKeys keys);
+
+/// The SchedulerKeys of `scheduler`: those with_scheduler_keys gave it, else the defaults
+/// (no name, strict), as Lightning's.
+SchedulerKeys scheduler_keys(const LRScheduler& scheduler);
+
 }  // namespace fulgur

@@ -31,6 +31,16 @@
 // each rank's rows in a torch.distributed.checkpoint directory ("sharded"), which stage 3 reads
 // back row by row; both load under any world size and any strategy (fsdp_state.h).
 //
+// Optimizers: those whose update of a row depends on that row alone (Adam, AdamW, SGD and
+// fulgur::optim's Lion) step shards as they step whole parameters. fulgur::optim::Muon's
+// Newton-Schulz needs whole matrices: they are gathered per matrix (MuonRowShard): each rank's
+// Nesterov update rows, in bfloat16, all-gathered into the whole matrix, orthogonalized on every
+// rank, each rank applying its rows. Per step and Muon matrix of R x C on N ranks each rank sends
+// 2 * ceil(R / N) * C bytes and receives (N - 1) times that; the momentum stays sharded in the same
+// rows as Adam's moments, so checkpoints and resharding are unchanged. (Assigning whole matrices
+// to ranks round-robin would split the Newton-Schulz compute N ways but move the momentum off the
+// row layout and need a second collective to hand the rows back.)
+//
 // offload_optimizer (ZeRO-Offload): the optimizer steps a host-memory copy of this rank's rows
 // (pinned when the device is cuda), so its state (Adam's 8 bytes per parameter) never occupies the
 // device. Reduced gradients land in host memory in one copy per collective; after the step the
@@ -39,6 +49,8 @@
 #include <fulgur/communicator.h>
 #include <fulgur/distributed_checkpoint.h>
 #include <fulgur/log.h>
+#include <fulgur/optim/lion.h>
+#include <fulgur/optim/muon.h>
 #include <fulgur/plugin.h>
 #include <fulgur/state_dict.h>
 #include <fulgur/strategy.h>
@@ -60,9 +72,12 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <map>
+#include <memory>
 #include <mutex>
 #include <optional>
 #include <set>
+#include <utility>
 #include <string>
 #include <vector>
 
@@ -144,7 +159,10 @@ class FsdpStrategy final : public fulgur::process_group::ProcessGroupStrategy, p
         sharded_checkpoints_(parse_state_dict_type(options)),
         sharding_(parse_sharding(options)),
         auto_wrap_(parse_auto_wrap(options, sharding_)) {}
-  ~FsdpStrategy() override { fulgur::remove_block_hooks(this); }
+  ~FsdpStrategy() override {
+    disconnect_muon();
+    fulgur::remove_block_hooks(this);
+  }
 
   void setup_environment(const fulgur::StrategyEnvironment& environment) override {
     ProcessGroupStrategy::setup_environment(environment);
@@ -255,6 +273,7 @@ class FsdpStrategy final : public fulgur::process_group::ProcessGroupStrategy, p
   }
 
   void teardown() override {
+    disconnect_muon();
     fulgur::remove_block_hooks(this);
     ProcessGroupStrategy::teardown();
   }
@@ -269,6 +288,11 @@ class FsdpStrategy final : public fulgur::process_group::ProcessGroupStrategy, p
     shards_.optimizers.clear();
     for (auto& optimizer : optimizers) {
       check_supported(*optimizer);
+      if (sharded_checkpoints_ && archived(*optimizer))
+        throw Error(ErrorKind::config,
+                    "strategy 'fsdp': state_dict_type = \"sharded\" writes the state of Adam, AdamW and SGD row by "
+                    "row; fulgur::optim's Lion and Muon keep theirs in one archive, gathered whole: use "
+                    "state_dict_type = \"full\"");
       shards_.optimizers.push_back(optimizer.get());
       std::vector<ShardedParameter*>& order = shards_.by_optimizer[optimizer.get()];
       for (auto& group : optimizer->param_groups())
@@ -288,6 +312,7 @@ class FsdpStrategy final : public fulgur::process_group::ProcessGroupStrategy, p
     }
     if (sharding_.offload_optimizer) report_offload();
     shards_.lay_out_flat_buffers();
+    connect_muon(optimizers);
     units_.reset_traffic();
   }
 
@@ -334,6 +359,7 @@ class FsdpStrategy final : public fulgur::process_group::ProcessGroupStrategy, p
     else if (stepped)
       shards_.gather_parameters(group_);  // all sharded parameters: the flat buffer spans every optimizer's
     units_.report_traffic();
+    report_muon_traffic();
     return stepped;
   }
 
@@ -397,8 +423,9 @@ class FsdpStrategy final : public fulgur::process_group::ProcessGroupStrategy, p
   }
 
   c10::IValue optimizer_state_dict(torch::optim::Optimizer& optimizer) override {
-    c10::IValue local = fulgur::optimizer_state_dict(optimizer);
     const std::vector<ShardedParameter*>& order = shards_.of_optimizer(optimizer);
+    if (archived(optimizer)) return whole_archived_state(optimizer, order);
+    c10::IValue local = fulgur::optimizer_state_dict(optimizer);
     if (!sharded_checkpoints_) return fulgur::fsdp::gathered_optimizer_state(local, order, group_);
     const auto position = std::find(shards_.optimizers.begin(), shards_.optimizers.end(), &optimizer);
     return fulgur::fsdp::sharded_optimizer_state(local, order, position - shards_.optimizers.begin(), placements_);
@@ -407,6 +434,11 @@ class FsdpStrategy final : public fulgur::process_group::ProcessGroupStrategy, p
   void load_optimizer_state_dict(torch::optim::Optimizer& optimizer, const c10::IValue& state,
                                  const std::string& origin) override {
     const std::vector<ShardedParameter*>& order = shards_.of_optimizer(optimizer);
+    if (archived(optimizer)) {
+      fulgur::load_optimizer_state_dict(optimizer, state, origin);
+      cut_archived_state(optimizer, order, origin);
+      return;
+    }
     fulgur::load_optimizer_state_dict(optimizer, fulgur::fsdp::local_optimizer_state(state, order, origin), origin);
   }
 
@@ -483,14 +515,123 @@ class FsdpStrategy final : public fulgur::process_group::ProcessGroupStrategy, p
   }
 
   static void check_supported(torch::optim::Optimizer& optimizer) {
-    // Element-wise optimizers only: their update of a row depends on that row alone, so stepping
-    // shards equals stepping the whole (LBFGS and friends need the whole vector).
+    // Element-wise optimizers: their update of a row depends on that row alone, so stepping
+    // shards equals stepping the whole (LBFGS and friends need the whole vector). Muon's
+    // matrices are gathered for Newton-Schulz (connect_muon).
     if (dynamic_cast<torch::optim::Adam*>(&optimizer) || dynamic_cast<torch::optim::AdamW*>(&optimizer) ||
-        dynamic_cast<torch::optim::SGD*>(&optimizer))
+        dynamic_cast<torch::optim::SGD*>(&optimizer) || dynamic_cast<fulgur::optim::Lion*>(&optimizer) ||
+        dynamic_cast<fulgur::optim::Muon*>(&optimizer))
       return;
     throw Error(ErrorKind::config,
-                "strategy 'fsdp': shards the state of Adam, AdamW and SGD; configure_optimizers "
-                "returned another optimizer (use ddp for it)");
+                "strategy 'fsdp': shards the state of Adam, AdamW, SGD, fulgur::optim::Lion and "
+                "fulgur::optim::Muon; configure_optimizers returned another optimizer (use ddp for it)");
+  }
+
+  // ---- Lion's and Muon's state ----------------------------------------------------------------
+  // The SDK keeps the state of optimizers other than Adam, AdamW and SGD as LibTorch's archive of
+  // the optimizer (one opaque blob), whose tensors here would be this rank's rows. So for these
+  // the strategy gathers the rows into whole tensors around the save, and cuts this rank's rows
+  // out of the whole tensors after a load: the file is the one a single process writes, and it
+  // loads under any strategy and world size.
+
+  static bool archived(const torch::optim::Optimizer& optimizer) {
+    return dynamic_cast<const fulgur::optim::Lion*>(&optimizer) || dynamic_cast<const fulgur::optim::Muon*>(&optimizer);
+  }
+
+  // The per-element tensors of a Lion or Muon parameter state (undefined ones included).
+  static std::vector<at::Tensor*> state_tensors(torch::optim::OptimizerParamState& state) {
+    if (auto* lion = dynamic_cast<fulgur::optim::LionParamState*>(&state)) return {&lion->exp_avg()};
+    if (auto* muon = dynamic_cast<fulgur::optim::MuonParamState*>(&state))
+      return {&muon->momentum_buffer(), &muon->exp_avg(), &muon->exp_avg_sq()};
+    return {};
+  }
+
+  // Collectives in the param groups' order (every rank holds state for the same parameters: they
+  // stepped together); rank zero's result is the one saved.
+  c10::IValue whole_archived_state(torch::optim::Optimizer& optimizer, const std::vector<ShardedParameter*>& order) {
+    std::vector<std::pair<at::Tensor*, at::Tensor>> rows;  // swapped out, put back afterwards
+    for (ShardedParameter* p : order) {
+      auto found = optimizer.state().find(p->stepped().unsafeGetTensorImpl());
+      if (found == optimizer.state().end()) continue;
+      for (at::Tensor* t : state_tensors(*found->second))
+        if (t->defined()) {
+          rows.emplace_back(t, *t);
+          *t = fulgur::fsdp::gather_rows(*p, *t, group_).to(t->device());
+        }
+    }
+    c10::IValue whole;
+    try {
+      whole = fulgur::optimizer_state_dict(optimizer);
+    } catch (...) {
+      for (auto& [t, mine] : rows) *t = mine;
+      throw;
+    }
+    for (auto& [t, mine] : rows) *t = mine;
+    return whole;
+  }
+
+  void cut_archived_state(torch::optim::Optimizer& optimizer, const std::vector<ShardedParameter*>& order,
+                          const std::string& origin) {
+    torch::NoGradGuard no_grad;
+    for (ShardedParameter* p : order) {
+      auto found = optimizer.state().find(p->stepped().unsafeGetTensorImpl());
+      if (found == optimizer.state().end()) continue;
+      for (at::Tensor* t : state_tensors(*found->second)) {
+        if (!t->defined() || t->sizes() == p->stepped().sizes()) continue;  // rows already (one rank)
+        if (t->numel() != p->full.numel())
+          throw Error(ErrorKind::checkpoint,
+                      fmt::format("{}: an optimizer state tensor of {} elements for a parameter of {} (shape {}); "
+                                  "the checkpoint belongs to another model",
+                                  origin, t->numel(), p->full.numel(), fmt::join(p->full.sizes(), "x")));
+        *t = p->rows_of(t->to(p->stepped().device()), p->begin, p->local_rows()).clone().reshape(p->shard_shape());
+      }
+    }
+  }
+
+  // Muon's matrices, now row shards: Newton-Schulz gathers each (MuonRowShard), counting bytes.
+  void connect_muon(std::vector<std::shared_ptr<torch::optim::Optimizer>>& optimizers) {
+    disconnect_muon();
+    muon_rows_.clear();
+    for (auto& optimizer : optimizers) {
+      auto* muon = dynamic_cast<fulgur::optim::Muon*>(optimizer.get());
+      if (!muon) continue;
+      for (ShardedParameter* p : shards_.of_optimizer(*optimizer)) {
+        if (p->full.dim() != 2) continue;  // an AdamW group's parameter (Muon refuses others in its groups)
+        fulgur::optim::MuonRowShard& rows = muon_rows_[p->stepped().unsafeGetTensorImpl()];
+        rows.first_row = p->begin;
+        rows.rows = p->full.size(0);
+        rows.cols = p->full.size(1);
+        rows.gather = [this, p](const at::Tensor& local) {
+          const int64_t bytes = p->chunk_numel() * static_cast<int64_t>(local.element_size());
+          ++muon_traffic_.matrices;
+          muon_traffic_.sent += group_.world_size > 1 ? bytes : 0;
+          muon_traffic_.received += (group_.world_size - 1) * bytes;
+          return fulgur::fsdp::gather_rows(*p, local, group_).to(local.device());
+        };
+      }
+      muon->set_row_shards([this](const at::Tensor& param) -> const fulgur::optim::MuonRowShard* {
+        auto found = muon_rows_.find(param.unsafeGetTensorImpl());
+        return found == muon_rows_.end() ? nullptr : &found->second;
+      });
+      muons_.emplace_back(optimizer);
+    }
+  }
+
+  // The optimizers outlive the strategy's fit: they must not call into it afterwards.
+  void disconnect_muon() {
+    for (const auto& held : muons_)
+      if (auto optimizer = held.lock()) static_cast<fulgur::optim::Muon&>(*optimizer).set_row_shards(nullptr);
+    muons_.clear();
+  }
+
+  void report_muon_traffic() {
+    if (muon_traffic_.matrices == 0) return;
+    if (fulgur::log::enabled(fulgur::log::Level::debug))
+      fulgur::log::debug(fmt::format(
+          "strategy 'fsdp': rank {} gathered {} Muon matrices for Newton-Schulz in this step: sent {} bytes, "
+          "received {} bytes (bfloat16 rows)",
+          cluster_.global_rank, muon_traffic_.matrices, muon_traffic_.sent, muon_traffic_.received));
+    muon_traffic_ = {};
   }
 
   // A parameter added to the optimizer after setup_optimizers (a param group a finetuning callback
@@ -659,6 +800,13 @@ class FsdpStrategy final : public fulgur::process_group::ProcessGroupStrategy, p
   fulgur::fsdp::Shards shards_;
   fulgur::fsdp::Zero3Units units_{shards_, sharding_, group_};
   fulgur::fsdp::Placements placements_;  // of the state dicts made for the next save
+  // Muon: each matrix's rows by the tensor the optimizer steps, the optimizers that read them, and
+  // what their gathers moved since the last step.
+  std::map<const c10::TensorImpl*, fulgur::optim::MuonRowShard> muon_rows_;
+  std::vector<std::weak_ptr<torch::optim::Optimizer>> muons_;
+  struct {
+    int64_t matrices = 0, sent = 0, received = 0;
+  } muon_traffic_;
   // Stage 3, while configure_model runs: how the Trainer prepares a block (device, precision).
   const fulgur::ModelBuild* building_ = nullptr;
   int64_t built_blocks_ = 0, built_bytes_ = 0, largest_built_bytes_ = 0;

@@ -15,6 +15,8 @@
 #include <torch/optim/optimizer.h>
 #include <torch/optim/serialize.h>
 
+#include <cstdint>
+#include <functional>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -74,7 +76,30 @@ struct MuonParamState : public torch::optim::OptimizerCloneableParamState<MuonPa
   friend bool operator==(const MuonParamState& lhs, const MuonParamState& rhs);
 };
 
+/// A Muon parameter that holds only some rows of its matrix, as a ZeRO strategy (fsdp) shards it:
+/// what Newton-Schulz needs to see the whole matrix. Muon's momentum and AdamW's moments are
+/// element-wise and stay on the rows; only the orthogonalization is of the whole matrix.
+struct MuonRowShard {
+  /// The shard's first row in the matrix.
+  int64_t first_row = 0;
+  /// The whole matrix's shape (the learning-rate adjustment reads it too).
+  int64_t rows = 0, cols = 0;
+  /// Every rank's rows of a tensor shaped like the shard (bfloat16, Newton-Schulz's input dtype),
+  /// gathered into the whole [rows, cols] matrix. A collective: every rank calls it for the same
+  /// parameters in the same order.
+  std::function<torch::Tensor(const torch::Tensor& local_rows)> gather;
+};
+
+/// The MuonRowShard of a parameter the optimizer holds, or nullptr for a whole matrix.
+using MuonShardLookup = std::function<const MuonRowShard*(const torch::Tensor& param)>;
+
 /// Muon for use_muon groups and AdamW for the others, in one optimizer.
+///
+/// Under a sharding strategy (set_row_shards) each Muon matrix is "gathered per matrix": the
+/// Nesterov update of this rank's rows is converted to bfloat16 (Newton-Schulz's first, element-wise
+/// operation), all-gathered into the whole matrix, orthogonalized on every rank, and each rank
+/// applies its own rows of the result. The matrix one process orthogonalizes is reproduced bit for
+/// bit, at 2 bytes per element gathered.
 class Muon : public torch::optim::Optimizer {
  public:
   explicit Muon(const std::vector<torch::optim::OptimizerParamGroup>& param_groups, MuonOptions defaults = {});
@@ -85,11 +110,16 @@ class Muon : public torch::optim::Optimizer {
   void save(torch::serialize::OutputArchive& archive) const override;
   void load(torch::serialize::InputArchive& archive) override;
 
+  /// Installed by a strategy that replaces the parameters with row shards of them (nullptr: every
+  /// parameter is whole, the default). Parameters the lookup does not know stay whole.
+  void set_row_shards(MuonShardLookup lookup) { row_shards_ = std::move(lookup); }
+
  private:
   template <typename Self, typename Archive>
   static void serialize(Self& self, Archive& archive) {
     torch::optim::serialize<MuonParamState, MuonOptions>(archive, self);
   }
+  MuonShardLookup row_shards_;
 };
 
 /// torch.optim._muon._zeropower_via_newtonschulz: `steps` quintic Newton-Schulz iterations in

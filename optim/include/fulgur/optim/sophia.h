@@ -2,13 +2,14 @@
 // Pre-training", 2023; github.com/Liuhong99/Sophia sophia.py): a sign-like update whose size per
 // element is the momentum over an EMA of a diagonal Hessian estimate, clipped to 1:
 //
-//   m = b1*m + (1-b1)*g;   p *= 1 - lr*wd;   p -= lr * sign(m) * min(|m| / (rho*bs*h + 1e-15), 1)
+//   m = b1*m + (1-b1)*g;   p *= 1 - lr*wd;   p -= lr * sign(m) * min(|m| / (max(rho*bs*h, 0) + 1e-15), 1)
 //
 // The Hessian EMA h is refreshed every k steps (the paper's k = 10), not by step() but by
 // update_hessian(), from the gradient of an extra backward pass: for the Gauss-Newton-Bartlett
 // estimator, the loss of the model's own logits against labels sampled from them
 // (gnb_sampled_labels), so h = b2*h + (1-b2)*g_hat^2 where g_hat is that pass's mean gradient and bs
-// the number of samples it averaged over (`bs`). refresh_hessian() runs that pass.
+// the number of samples it averaged over (`bs`). refresh_hessian() runs that pass;
+// refresh_hessian_hutchinson() is the Hutchinson estimator (u * Hu with Gaussian u).
 #pragma once
 
 #include <torch/optim/optimizer.h>
@@ -70,6 +71,13 @@ class SophiaG : public torch::optim::Optimizer {
   /// (e.g. cross_entropy(logits, gnb_sampled_labels(logits))), update_hessian(), zeroes the
   /// gradients again. Call it every k steps, after step() (see the loop hook in the report).
   void refresh_hessian(const std::function<torch::Tensor()>& sampled_loss);
+  /// The Hutchinson refresh (the paper's Sophia-H): with L = `loss()` (the training loss of a
+  /// batch) and u ~ N(0, I) drawn per parameter from the default generator (randn_like, in
+  /// param-group order), h = b2*h + (1-b2) * u * (H u), where H u is the Hessian-vector product
+  /// grad(<grad L, u>) of a double backward. Every parameter that requires grad takes part;
+  /// gradients are left zeroed. The paper's clipping divides by rho * h alone: use bs(1) with it.
+  /// Call it every k steps, after step(), e.g. from the Module's on_train_batch_end with the batch.
+  void refresh_hessian_hutchinson(const std::function<torch::Tensor()>& loss);
   void save(torch::serialize::OutputArchive& archive) const override;
   void load(torch::serialize::InputArchive& archive) override;
 
