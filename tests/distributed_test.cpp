@@ -1398,6 +1398,18 @@ TEST_CASE("elastic: 3 ranks, one killed mid-epoch, go on at 2 and grow back to 3
   CHECK(std::abs(elastic_loss - whole_loss) < 0.1 * whole_loss);
 }
 
+TEST_CASE("elastic: num_nodes = 0 takes as many nodes as the launcher started (torchrun --nnodes=MIN:MAX)") {
+  // torchrun --standalone starts one node of 2 processes: num_nodes = 2 is refused, 0 accepts it.
+  auto fixed = run_worker(with_trainer_line(worker_config("ddp", "auto", 8, 2), "num_nodes = 2"), {}, clean_env(),
+                          /*torchrun=*/true);
+  CHECK(fixed->result.status != 0);
+  CHECK(contains(fixed->result.output, "[trainer] num_nodes = 2, but torchrun started 2 process(es) in all"));
+  auto elastic = run_worker(with_trainer_line(worker_config("ddp", "auto", 8, 2), "num_nodes = 0"), {}, clean_env(),
+                            /*torchrun=*/true);
+  REQUIRE_SUCCESS(elastic);
+  CHECK(metrics(*elastic, 1).at("global_step") == 2);
+}
+
 // Checkpoints written mid-epoch at S ranks resume at T ranks under ddp (full checkpoints) and
 // fsdp ZeRO-3 (sharded, each rank reading its rows): the epoch's samples are each seen once. All
 // 18 cells: 24 short runs, about 30 s on 2 cores. ZeRO-1 (full checkpoints) and ZeRO-2 (sharded)
