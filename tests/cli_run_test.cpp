@@ -258,7 +258,9 @@ TEST_CASE("fulgur fit with strategy ddp launches its ranks and rank 0 alone writ
   CHECK(fs::exists(version / "checkpoints" / "last.ckpt"));
 }
 
-TEST_CASE("a mid-epoch checkpoint from another number of processes is refused, one after the epoch's batches resumes") {
+TEST_CASE(
+    "a mid-epoch checkpoint of 2 processes resumes on 1, dealing out the rest of the epoch; one that does not record "
+    "its position in samples is refused, one after the epoch's batches resumes") {
   TempDir dir;
   write_bytes(dir / "run.toml", base_toml(dir.path()));
   // ddp over 2 processes, a checkpoint after 2 of the 4 batches of epoch 0, and last.ckpt after all 4.
@@ -271,15 +273,33 @@ TEST_CASE("a mid-epoch checkpoint from another number of processes is refused, o
   ddp.insert(ddp.end(), every_2.begin(), every_2.end());
   REQUIRE(fulgur_cmd(dir.path(), ddp).exit_code == 0);
   REQUIRE(fs::exists(dir / "ckpts" / "step=2.ckpt"));
-  const ProcessRun mid =
-      fulgur_cmd(dir.path(), {"fit", "--config", "run.toml", "--ckpt_path=" + (dir / "ckpts" / "step=2.ckpt").string(),
-                              "--callbacks.model_checkpoint.dirpath=" + (dir / "single").string()});
-  CHECK(mid.exit_code == 1);
-  FULGUR_CHECK_CONTAINS(mid.output, "was written by 2 processes and this run has 1: it stopped 2 batches into epoch 0");
-  CHECK_FALSE(fs::exists(dir / "single" / "last.ckpt"));  // no step was taken
+  // 2 batches of 32 on each of 2 ranks: 128 of the 55000 training images; the run goes on alone
+  // (limit_train_batches = 4 still counts this process's batches).
+  const ProcessRun mid = run_process(
+      {FULGUR_TEST_FULGUR_BIN, "fit", "--config", "run.toml", "--ckpt_path=" + (dir / "ckpts" / "step=2.ckpt").string(),
+       "--callbacks.model_checkpoint.dirpath=" + (dir / "single").string()},
+      {{"FULGUR_LOG_LEVEL", "info"}, {"FULGUR_PLUGIN_PATH", ""}}, dir.path());
+  REQUIRE_MESSAGE(mid.exit_code == 0, mid.output);
+  FULGUR_CHECK_CONTAINS(mid.output,
+                        "resumed at step 2 of epoch 0 with 1 processes (was 2); 54872 samples of this epoch remain");
+  FULGUR_CHECK_CONTAINS(mid.output, "the global batch is now 32 samples per optimizer step (was 64)");
+  CHECK(fs::exists(dir / "single" / "last.ckpt"));
+  // The same checkpoint as an older Fulgur wrote it (no position in samples) is refused.
+  c10::IValue old = fulgur::read_checkpoint_file((dir / "ckpts" / "step=2.ckpt").string());
+  CHECK(
+      old.toGenericDict().at("loops").toGenericDict().at("fit_loop").toGenericDict().erase("epoch_samples_consumed") ==
+      1);
+  fulgur::write_checkpoint_file(old, (dir / "old.ckpt").string());
+  const ProcessRun refused =
+      fulgur_cmd(dir.path(), {"fit", "--config", "run.toml", "--ckpt_path=" + (dir / "old.ckpt").string(),
+                              "--callbacks.model_checkpoint.dirpath=" + (dir / "refused").string()});
+  CHECK(refused.exit_code == 1);
+  FULGUR_CHECK_CONTAINS(refused.output,
+                        "was written by 2 processes and this run has 1: it stopped 2 batches into epoch 0");
+  CHECK_FALSE(fs::exists(dir / "refused" / "last.ckpt"));  // no step was taken
   const ProcessRun end =
       fulgur_cmd(dir.path(), {"fit", "--config", "run.toml", "--ckpt_path=" + (dir / "ckpts" / "last.ckpt").string(),
-                              "--callbacks.model_checkpoint.dirpath=" + (dir / "single").string()});
+                              "--callbacks.model_checkpoint.dirpath=" + (dir / "after_end").string()});
   REQUIRE_MESSAGE(end.exit_code == 0, end.output);
-  CHECK(fs::exists(dir / "single" / "last.ckpt"));  // epoch 1 trained on one process
+  CHECK(fs::exists(dir / "after_end" / "last.ckpt"));  // epoch 1 trained on one process
 }

@@ -25,6 +25,8 @@
 //   training_step (counted from 1), so that its gradients, and after the all-reduce everyone's,
 //   are not finite. The metrics file records `optimizer_step_count` (the first parameter's step
 //   count in the Adam/AdamW state) and `loss_scale` (16-mixed) after fit.
+//   FULGUR_TEST_RECORD_SAMPLES=1: each rank appends "epoch global_step index" for every training
+//   sample it is handed to <out_dir>/samples_rank<r>.txt (elastic resume: each sample once per epoch).
 #include <fulgur/blocks.h>
 #include <fulgur/callback.h>
 #include <fulgur/config.h>
@@ -49,6 +51,7 @@
 #include <fstream>
 #include <iostream>
 #include <limits>
+#include <map>
 #include <optional>
 
 namespace {
@@ -245,6 +248,24 @@ struct DieAtStep : fulgur::Callback {
   int64_t rank, step;
 };
 
+// Writes which dataset rows each training batch holds (found by their first feature, which the
+// fixed random data makes unique), with the epoch and the global step it trains in.
+struct RecordSamples : fulgur::Callback {
+  RecordSamples(const at::Tensor& inputs, const std::string& file) : out(file, std::ios::app) {
+    const at::Tensor first = inputs.select(1, 0).contiguous();
+    for (int64_t i = 0; i < first.size(0); ++i) row_of[first[i].item<float>()] = i;
+  }
+  fulgur::HookSet hooks() const override { return static_cast<fulgur::HookSet>(fulgur::Hook::train_batch_start); }
+  void on_train_batch_start(fulgur::TrainerContext& t, const fulgur::Batch& batch, int64_t) override {
+    const at::Tensor first = batch.input.select(1, 0).to(at::kCPU).contiguous();
+    for (int64_t i = 0; i < first.size(0); ++i)
+      out << t.current_epoch() << ' ' << t.global_step() << ' ' << row_of.at(first[i].item<float>()) << '\n';
+    out.flush();
+  }
+  std::map<float, int64_t> row_of;
+  std::ofstream out;
+};
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -263,6 +284,9 @@ int main(int argc, char** argv) {
     auto module = std::make_shared<Mlp>();  // after the Trainer: its seed fixes the weights
     FixedData data(config.data.get_int("batch_size"), config.data.get_bool("shuffle"));
     trainer.add_callback(std::make_shared<CollectiveCheck>());
+    if (std::getenv("FULGUR_TEST_RECORD_SAMPLES"))
+      trainer.add_callback(std::make_shared<RecordSamples>(
+          data.inputs, fmt::format("{}/samples_rank{}.txt", argv[2], std::getenv("RANK") ? std::getenv("RANK") : "0")));
     if (const char* r = std::getenv("FULGUR_TEST_DIE_RANK"))
       trainer.add_callback(std::make_shared<DieAtStep>(std::atoll(r), std::atoll(std::getenv("FULGUR_TEST_DIE_STEP"))));
     module->rank = std::getenv("RANK") ? std::atoll(std::getenv("RANK")) : 0;

@@ -33,6 +33,7 @@
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 
 #include <fulgur/checkpoint_io.h>
+#include <fulgur/sample_position.h>
 
 namespace {
 
@@ -1311,6 +1312,254 @@ TEST_CASE("distributed sampler: each sample once per epoch across ranks, padded 
       } else {
         CHECK(distinct.size() == static_cast<size_t>(n));  // all covered
         CHECK(seen.size() == 12);                          // padded by repeating 2 samples
+      }
+    }
+  }
+}
+
+// ---- elastic: resuming mid-epoch with another number of processes (issue #39) ---------------
+
+namespace {
+
+// The samples (first feature = index) each loader hands out until its epoch ends.
+std::multiset<int64_t> drain(fulgur::BatchLoader& loader) {
+  std::multiset<int64_t> seen;
+  while (auto batch = loader.next())
+    for (int64_t i = 0; i < batch->input.size(0); ++i) seen.insert(batch->input[i][0].item<int64_t>());
+  return seen;
+}
+
+// Every "epoch step index" line of a run's samples_rank*.txt files, for steps before `before`.
+std::map<int64_t, std::multiset<int64_t>> recorded_samples(const Run& run, int ranks, int64_t before = INT64_MAX) {
+  std::map<int64_t, std::multiset<int64_t>> by_epoch;
+  for (int r = 0; r < ranks; ++r) {
+    std::ifstream in(run.dir / fmt::format("samples_rank{}.txt", r));
+    int64_t epoch, step, index;
+    while (in >> epoch >> step >> index)
+      if (step < before) by_epoch[epoch].insert(index);
+  }
+  return by_epoch;
+}
+
+void merge(std::map<int64_t, std::multiset<int64_t>>& into, const std::map<int64_t, std::multiset<int64_t>>& from) {
+  for (const auto& [epoch, seen] : from) into[epoch].insert(seen.begin(), seen.end());
+}
+
+// Each of the worker's 96 rows exactly once.
+std::multiset<int64_t> every_row_once() {
+  std::multiset<int64_t> all;
+  for (int64_t i = 0; i < 96; ++i) all.insert(i);
+  return all;
+}
+
+std::string with_max_epochs(std::string toml, int epochs) {
+  toml.replace(toml.find("max_epochs = 100"), 16, fmt::format("max_epochs = {}", epochs));
+  return toml;
+}
+
+std::string checkpoint_every(int steps) {
+  return fmt::format(
+      "\n[[callbacks]]\nname = \"model_checkpoint\"\ndirpath = \"ckpts\"\nfilename = \"{{step}}\"\n"
+      "every_n_train_steps = {}\nsave_top_k = -1\n",
+      steps);
+}
+
+}  // namespace
+
+TEST_CASE(
+    "elastic: the rest of an epoch is dealt to another number of replicas, padded or dropped as "
+    "DistributedSampler") {
+  // 11 samples, batch 2: 3 replicas hand out one batch each (6 samples), then 2 replicas deal the
+  // other 5. Both loaders: the tensor fast path, and the threaded DataLoader with 2 workers.
+  const at::Tensor inputs = at::arange(11, at::kFloat).unsqueeze(1);
+  for (bool threaded : {false, true})
+    for (bool drop_last : {false, true}) {
+      CAPTURE(threaded);
+      CAPTURE(drop_last);
+      auto options = [&] {
+        auto o = fulgur::TensorLoaderOptions().batch_size(2).shuffle(true).seed(3).drop_last(drop_last);
+        if (threaded) o.num_workers(2).pin_memory(true);  // pin_memory: served by the DataLoader
+        return o;
+      };
+      std::multiset<int64_t> seen;
+      int64_t consumed = -1;
+      int64_t first_of_epoch = -1;
+      for (int64_t rank = 0; rank < 3; ++rank) {
+        auto loader = fulgur::make_tensor_loader(inputs, at::Tensor(), options());
+        loader->set_replica(rank, 3);
+        loader->start_epoch(1, 0);
+        auto batch = loader->next();
+        REQUIRE(batch);
+        if (rank == 0) first_of_epoch = batch->input[0][0].item<int64_t>();
+        for (int64_t i = 0; i < batch->input.size(0); ++i) seen.insert(batch->input[i][0].item<int64_t>());
+        fulgur::SamplePositionLoader* position = fulgur::sample_position_of(*loader);
+        REQUIRE(position != nullptr);
+        CHECK(position->epoch_samples() == 11);
+        consumed = position->samples_consumed(1);
+      }
+      CHECK(consumed == 6);
+      std::set<int64_t> per_rank_batches;
+      for (int64_t rank = 0; rank < 2; ++rank) {
+        auto loader = fulgur::make_tensor_loader(inputs, at::Tensor(), options());
+        loader->set_replica(rank, 2);
+        fulgur::SamplePositionLoader* position = fulgur::sample_position_of(*loader);
+        REQUIRE(position != nullptr);
+        per_rank_batches.insert(position->start_epoch_at_sample(1, consumed));
+        const std::multiset<int64_t> rest = drain(*loader);
+        seen.insert(rest.begin(), rest.end());
+        CHECK(position->samples_consumed(1) == 10);  // 6 + one batch of 2 on each of 2 replicas
+      }
+      CHECK(per_rank_batches.size() == 1);  // every rank as many batches: none waits for the others
+      const std::set<int64_t> distinct(seen.begin(), seen.end());
+      if (drop_last) {
+        // 5 over 2: 2 each, the tail's last sample dropped; nothing twice.
+        CHECK(seen.size() == 10);
+        CHECK(distinct.size() == 10);
+      } else {
+        // 3 each: padded with the epoch's first sample, which is seen twice (DistributedSampler).
+        CHECK(seen.size() == 12);
+        CHECK(distinct.size() == 11);
+        CHECK(seen.count(first_of_epoch) == 2);
+      }
+    }
+}
+
+TEST_CASE("elastic: a streaming DataLoader says it has no global position, and refuses to be dealt again") {
+  struct Stream : fulgur::data::IterableDataset {
+    void start(int64_t, int64_t, int64_t) override { left = 4; }
+    std::optional<fulgur::data::Sample> next() override {
+      if (left-- <= 0) return std::nullopt;
+      fulgur::data::Sample s;
+      s.input = at::zeros({1});
+      return s;
+    }
+    int64_t left = 0;
+  };
+  auto loader = fulgur::data::make_data_loader(std::make_shared<Stream>(), fulgur::data::DataLoaderOptions());
+  fulgur::SamplePositionLoader* position = fulgur::sample_position_of(*loader);
+  REQUIRE(position != nullptr);
+  CHECK(position->epoch_samples() == -1);
+  const fulgur::Error e = fulgur::test::error_from([&] { position->start_epoch_at_sample(0, 2); });
+  FULGUR_CHECK_CONTAINS(e.what(), "iterable dataset");
+  FULGUR_CHECK_CONTAINS(e.what(), "resume with the number of processes that wrote the checkpoint");
+}
+
+TEST_CASE("elastic: 3 ranks, one killed mid-epoch, go on at 2 and grow back to 3; every sample once per epoch") {
+  // 96 rows, batch 4 per rank, shuffled. At 3 ranks a step takes 12 samples (8 steps an epoch),
+  // at 2 ranks 8 (12 steps). The per-rank batch is kept, so the global batch follows the ranks.
+  auto env = clean_env();
+  env["FULGUR_TEST_RECORD_SAMPLES"] = "1";
+  // 3 ranks to step 4 (48 samples of epoch 0), checkpoint there.
+  auto first = run_worker(worker_config("ddp", "3", 4, 4, 1, true) + checkpoint_every(4), {}, env);
+  REQUIRE_SUCCESS(first);
+  const fs::path at4 = first->dir / "ckpts" / "step=4.ckpt";
+  REQUIRE_MESSAGE(fs::exists(at4), first->result.output);
+  // 2 ranks: the other 48 of epoch 0 (steps 5..10), then epoch 1 until rank 1 is killed at the
+  // start of step 19; the last checkpoint is step 16, 6 steps (48 samples) into epoch 1.
+  auto killed_env = env;
+  killed_env["FULGUR_TEST_DIE_RANK"] = "1";
+  killed_env["FULGUR_TEST_DIE_STEP"] = "18";
+  auto second = run_worker(worker_config("ddp", "2", 4, 100, 1, true) + checkpoint_every(4), {"--resume", at4.string()},
+                           killed_env);
+  REQUIRE_MESSAGE(second->result.status != 0, second->result.output);
+  CHECK(contains(second->result.output,
+                 "resumed at step 4 of epoch 0 with 2 processes (was 3); 48 samples of this epoch remain"));
+  CHECK(contains(second->result.output, "the global batch is now 8 samples per optimizer step (was 12)"));
+  const fs::path at16 = second->dir / "ckpts" / "step=16.ckpt";
+  REQUIRE_MESSAGE(fs::exists(at16), second->result.output);
+  // Back to 3 ranks: the other 48 of epoch 1 (steps 17..20), and epoch 2 whole.
+  auto third =
+      run_worker(with_max_epochs(worker_config("ddp", "3", 4, 100, 1, true), 3), {"--resume", at16.string()}, env);
+  REQUIRE_SUCCESS(third);
+  CHECK(contains(third->result.output,
+                 "resumed at step 16 of epoch 1 with 3 processes (was 2); 48 samples of this epoch remain"));
+  CHECK(metrics(*third, 0).at("global_step") == 28);
+
+  std::map<int64_t, std::multiset<int64_t>> seen = recorded_samples(*first, 3);
+  merge(seen, recorded_samples(*second, 2, /*before=*/16));  // what came after step 16 is trained again
+  merge(seen, recorded_samples(*third, 3));
+  REQUIRE(seen.size() == 3);
+  for (int64_t epoch = 0; epoch < 3; ++epoch) {
+    CAPTURE(epoch);
+    CHECK(seen[epoch] == every_row_once());
+  }
+  // The same three epochs without interruption at 3 ranks: a different path (8 of the 28 steps
+  // took 8 samples instead of 12), so the loss is close, not equal.
+  auto whole = run_worker(with_max_epochs(worker_config("ddp", "3", 4, 100, 1, true), 3), {}, clean_env());
+  REQUIRE_SUCCESS(whole);
+  const double elastic_loss = metrics(*third, 0).at("val/loss"), whole_loss = metrics(*whole, 0).at("val/loss");
+  MESSAGE("val/loss after 3 epochs: elastic ", elastic_loss, ", uninterrupted ", whole_loss);
+  CHECK(std::abs(elastic_loss - whole_loss) < 0.1 * whole_loss);
+}
+
+TEST_CASE("elastic: num_nodes = 0 takes as many nodes as the launcher started (torchrun --nnodes=MIN:MAX)") {
+  // torchrun --standalone starts one node of 2 processes: num_nodes = 2 is refused, 0 accepts it.
+  auto fixed = run_worker(with_trainer_line(worker_config("ddp", "auto", 8, 2), "num_nodes = 2"), {}, clean_env(),
+                          /*torchrun=*/true);
+  CHECK(fixed->result.status != 0);
+  CHECK(contains(fixed->result.output, "[trainer] num_nodes = 2, but torchrun started 2 process(es) in all"));
+  auto elastic = run_worker(with_trainer_line(worker_config("ddp", "auto", 8, 2), "num_nodes = 0"), {}, clean_env(),
+                            /*torchrun=*/true);
+  REQUIRE_SUCCESS(elastic);
+  CHECK(metrics(*elastic, 1).at("global_step") == 2);
+}
+
+// Checkpoints written mid-epoch at S ranks resume at T ranks under ddp (full checkpoints) and
+// fsdp ZeRO-3 (sharded, each rank reading its rows): the epoch's samples are each seen once. All
+// 18 cells: 24 short runs, about 30 s on 2 cores. ZeRO-1 (full checkpoints) and ZeRO-2 (sharded)
+// run a shrinking and a growing cell each.
+TEST_CASE(
+    "elastic: resharding matrix, mid-epoch checkpoints at 1, 2, 3 ranks resume at 1, 2, 3 under ddp and "
+    "fsdp ZeRO-3, and across sizes under ZeRO-1 and ZeRO-2") {
+  struct Strategy {
+    std::string name;
+    std::map<std::string, std::string> env;
+    std::string option;                   // a line for [strategy]
+    std::set<std::pair<int, int>> cells;  // (from, to); empty: all nine
+  };
+  auto ddp_env = clean_env();
+  auto fsdp_env = block_env();
+  for (auto* e : {&ddp_env, &fsdp_env}) (*e)["FULGUR_TEST_RECORD_SAMPLES"] = "1";
+  const std::vector<Strategy> strategies = {
+      {"ddp", ddp_env, "", {}},
+      {"fsdp:3", fsdp_env, "state_dict_type = \"sharded\"", {}},
+      {"fsdp:1", fsdp_env, "", {{3, 2}, {2, 3}}},
+      {"fsdp:2", fsdp_env, "state_dict_type = \"sharded\"", {{3, 2}, {1, 3}}},
+  };
+  for (const Strategy& strategy : strategies) {
+    CAPTURE(strategy.name);
+    auto wanted = [&](int from, int to) { return strategy.cells.empty() || strategy.cells.contains({from, to}); };
+    for (int from = 1; from <= 3; ++from) {
+      if (!wanted(from, 1) && !wanted(from, 2) && !wanted(from, 3)) continue;
+      CAPTURE(from);
+      // 96 rows, batch 4 per rank: 3 steps are 12 x from samples, so what is left (96 - 12 from)
+      // divides among 1, 2 and 3 ranks without padding.
+      auto config = [&](int ranks) {
+        std::string toml = with_max_epochs(worker_config(strategy.name, std::to_string(ranks), 4, 100, 1, true), 1);
+        return strategy.option.empty() ? toml : with_strategy_option(toml, strategy.option);
+      };
+      std::string first_toml = worker_config(strategy.name, std::to_string(from), 4, 3, 1, true);
+      if (!strategy.option.empty()) first_toml = with_strategy_option(first_toml, strategy.option);
+      auto first = run_worker(first_toml + checkpoint_every(3), {}, strategy.env);
+      REQUIRE_SUCCESS(first);
+      const fs::path ckpt = first->dir / "ckpts" / "step=3.ckpt";
+      REQUIRE_MESSAGE(fs::exists(ckpt), first->result.output);
+      for (int to = 1; to <= 3; ++to) {
+        if (!wanted(from, to)) continue;
+        CAPTURE(to);
+        auto resumed = run_worker(config(to), {"--resume", ckpt.string()}, strategy.env);
+        REQUIRE_SUCCESS(resumed);
+        const int64_t left = 96 - 12 * from;
+        CHECK(contains(resumed->result.output,
+                       fmt::format("resumed at step 3 of epoch 0 with {} processes (was {}); {} samples of this "
+                                   "epoch remain",
+                                   to, from, left)));
+        std::map<int64_t, std::multiset<int64_t>> seen = recorded_samples(*first, from);
+        merge(seen, recorded_samples(*resumed, to));
+        REQUIRE(seen.size() == 1);
+        CHECK(seen[0] == every_row_once());
+        // Every rank ends with the same weights (ZeRO-3's are gathered whole for the file).
+        for (int r = 1; r < to; ++r) CHECK(max_difference(weights(*resumed, 0), weights(*resumed, r)) == 0.0);
       }
     }
   }

@@ -69,7 +69,8 @@ const std::vector<OptionSchema>& trainer_option_schema() {
          "Precision plugin by name (fulgur plugins list), or one of Lightning's short forms that a plugin declares "
          "(16, \"bf16\", 32, 64)"},
         {"devices", T::string, "\"auto\"", "Devices per node: a count, \"auto\", -1 (all) or \"0,1\""},
-        {"num_nodes", T::integer, "1", "Number of nodes"},
+        {"num_nodes", T::integer, "1",
+         "Number of nodes (0: as many as the launcher started, e.g. torchrun --nnodes=MIN:MAX)"},
         {"max_epochs", T::integer, "1000",
          "Stop after this many epochs (-1: no epoch limit; when not given: 1000, or no limit if max_steps is set)"},
         {"min_epochs", T::integer, "0", "Do not stop early before this many epochs"},

@@ -45,8 +45,11 @@ void validate_trainer_values(const Config& config) {
           fmt::format("cuda_graphs = \"{}\": use \"off\", \"on\" (refuse a step that cannot be captured) or "
                       "\"try\" (train it uncaptured)",
                       graphs));
-  for (const char* key : {"accumulate_grad_batches", "log_every_n_steps", "num_nodes"})
+  for (const char* key : {"accumulate_grad_batches", "log_every_n_steps"})
     require(t.get_int(key) >= 1, key, fmt::format("{} = {}: must be >= 1", key, t.get_int(key)));
+  require(t.get_int("num_nodes") >= 0, "num_nodes",
+          fmt::format("num_nodes = {}: must be >= 1, or 0 for as many as the launcher started (elastic)",
+                      t.get_int("num_nodes")));
   require(t.get_int("check_val_every_n_epoch") >= 0, "check_val_every_n_epoch",
           fmt::format("check_val_every_n_epoch = {}: must be >= 1, or 0 / \"none\" for no epoch condition",
                       t.get_int("check_val_every_n_epoch")));

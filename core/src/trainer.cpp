@@ -208,7 +208,7 @@ StrategyEnvironment TrainerEngine::make_strategy_environment() {
   }
   if (cluster.detected()) {
     const int64_t nodes = cluster.info.world_size / std::max<int64_t>(1, cluster.info.local_world_size);
-    if (nodes != num_nodes)
+    if (num_nodes > 0 && nodes != num_nodes)  // 0: an elastic launcher decides how many
       throw Error(ErrorKind::config,
                   fmt::format("[trainer] num_nodes = {}, but {} started {} process(es) in all, {} per node, which is "
                               "{} node(s); set num_nodes = {}",

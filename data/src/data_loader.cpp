@@ -1,5 +1,6 @@
 #include <fulgur/data/data_loader.h>
 #include <fulgur/error.h>
+#include <fulgur/sample_position.h>
 
 #include <ATen/ATen.h>
 #include <ATen/Context.h>
@@ -14,6 +15,8 @@
 #include <map>
 #include <mutex>
 #include <thread>
+
+#include "remaining_deal.h"
 
 namespace fulgur::data {
 
@@ -49,12 +52,16 @@ struct Result {
 }
 }  // namespace
 
-struct DataLoader::Impl {
+// The loader's position in global samples (fulgur/sample_position.h) lives here: DataLoader's
+// own layout is fixed by its public header, so the DataLoader registers its Impl for it.
+struct DataLoader::Impl final : SamplePositionLoader {
   std::shared_ptr<const Dataset> map;
   std::shared_ptr<IterableDataset> stream;
   DataLoaderOptions options;
   int64_t rank = 0, replicas = 1;
+  SamplerPtr base;                      // map-style: the epoch's global order
   std::optional<BatchSampler> batches;  // map-style, for the current replica
+  int64_t segment_start = 0;            // samples of the epoch's global order dealt before this run's part
   std::atomic<int64_t> skipped{0};
   int64_t skipped_before_epoch = 0;  // to report this epoch's count once, at its end
   bool epoch_reported = false;
@@ -74,11 +81,10 @@ struct DataLoader::Impl {
 
   void build_sampler() {
     if (!map) return;
-    SamplerPtr base = options.sampler_   ? options.sampler_
-                      : options.shuffle_ ? random_sampler(map->size(), options.seed_)
-                                         : sequential_sampler(map->size());
-    batches.emplace(distributed_sampler(base, rank, replicas, options.drop_last_ && replicas > 1), options.batch_size_,
-                    options.drop_last_);
+    base = options.sampler_   ? options.sampler_
+           : options.shuffle_ ? random_sampler(map->size(), options.seed_)
+                              : sequential_sampler(map->size());
+    batches.emplace(distributed_sampler(base, rank, replicas, drops_tail()), options.batch_size_, options.drop_last_);
   }
 
   int64_t prefetch() const {
@@ -86,8 +92,38 @@ struct DataLoader::Impl {
   }
 
   // The index that seeds a sample's RNG: its position in the epoch across all replicas, so that it
-  // depends on neither the worker count nor which thread handles it.
-  int64_t global_position(int64_t position) const { return position * replicas + rank; }
+  // depends on neither the worker count nor which thread handles it (nor, after a resume with
+  // another number of replicas, on how many there are).
+  int64_t global_position(int64_t position) const { return segment_start + position * replicas + rank; }
+
+  bool drops_tail() const { return options.drop_last_ && replicas > 1; }
+
+  int64_t epoch_samples() const override { return map ? base->size() : -1; }
+
+  int64_t samples_consumed(int64_t handed_out) const override {
+    if (!map) return -1;
+    return std::min(segment_start + handed_out * options.batch_size_ * replicas, base->size());
+  }
+
+  int64_t start_epoch_at_sample(int64_t e, int64_t consumed) override {
+    if (!map)
+      throw Error(ErrorKind::checkpoint,
+                  "DataLoader: an iterable dataset (tar shards, token files, a stream) keeps its position per rank, "
+                  "not in global samples, so it cannot resume mid-epoch with another number of processes: resume "
+                  "with the number of processes that wrote the checkpoint, or from a checkpoint saved at an epoch end");
+    stop_workers();
+    skipped_before_epoch = skipped.load();
+    epoch_reported = false;
+    epoch = e;
+    stream_done = false;
+    segment_start = std::clamp<int64_t>(consumed, 0, base->size());
+    epoch_indices = detail::deal_remaining(base->indices(e), segment_start, rank, replicas, drops_tail());
+    const int64_t per = static_cast<int64_t>(epoch_indices.size()), bs = options.batch_size_;
+    end = options.drop_last_ ? per / bs : (per + bs - 1) / bs;
+    next_batch = next_emit = 0;
+    for (int64_t w = 0; w < options.num_workers_; ++w) workers.emplace_back([this] { worker_loop(); });
+    return end;
+  }
 
   // Streaming: reads the samples of the next batch (under the lock when workers run). Returns false
   // at the end of the stream (or, with drop_last, before a short last batch).
@@ -226,6 +262,7 @@ struct DataLoader::Impl {
     stop_workers();
     epoch = e;
     stream_done = false;
+    segment_start = 0;
     skip = std::max<int64_t>(0, skip);
     if (map) {
       epoch_indices = batches->sampler()->indices(e);
@@ -311,6 +348,7 @@ DataLoader::DataLoader(std::shared_ptr<const Dataset> dataset, DataLoaderOptions
   impl_->map = std::move(dataset);
   impl_->options = std::move(options);
   impl_->build_sampler();
+  register_sample_position(*this, impl_.get());
 }
 
 DataLoader::DataLoader(std::shared_ptr<IterableDataset> dataset, DataLoaderOptions options)
@@ -325,9 +363,13 @@ DataLoader::DataLoader(std::shared_ptr<IterableDataset> dataset, DataLoaderOptio
                 "DataLoader: an iterable dataset has its own order (no sampler, no shuffle)");
   impl_->stream = std::move(dataset);
   impl_->options = std::move(options);
+  register_sample_position(*this, impl_.get());  // answers that a stream has no such position
 }
 
-DataLoader::~DataLoader() { impl_->stop_workers(); }
+DataLoader::~DataLoader() {
+  unregister_sample_position(*this);
+  impl_->stop_workers();
+}
 
 int64_t DataLoader::num_batches() const {
   if (impl_->map) return impl_->batches->num_batches();

@@ -1,6 +1,7 @@
 #include <fulgur/data/data_loader.h>
 #include <fulgur/data/tensor_loader.h>
 #include <fulgur/error.h>
+#include <fulgur/sample_position.h>
 
 #include <ATen/ATen.h>
 #include <fmt/format.h>
@@ -10,13 +11,16 @@
 #include <mutex>
 #include <thread>
 
+#include "remaining_deal.h"
+
 namespace fulgur {
 
 namespace {
 
 // Batches from in-memory tensors. The order of an epoch is a pure function of (seed, epoch), so a
-// run resumed mid-epoch (skip_batches) sees exactly what the uninterrupted run saw.
-class TensorLoader final : public BatchLoader {
+// run resumed mid-epoch (skip_batches) sees exactly what the uninterrupted run saw; with another
+// number of replicas, it deals out what is left of the epoch (start_epoch_at_sample).
+class TensorLoader final : public BatchLoader, public SamplePositionLoader {
  public:
   TensorLoader(at::Tensor inputs, at::Tensor targets, TensorLoaderOptions options)
       : inputs_(std::move(inputs)), targets_(std::move(targets)), options_(std::move(options)) {
@@ -47,13 +51,7 @@ class TensorLoader final : public BatchLoader {
   void start_epoch(int64_t epoch, int64_t skip_batches) override {
     stop_workers();
     const int64_t total = inputs_.size(0);
-    at::Tensor order;
-    if (options_.shuffle_) {
-      auto gen = at::make_generator<at::CPUGeneratorImpl>(options_.seed_ + static_cast<uint64_t>(epoch));
-      order = at::randperm(total, gen, at::TensorOptions().dtype(at::kLong));
-    } else {
-      order = at::arange(total, at::kLong);
-    }
+    at::Tensor order = epoch_order(epoch);
     // Distributed sampling: pad by wrapping (or cut, with drop_last) so that every replica gets the
     // same count, then stride: replica r takes samples r, r + R, r + 2R, ...
     const int64_t per_replica = samples_per_replica();
@@ -62,13 +60,37 @@ class TensorLoader final : public BatchLoader {
     indices_ = order.slice(0, rank_, padded, replicas_).contiguous();
     // In-order single-replica epochs need no gather: batches are views, as in a hand-written loop.
     sequential_ = !options_.shuffle_ && replicas_ == 1;
-    next_batch_ = std::min(skip_batches, num_batches());
+    segment_start_ = 0;
+    epoch_batches_ = num_batches();
+    next_batch_ = std::min(skip_batches, epoch_batches_);
     if (options_.num_workers_ > 0) start_workers();
+  }
+
+  int64_t epoch_samples() const override { return inputs_.size(0); }
+
+  int64_t samples_consumed(int64_t batches) const override {
+    return std::min(segment_start_ + batches * options_.batch_size_ * replicas_, inputs_.size(0));
+  }
+
+  int64_t start_epoch_at_sample(int64_t epoch, int64_t consumed) override {
+    stop_workers();
+    const at::Tensor order = epoch_order(epoch).contiguous();
+    const int64_t* p = order.data_ptr<int64_t>();
+    segment_start_ = std::clamp<int64_t>(consumed, 0, order.numel());
+    const std::vector<int64_t> mine =
+        data::detail::deal_remaining({p, p + order.numel()}, segment_start_, rank_, replicas_, options_.drop_last_);
+    indices_ = at::tensor(mine, at::kLong);
+    sequential_ = false;
+    const int64_t per = static_cast<int64_t>(mine.size()), bs = options_.batch_size_;
+    epoch_batches_ = options_.drop_last_ ? per / bs : (per + bs - 1) / bs;
+    next_batch_ = 0;
+    if (options_.num_workers_ > 0) start_workers();
+    return epoch_batches_;
   }
 
   std::optional<Batch> next() override {
     if (options_.num_workers_ <= 0) {
-      if (next_batch_ >= num_batches()) return std::nullopt;
+      if (next_batch_ >= epoch_batches_) return std::nullopt;
       return make_batch(next_batch_++);
     }
     std::unique_lock lock(mutex_);
@@ -84,6 +106,14 @@ class TensorLoader final : public BatchLoader {
   // Batches assembled or waiting at most: as DataLoaderOptions::prefetch (0: two per worker).
   int64_t prefetch() const {
     return options_.prefetch_ > 0 ? options_.prefetch_ : 2 * std::max<int64_t>(1, options_.num_workers_);
+  }
+
+  // The epoch's global order: a permutation from (seed, epoch), or the rows in order.
+  at::Tensor epoch_order(int64_t epoch) const {
+    const int64_t total = inputs_.size(0);
+    if (!options_.shuffle_) return at::arange(total, at::kLong);
+    auto gen = at::make_generator<at::CPUGeneratorImpl>(options_.seed_ + static_cast<uint64_t>(epoch));
+    return at::randperm(total, gen, at::TensorOptions().dtype(at::kLong));
   }
 
   // As torch's DistributedSampler: drop_last drops the tail that does not divide evenly, otherwise
@@ -110,7 +140,7 @@ class TensorLoader final : public BatchLoader {
 
   // Worker threads assemble batches in order (each takes the next index) into a bounded queue.
   void start_workers() {
-    const int64_t end = num_batches();
+    const int64_t end = epoch_batches_;
     // Set before the first worker starts: from then on every shared field is the workers' and is
     // touched under mutex_ only (ThreadSanitizer caught this check after the spawn loop).
     produced_all_ = next_batch_ >= end;
@@ -167,6 +197,8 @@ class TensorLoader final : public BatchLoader {
   TensorLoaderOptions options_;
   int64_t rank_ = 0, replicas_ = 1;
   int64_t next_batch_ = 0;
+  int64_t epoch_batches_ = 0;  // batches of the current epoch (or of its remainder) for this replica
+  int64_t segment_start_ = 0;  // samples of the epoch's global order dealt before this run's part
   bool sequential_ = false;
 
   std::vector<std::thread> workers_;

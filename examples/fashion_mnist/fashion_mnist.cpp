@@ -4,6 +4,7 @@
 #include <fulgur/error.h>
 #include <fulgur/optim/lion.h>
 #include <fulgur/optim/muon.h>
+#include <fulgur/sample_position.h>
 #include <fulgur/suggest.h>
 
 #include <fmt/format.h>
@@ -89,10 +90,12 @@ FashionMnistSplit normalized(const FashionMnistSplit& raw) { return {normalized_
 
 // Serves another loader's uint8 batches normalized. The data module keeps its splits in uint8 and
 // converts 64 images per batch instead of 60000 up front: 188 MB less memory for the training set,
-// and the page faults of filling it (issue #16).
-class NormalizingLoader final : public BatchLoader {
+// and the page faults of filling it (issue #16). Its position in samples is the inner loader's, so
+// a run resumed mid-epoch with another number of processes deals out the rest of the epoch.
+class NormalizingLoader final : public BatchLoader, public SamplePositionLoader {
  public:
-  explicit NormalizingLoader(std::unique_ptr<BatchLoader> inner) : inner_(std::move(inner)) {}
+  explicit NormalizingLoader(std::unique_ptr<BatchLoader> inner)
+      : inner_(std::move(inner)), position_(sample_position_of(*inner_)) {}
   int64_t num_batches() const override { return inner_->num_batches(); }
   void start_epoch(int64_t epoch, int64_t skip_batches) override { inner_->start_epoch(epoch, skip_batches); }
   std::optional<Batch> next() override {
@@ -101,9 +104,15 @@ class NormalizingLoader final : public BatchLoader {
     return batch;
   }
   void set_replica(int64_t rank, int64_t num_replicas) override { inner_->set_replica(rank, num_replicas); }
+  int64_t epoch_samples() const override { return position_ ? position_->epoch_samples() : -1; }
+  int64_t samples_consumed(int64_t batches) const override { return position_->samples_consumed(batches); }
+  int64_t start_epoch_at_sample(int64_t epoch, int64_t consumed) override {
+    return position_->start_epoch_at_sample(epoch, consumed);
+  }
 
  private:
   std::unique_ptr<BatchLoader> inner_;
+  SamplePositionLoader* position_;  // the inner loader's, or nullptr
 };
 
 }  // namespace

@@ -300,19 +300,26 @@ void CheckpointConnector::restore_training_state(const ReadCheckpoint& checkpoin
   if (auto v = get(loops, "predict_loop")) t.predict_loop_.load_state_dict(*v, path);
   const RunPosition& position = t.fit_loop_.position();
   // Model, optimizer and loop state are the same for every rank count (replicated, or full-state
-  // checkpoints of a sharded strategy), but the samples each rank sees within an epoch are not: a
-  // mid-epoch resume under another world size would repeat some and skip others.
+  // or resharded checkpoints of a sharded strategy), but the samples each rank sees within an epoch
+  // are not: a mid-epoch resume under another world size deals out the rest of the epoch's global
+  // order again (the training epoch loop), which needs the checkpoint to record where it stood.
   const int64_t skip = t.fit_loop_.epoch_loop().batches_to_skip();
   if (auto saved = get(ckpt, "world_size"); saved && saved->isInt() && saved->toInt() != t.cluster().world_size) {
+    if (skip > 0 && t.fit_loop_.epoch_loop().resume_has_sample_position()) {
+      spdlog::info("Restored training state from {} (epoch {}, global step {}, written by {} processes)", path,
+                   position.epoch, position.global_step, saved->toInt());
+      return;
+    }
     // After the epoch's last batch (validation or epoch-end hooks still to run) nothing is skipped.
     const auto batches = get(ckpt, "epoch_batches");
     const bool epoch_trained = batches && batches->isInt() && batches->toInt() > 0 && skip >= batches->toInt();
     if (skip > 0 && !epoch_trained)
       throw Error(ErrorKind::checkpoint,
                   fmt::format("checkpoint {} was written by {} processes and this run has {}: it stopped {} batches "
-                              "into epoch {}, and each rank's share of an epoch depends on the number of "
-                              "processes, so resuming there would repeat some samples and skip others. Resume "
-                              "with {} processes, or from a checkpoint saved at an epoch end",
+                              "into epoch {} and does not record where the epoch stood in global samples (written "
+                              "by an older Fulgur, or its train loader streams: an iterable dataset keeps its "
+                              "position per rank), so resuming there would repeat some samples and skip others. "
+                              "Resume with {} processes, or from a checkpoint saved at an epoch end",
                               path, saved->toInt(), t.cluster().world_size, skip, position.epoch, saved->toInt()));
     spdlog::warn("checkpoint {} was written by {} processes, this run has {}: resuming {} of epoch {}", path,
                  saved->toInt(), t.cluster().world_size, skip > 0 ? "after the last training batch" : "at the start",

@@ -29,6 +29,7 @@ class FitLoop {
 
   // After a signal stopped fit (the process exits next): no loader thread may outlive exit.
   void release_loaders() {
+    epoch_loop_.forget_loader();
     train_loader_.reset();
     val_loaders_.clear();
   }

@@ -6,8 +6,10 @@
 #include <fulgur/closure_step.h>
 #include <fulgur/error.h>
 #include <fulgur/profiler.h>
+#include <fulgur/sample_position.h>
 
 #include <fmt/format.h>
+#include <spdlog/spdlog.h>
 
 #include <torch/optim/lbfgs.h>
 #include <torch/optim/optimizer.h>
@@ -37,10 +39,7 @@ void TrainingEpochLoop::run(BatchLoader& train) {
   }
   const int64_t skip = resume_skip_;
   resume_skip_ = 0;
-  // overfit_batches: the same batches every epoch (and in validation, which starts its loader at
-  // epoch 0 too), as Lightning's overfitting on a fixed subset without shuffling does. The loader's
-  // order is epoch 0's: a BatchLoader takes no request to stop shuffling.
-  train.start_epoch(t.trainer_config_.overfit ? 0 : position_.epoch, skip);
+  start_epoch(train, skip);
   batches_done_ = skip;
   epoch_was_empty_ = skip == 0;
   // Which epochs validate (check_val_every_n_epoch; 0 is Lightning's None: every epoch may, by
@@ -140,6 +139,66 @@ void TrainingEpochLoop::run(BatchLoader& train) {
   ++position_.epoch;
   batches_done_ = 0;
   epoch_end_phase_ = false;
+}
+
+int64_t TrainingEpochLoop::loader_replicas() const {
+  return trainer_.trainer_config_.use_distributed_sampler ? trainer_.plugins_.strategy->data_parallel_size() : 1;
+}
+
+void TrainingEpochLoop::start_epoch(BatchLoader& train, int64_t skip) {
+  TrainerEngine& t = trainer_;
+  // overfit_batches: the same batches every epoch (and in validation, which starts its loader at
+  // epoch 0 too), as Lightning's overfitting on a fixed subset without shuffling does. The loader's
+  // order is epoch 0's: a BatchLoader takes no request to stop shuffling.
+  const int64_t epoch = t.trainer_config_.overfit ? 0 : position_.epoch;
+  positions_ = sample_position_of(train);
+  if (positions_ && positions_->epoch_samples() < 0) positions_ = nullptr;  // a stream: no global order
+  const int64_t replicas = loader_replicas();
+  const int64_t saved_samples = resume_samples_, saved_replicas = resume_replicas_, saved_from = resume_dealt_from_;
+  const int64_t saved_per_step = resume_samples_per_step_;
+  resume_samples_ = resume_replicas_ = resume_samples_per_step_ = -1;
+  resume_dealt_from_ = 0;
+  loader_batch_base_ = 0;
+  dealt_from_ = 0;
+  epoch_end_batch_ = num_batches_;
+  // The checkpoint's per-rank batch count means the same samples only when the whole epoch so far
+  // was dealt to as many replicas as now; otherwise what is left of the epoch's global order is
+  // dealt out again (the checkpoint connector refused checkpoints that do not record it).
+  const bool redeal = skip > 0 && saved_samples >= 0 && (saved_replicas != replicas || saved_from > 0);
+  if (!redeal) {
+    train.start_epoch(epoch, skip);
+    samples_per_batch_ = positions_ ? positions_->samples_consumed(1) - positions_->samples_consumed(0) : -1;
+  } else {
+    if (!positions_)
+      throw Error(ErrorKind::checkpoint,
+                  fmt::format("the checkpoint stopped {} batches into epoch {} with {} processes and this run has {}, "
+                              "but this run's train loader cannot deal out the rest of an epoch by sample (a loader "
+                              "of a streaming dataset, or one that does not offer fulgur::SamplePositionLoader): "
+                              "resume with {} processes, or from a checkpoint saved at an epoch end",
+                              skip, position_.epoch, saved_replicas, replicas, saved_replicas));
+    // A loader made for this run starts at the epoch's beginning: one batch of every replica.
+    samples_per_batch_ = positions_->samples_consumed(1) - positions_->samples_consumed(0);
+    const int64_t left_batches = positions_->start_epoch_at_sample(epoch, saved_samples);
+    loader_batch_base_ = skip;
+    dealt_from_ = saved_samples;
+    epoch_end_batch_ = skip + left_batches;
+    if (num_batches_ >= 0 && num_batches_ < train.num_batches())  // limit_train_batches: per rank, as before
+      epoch_end_batch_ = std::min(epoch_end_batch_, std::max(skip, num_batches_));
+  }
+  if (skip > 0 && t.global_rank() == 0) {
+    const int64_t consumed = redeal ? saved_samples : positions_ ? positions_->samples_consumed(skip) : -1;
+    const std::string remain =
+        consumed >= 0 ? fmt::format("{} samples of this epoch remain", positions_->epoch_samples() - consumed)
+                      : "this loader does not say how many samples of this epoch remain";
+    spdlog::info("resumed at step {} of epoch {} with {} processes (was {}); {}", position_.global_step,
+                 position_.epoch, replicas, saved_replicas > 0 ? saved_replicas : replicas, remain);
+    const int64_t per_step = samples_per_batch_ * t.trainer_config_.accumulate_grad_batches;
+    if (saved_per_step > 0 && samples_per_batch_ > 0 && per_step != saved_per_step)
+      spdlog::info(
+          "the global batch is now {} samples per optimizer step (was {}): each process keeps its batch size and "
+          "accumulate_grad_batches, so the global batch follows the number of processes",
+          per_step, saved_per_step);
+  }
 }
 
 // Lightning's LightningOptimizer.step -> strategy.optimizer_step -> precision.optimizer_step.
@@ -384,6 +443,17 @@ void TrainingEpochLoop::state_dict(c10::impl::GenericDict& fit_loop_state) const
   fit_loop_state.insert("batches_that_stepped", batches_that_stepped_);
   fit_loop_state.insert("batches_done_in_epoch", batches_done_);
   fit_loop_state.insert("epoch_end_phase", epoch_end_phase_);
+  // Where the epoch stands in global samples, so that a resume with another number of processes
+  // deals out exactly the rest (-1: the loader cannot say). Older checkpoints lack these keys.
+  const bool in_epoch = batches_done_ > 0 && !epoch_end_phase_;
+  fit_loop_state.insert("epoch_samples_consumed", in_epoch && positions_
+                                                      ? positions_->samples_consumed(batches_done_ - loader_batch_base_)
+                                                      : int64_t{in_epoch ? -1 : 0});
+  fit_loop_state.insert("epoch_dealt_from_sample", in_epoch ? dealt_from_ : int64_t{0});
+  fit_loop_state.insert("loader_replicas", loader_replicas());
+  fit_loop_state.insert("samples_per_step", samples_per_batch_ > 0
+                                                ? samples_per_batch_ * trainer_.trainer_config_.accumulate_grad_batches
+                                                : int64_t{-1});
   const c10::IValue val_state = val_loop_.state_dict();
   fit_loop_state.insert("val_loop", val_state);
 
@@ -434,6 +504,14 @@ bool TrainingEpochLoop::load_state_dict(const c10::impl::GenericDict& fit_loop_s
   // Checkpoints from before the loops kept their own state have no validation loop entry.
   if (auto val = get(fit_loop_state, "val_loop")) val_loop_.load_state_dict(*val, path);
   const bool at_epoch_end = require_key(fit_loop_state, "epoch_end_phase", path, "").toBool();
+  auto read_int = [&](const char* key, int64_t otherwise) {
+    auto v = get(fit_loop_state, key);
+    return v && v->isInt() ? v->toInt() : otherwise;
+  };
+  resume_samples_ = read_int("epoch_samples_consumed", -1);
+  resume_dealt_from_ = read_int("epoch_dealt_from_sample", 0);
+  resume_replicas_ = read_int("loader_replicas", -1);
+  resume_samples_per_step_ = read_int("samples_per_step", -1);
   if (at_epoch_end) {
     resume_skip_ = 0;
     batches_done_ = 0;

@@ -22,6 +22,7 @@ namespace fulgur {
 
 class ClosureStepPrecision;
 class FitLoop;
+class SamplePositionLoader;
 
 class TrainingEpochLoop {
  public:
@@ -79,6 +80,11 @@ class TrainingEpochLoop {
   bool last_epoch_was_empty() const { return epoch_was_empty_; }
   // Batches the next epoch skips because a mid-epoch checkpoint was loaded.
   int64_t batches_to_skip() const { return resume_skip_; }
+  // The loaded mid-epoch checkpoint records where the epoch stands in global samples, so that it
+  // can resume with another number of processes (fulgur/sample_position.h).
+  bool resume_has_sample_position() const { return resume_samples_ >= 0; }
+  // The train loader is about to be destroyed: its position is not asked any more.
+  void forget_loader() { positions_ = nullptr; }
 
   // Progress inside the epoch (batches done, the end-of-epoch phase) and the global step, in the
   // fit loop's checkpoint entry (flat, as Fulgur 0.1 wrote it) plus the validation loop's own,
@@ -95,7 +101,12 @@ class TrainingEpochLoop {
   StepOutput run_closure_step(Batch& batch, int64_t batch_idx);
   // The batch's step through capture_ when it is active; nullopt: the ordinary path runs it.
   std::optional<StepOutput> run_captured(Batch& batch, int64_t batch_idx);
-  bool batches_done(int64_t batch_idx) const { return num_batches_ >= 0 && batch_idx >= num_batches_; }
+  bool batches_done(int64_t batch_idx) const { return epoch_end_batch_ >= 0 && batch_idx >= epoch_end_batch_; }
+  // Starts the epoch over `train`, skipping `skip` batches of a loaded checkpoint; with another
+  // number of replicas (or after an epoch that was resumed so) it deals out the samples left.
+  void start_epoch(BatchLoader& train, int64_t skip);
+  // Replicas the train loader is dealt to: the data-parallel size, or 1 when every rank reads all.
+  int64_t loader_replicas() const;
 
   TrainerEngine& trainer_;
   FitLoop& fit_;
@@ -110,6 +121,16 @@ class TrainingEpochLoop {
   int64_t batches_before_epoch_ = 0;  // batches of earlier epochs (check_val_every_n_epoch = 0)
   int64_t batches_done_ = 0;          // in the current epoch: what a checkpoint written now records
   int64_t resume_skip_ = 0;           // batches the next epoch skips (a mid-epoch checkpoint was loaded)
+  int64_t epoch_end_batch_ = -1;      // this epoch's batches end here (-1: when the loader ends)
+  // Position in global samples. positions_: the current train loader's (nullptr: it has none);
+  // the epoch's batches [loader_batch_base_, ...) are the loader's batches [0, ...); the epoch's
+  // first dealt_from_ samples were dealt before this run (another number of replicas).
+  SamplePositionLoader* positions_ = nullptr;
+  int64_t loader_batch_base_ = 0;
+  int64_t dealt_from_ = 0;
+  int64_t samples_per_batch_ = -1;  // all replicas together
+  // From a loaded mid-epoch checkpoint, for the next epoch's start (-1: not recorded).
+  int64_t resume_samples_ = -1, resume_replicas_ = -1, resume_dealt_from_ = 0, resume_samples_per_step_ = -1;
   bool epoch_end_phase_ = false;
   bool epoch_was_empty_ = false;
   bool is_last_batch_ = false;
