@@ -296,3 +296,30 @@ TEST_CASE("#37 a run resumed in the middle of a schedule sees the learning rates
   const std::vector<double> rest(whole.lrs.begin() + 7, whole.lrs.end());
   check_lrs(second.lrs, rest);
 }
+
+TEST_CASE("#37 lr_monitor logs a named scheduler's learning rate under its name, as Lightning's") {
+  TempDir dir;
+  const ScheduledModule::Attach named = [](std::shared_ptr<torch::optim::SGD> sgd) {
+    return fulgur::OptimizerConfig(sgd).with_scheduler(
+        fulgur::with_scheduler_keys(*sgd, fulgur::make_step_lr(*sgd, 1, 0.5), {.name = "decay"}),
+        SchedulerInterval::step, 1);
+  };
+  fulgur::Trainer trainer(fulgur::parse_config(
+      fmt::format("[trainer]\ndefault_root_dir = \"{}\"\nseed = 3\nenable_progress_bar = false\n"
+                  "enable_model_summary = false\nenable_checkpointing = false\nnum_sanity_val_steps = 0\n"
+                  "max_steps = 4\nlog_every_n_steps = 1\n[[loggers]]\nlogger = \"csv\"\n"
+                  "flush_logs_every_n_steps = 1\n[[callbacks]]\nname = \"lr_monitor\"\n",
+                  dir.path().string()),
+      dir / "test.toml"));
+  ScheduledModule module(named);
+  Data data;
+  trainer.fit(module, data);
+  auto csv = fulgur::test::read_csv(dir / "lightning_logs" / "version_0" / "metrics.csv");
+  CHECK_FALSE(csv.count("lr-SGD"));  // the class name is what an unnamed scheduler logs under
+  REQUIRE(csv.count("decay"));
+  std::vector<double> logged;
+  for (const std::string& cell : csv["decay"])
+    if (!cell.empty()) logged.push_back(std::stod(cell));
+  // What the module saw at each step: the learning rate lr_monitor read before it.
+  check_lrs(logged, module.lrs);
+}

@@ -130,6 +130,13 @@ void TrainerEngine::barrier(std::string_view name) {
   if (environment_ready_) plugins_.strategy->barrier(name);
 }
 
+std::vector<std::string> TrainerEngine::scheduler_names() const {
+  std::vector<std::string> names;
+  for (const OptimizerConfig& cfg : optimizer_configs_)
+    names.push_back(cfg.scheduler ? scheduler_keys(*cfg.scheduler).name : std::string());
+  return names;
+}
+
 bool TrainerEngine::agree(bool decision, bool all) {
   if (!environment_ready_ || plugins_.strategy->cluster().world_size <= 1) return decision;
   return plugins_.strategy->reduce_boolean_decision(decision, all);

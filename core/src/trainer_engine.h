@@ -14,6 +14,7 @@
 
 #include <fulgur/data_module.h>
 #include <fulgur/module.h>
+#include <fulgur/scheduler_names.h>
 #include <fulgur/trainer.h>
 #include <fulgur/trainer_context.h>
 
@@ -36,7 +37,7 @@
 
 namespace fulgur {
 
-class TrainerEngine final : public TrainerContext {
+class TrainerEngine final : public WithExtensions<TrainerContext, SchedulerNames> {
  public:
   explicit TrainerEngine(Config config);
   ~TrainerEngine() override;
@@ -79,6 +80,8 @@ class TrainerEngine final : public TrainerContext {
   BatchSizeTrial run_batch_size_trial(int64_t batch_size, int64_t steps) override;
   torch::nn::Module& model() override;
   std::vector<torch::optim::Optimizer*> optimizers() override { return optimizer_ptrs_; }
+  // ---- SchedulerNames -------------------------------------------------------------------------
+  std::vector<std::string> scheduler_names() const override;
 
   int64_t global_rank() const { return environment_ready_ ? plugins_.strategy->cluster().global_rank : 0; }
   // The process group every rank joined (null with one process): the loops' own votes use it.

@@ -29,6 +29,7 @@
 #include <fulgur/options.h>
 #include <fulgur/precision.h>
 #include <fulgur/profiler.h>
+#include <fulgur/scheduler_names.h>
 #include <fulgur/storage.h>
 #include <fulgur/strategy.h>
 #include <fulgur/trainer_context.h>
@@ -99,6 +100,7 @@ FULGUR_ABI_PROBE(data_values, fulgur::DataValues)
 FULGUR_ABI_PROBE(device_mesh, fulgur::DeviceMesh)
 FULGUR_ABI_PROBE(communicator_groups, fulgur::CommunicatorGroups)
 FULGUR_ABI_PROBE(device_mesh_receiver, fulgur::DeviceMeshReceiver)
+FULGUR_ABI_PROBE(scheduler_names, fulgur::SchedulerNames)
 FULGUR_ABI_PROBE(storage, fulgur::Storage)
 FULGUR_ABI_PROBE(storage_object, fulgur::StorageObject)
 FULGUR_ABI_PROBE(nn_linear, fulgur::nn::LinearImpl)

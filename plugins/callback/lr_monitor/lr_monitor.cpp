@@ -2,7 +2,10 @@
 // rate per parameter group to the loggers, under Lightning's names: "lr-Adam" for a single group,
 // "lr-Adam/pg1", "lr-Adam/pg2" for several, "lr-Adam-1" for a second Adam; optionally momentum
 // ("lr-Adam-momentum": beta1 for Adam-like optimizers) and weight decay ("lr-Adam-weight_decay").
+// A scheduler the model named (fulgur::with_scheduler_keys, Lightning's lr_scheduler_config["name"])
+// gives its optimizer that name instead of "lr-<Optimizer>" (SDK 1.3's SchedulerNames extension).
 #include <fulgur/plugin.h>
+#include <fulgur/scheduler_names.h>
 
 #include <torch/optim/adagrad.h>
 #include <torch/optim/adam.h>
@@ -83,11 +86,21 @@ class LearningRateMonitor final : public fulgur::Callback {
   void on_train_start(fulgur::TrainerContext& trainer) override {
     monitor::require_logger(trainer, kOwner);
     names_.clear();
+    // A scheduler's own name (Lightning's lr_scheduler_config["name"]) replaces "lr-<Optimizer>"
+    // where the host says it (SDK 1.3).
+    std::vector<std::string> scheduler_names;
+    if (auto* named = fulgur::find_extension<fulgur::SchedulerNames>(trainer))
+      scheduler_names = named->scheduler_names();
     std::map<std::string, int> seen;  // class name -> optimizers of that class so far
-    for (optim::Optimizer* optimizer : trainer.optimizers()) {
+    const std::vector<optim::Optimizer*> optimizers = trainer.optimizers();
+    for (size_t i = 0; i < optimizers.size(); ++i) {
+      optim::Optimizer* optimizer = optimizers[i];
       const std::string type = class_name(*optimizer);
       const int index = seen[type]++;
-      const std::string base = index == 0 ? fmt::format("lr-{}", type) : fmt::format("lr-{}-{}", type, index);
+      const std::string given = i < scheduler_names.size() ? scheduler_names[i] : std::string();
+      const std::string base = !given.empty() ? given
+                               : index == 0   ? fmt::format("lr-{}", type)
+                                              : fmt::format("lr-{}-{}", type, index);
       std::vector<std::string> groups;
       const size_t n = optimizer->param_groups().size();
       for (size_t g = 0; g < n; ++g) groups.push_back(n == 1 ? base : fmt::format("{}/pg{}", base, g + 1));
