@@ -259,7 +259,7 @@ TEST_CASE("fulgur fit with strategy ddp launches its ranks and rank 0 alone writ
 }
 
 TEST_CASE(
-    "a mid-epoch checkpoint of 2 processes resumes on 1, dealing out the rest of the epoch; one that does not record "
+    "a mid-epoch checkpoint of 2 processes resumes on 1, dealing out the rest of the epoch: one that does not record "
     "its position in samples is refused, one after the epoch's batches resumes") {
   TempDir dir;
   write_bytes(dir / "run.toml", base_toml(dir.path()));

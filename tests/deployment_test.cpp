@@ -103,7 +103,7 @@ bool fashion_mnist_missing() {
 
 }  // namespace
 
-TEST_CASE("#38.4 C++ inference without the Trainer reproduces fulgur predict bitwise; bad weights refused") {
+TEST_CASE("#38.4 C++ inference without the Trainer reproduces fulgur predict bitwise, bad weights refused") {
   if (fashion_mnist_missing()) return;
   for (const std::string model : {"fashion_mnist_cnn", "fashion_mnist_mlp"}) {
     CAPTURE(model);

@@ -1444,7 +1444,7 @@ TEST_CASE("elastic: a streaming DataLoader says it has no global position, and r
   FULGUR_CHECK_CONTAINS(e.what(), "resume with the number of processes that wrote the checkpoint");
 }
 
-TEST_CASE("elastic: 3 ranks, one killed mid-epoch, go on at 2 and grow back to 3; every sample once per epoch") {
+TEST_CASE("elastic: 3 ranks, one killed mid-epoch, go on at 2 and grow back to 3, every sample once per epoch") {
   // 96 rows, batch 4 per rank, shuffled. At 3 ranks a step takes 12 samples (8 steps an epoch),
   // at 2 ranks 8 (12 steps). The per-rank batch is kept, so the global batch follows the ranks.
   auto env = clean_env();
