@@ -13,6 +13,7 @@
 #include <torch/nn/module.h>
 #include <torch/optim/adam.h>
 #include <torch/optim/adamw.h>
+#include <torch/optim/lbfgs.h>
 #include <torch/optim/sgd.h>
 #include <torch/serialize/input-archive.h>
 #include <torch/serialize/output-archive.h>
@@ -42,6 +43,31 @@ int64_t scalar_int(const c10::IValue& v) {
 }
 
 // ---- optimizer state in Python's layout ---------------------------------------------------------
+
+namespace {
+
+// LibTorch's archives cannot hold an undefined tensor, and LBFGS leaves some of its state tensors
+// undefined (`al` beyond the history so far, the direction before a first iteration): its own save()
+// then fails with "Cannot access storage of UndefinedTensorImpl". Around the save they stand in as
+// empty tensors, which the load turns back into undefined ones.
+std::vector<at::Tensor*> lbfgs_state_tensors(torch::optim::Optimizer& optimizer) {
+  std::vector<at::Tensor*> tensors;
+  if (!dynamic_cast<torch::optim::LBFGS*>(&optimizer)) return tensors;
+  for (auto& [key, state] : optimizer.state())
+    if (auto* lbfgs = dynamic_cast<torch::optim::LBFGSParamState*>(state.get())) {
+      // The TORCH_ARG accessors return references to the members.
+      tensors.push_back(&const_cast<at::Tensor&>(lbfgs->d()));
+      tensors.push_back(&const_cast<at::Tensor&>(lbfgs->H_diag()));
+      tensors.push_back(&const_cast<at::Tensor&>(lbfgs->prev_flat_grad()));
+      // `al` is sized to the history and filled only as far as the history goes.
+      if (lbfgs->al())
+        for (at::Tensor& t : const_cast<std::optional<std::vector<at::Tensor>>&>(lbfgs->al()).value())
+          tensors.push_back(&t);
+    }
+  return tensors;
+}
+
+}  // namespace
 
 c10::impl::GenericDict optimizer_state(torch::optim::Optimizer& optimizer) {
   auto out = string_dict();
@@ -102,7 +128,14 @@ c10::impl::GenericDict optimizer_state(torch::optim::Optimizer& optimizer) {
   if (!known) {
     // Other optimizers: LibTorch's own archive as bytes, so resume still restores them exactly.
     torch::serialize::OutputArchive archive;
+    std::vector<at::Tensor*> stand_ins;
+    for (at::Tensor* t : lbfgs_state_tensors(optimizer))
+      if (!t->defined()) {
+        *t = at::empty({0});
+        stand_ins.push_back(t);
+      }
     optimizer.save(archive);
+    for (at::Tensor* t : stand_ins) *t = at::Tensor();
     std::ostringstream bytes;
     archive.save_to(bytes);
     const std::string data = bytes.str();
@@ -121,6 +154,8 @@ void load_optimizer_state(torch::optim::Optimizer& optimizer, const c10::IValue&
     torch::serialize::InputArchive archive;
     archive.load_from(bytes);
     optimizer.load(archive);
+    for (at::Tensor* t : lbfgs_state_tensors(optimizer))
+      if (t->defined() && t->dim() == 1 && t->numel() == 0) *t = at::Tensor();
   }
   auto groups = require_key(dict, "param_groups", path, "the optimizer state is incomplete").toList();
   if (groups.size() != optimizer.param_groups().size())

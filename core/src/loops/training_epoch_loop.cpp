@@ -395,8 +395,14 @@ StepOutput TrainingEpochLoop::run_closure_step(Batch& batch, int64_t batch_idx) 
   StepOutput output;  // the last evaluation's, as Lightning's closure keeps its last result
   // Lightning's Closure (training_step, zero_grad, backward) followed by its _after_closure
   // (on_before_optimizer_step, clipping); the optimizer calls it under no_grad.
+  bool first_evaluation = true;
   auto closure = [&]() -> at::Tensor {
     at::AutoGradMode enable_grad(true);
+    // Every evaluation is a forward and backward of its own: the strategy prepares each as it
+    // prepared the first in run_batch (ddp's Reducer rebuilds its buckets before a forward, as
+    // PyTorch's DDP.forward does; without it the second backward trips the Reducer's bookkeeping).
+    if (!first_evaluation) strategy.before_training_step(/*sync_gradients=*/true);
+    first_evaluation = false;
     {
       PrecisionScope precision_scope(precision);
       ProfileScope scope(profiler, "training_step");
