@@ -278,8 +278,21 @@ void LinearImpl::pretty_print(std::ostream& stream) const {
   stream << ")";
 }
 
-std::vector<std::string> quantize_linear_weights(torch::nn::Module& module, const QuantizeOptions& options,
-                                                 const std::string& filter) {
+namespace {
+
+// Every layer under `module` (itself included) by dotted name ("" for the root). named_modules'
+// include_self needs a module held by a shared_ptr, so the root is added apart.
+std::vector<std::pair<std::string, torch::nn::Module*>> layers_of(torch::nn::Module& module) {
+  std::vector<std::pair<std::string, torch::nn::Module*>> layers = {{"", &module}};
+  for (const auto& item : module.named_modules("", /*include_self=*/false))
+    layers.emplace_back(item.key(), item.value().get());
+  return layers;
+}
+
+// The unquantized fulgur::nn::Linear layers whose name matches the ECMAScript regex `filter`
+// ("" matches all), with their names.
+std::vector<std::pair<std::string, LinearImpl*>> float_linear_layers(torch::nn::Module& module,
+                                                                     const std::string& filter) {
   std::optional<std::regex> pattern;
   if (!filter.empty()) {
     try {
@@ -288,15 +301,22 @@ std::vector<std::string> quantize_linear_weights(torch::nn::Module& module, cons
       throw Error(ErrorKind::config, fmt::format("layer filter '{}' is not a valid regex: {}", filter, e.what()));
     }
   }
-  std::vector<std::string> done;
-  // named_modules' include_self needs a module held by a shared_ptr: the root is looked at apart.
-  std::vector<std::pair<std::string, torch::nn::Module*>> layers = {{"", &module}};
-  for (const auto& item : module.named_modules("", /*include_self=*/false))
-    layers.emplace_back(item.key(), item.value().get());
-  for (const auto& [key, layer] : layers) {
+  std::vector<std::pair<std::string, LinearImpl*>> found;
+  for (const auto& [key, layer] : layers_of(module)) {
     auto* linear = dynamic_cast<LinearImpl*>(layer);
     if (!linear || linear->quantization() != WeightQuantization::none) continue;
     if (pattern && !std::regex_search(key, *pattern)) continue;
+    found.emplace_back(key, linear);
+  }
+  return found;
+}
+
+}  // namespace
+
+std::vector<std::string> quantize_linear_weights(torch::nn::Module& module, const QuantizeOptions& options,
+                                                 const std::string& filter) {
+  std::vector<std::string> done;
+  for (const auto& [key, linear] : float_linear_layers(module, filter)) {
     linear->quantize_weight(options);
     done.push_back(key);
   }
@@ -305,22 +325,8 @@ std::vector<std::string> quantize_linear_weights(torch::nn::Module& module, cons
 
 std::vector<std::string> fake_quantize_linear_layers(torch::nn::Module& module, const FakeQuantizeOptions& options,
                                                      const std::string& filter) {
-  std::optional<std::regex> pattern;
-  if (!filter.empty()) {
-    try {
-      pattern.emplace(filter, std::regex::ECMAScript);
-    } catch (const std::regex_error& e) {
-      throw Error(ErrorKind::config, fmt::format("layer filter '{}' is not a valid regex: {}", filter, e.what()));
-    }
-  }
-  std::vector<std::pair<std::string, torch::nn::Module*>> layers = {{"", &module}};
-  for (const auto& item : module.named_modules("", /*include_self=*/false))
-    layers.emplace_back(item.key(), item.value().get());
   std::vector<std::string> done;
-  for (const auto& [key, layer] : layers) {
-    auto* linear = dynamic_cast<LinearImpl*>(layer);
-    if (!linear || linear->quantization() != WeightQuantization::none) continue;
-    if (pattern && !std::regex_search(key, *pattern)) continue;
+  for (const auto& [key, linear] : float_linear_layers(module, filter)) {
     linear->fake_quantize(options);
     done.push_back(key);
   }
@@ -336,9 +342,8 @@ bool prepare_quantized_layers(torch::nn::Module& module, const std::map<std::str
   const auto listed = metadata.find("fulgur.quantized_layers");
   if (listed == metadata.end())
     throw Error(ErrorKind::checkpoint, "quantized weights without \"fulgur.quantized_layers\" in their metadata");
-  std::map<std::string, torch::nn::Module*> by_name = {{"", &module}};
-  for (const auto& item : module.named_modules("", /*include_self=*/false))
-    by_name.emplace(item.key(), item.value().get());
+  std::map<std::string, torch::nn::Module*> by_name;
+  for (const auto& [key, layer] : layers_of(module)) by_name.emplace(key, layer);
   std::stringstream names(listed->second);
   std::string name;
   while (std::getline(names, name, ',')) {
