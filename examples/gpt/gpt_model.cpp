@@ -3,6 +3,7 @@
 
 #include <fulgur/blocks.h>
 #include <fulgur/error.h>
+#include <fulgur/nn/linear.h>
 #include <fulgur/optim/lion.h>
 #include <fulgur/optim/muon.h>
 #include <fulgur/suggest.h>
@@ -26,8 +27,8 @@ namespace {
 class CausalSelfAttentionImpl : public nn::Module {
  public:
   CausalSelfAttentionImpl(int64_t n_embd, int64_t n_head, double dropout) : n_head_(n_head), dropout_(dropout) {
-    qkv = register_module("qkv", nn::Linear(n_embd, 3 * n_embd));
-    proj = register_module("proj", nn::Linear(n_embd, n_embd));
+    qkv = register_module("qkv", fulgur::nn::Linear(n_embd, 3 * n_embd));
+    proj = register_module("proj", fulgur::nn::Linear(n_embd, n_embd));
     resid_drop = register_module("resid_drop", nn::Dropout(dropout));
   }
 
@@ -42,7 +43,9 @@ class CausalSelfAttentionImpl : public nn::Module {
     return resid_drop->forward(proj->forward(y));
   }
 
-  nn::Linear qkv{nullptr}, proj{nullptr};
+  // fulgur::nn::Linear: torch::nn::Linear's layer, which the fp8 precision can train in FP8 and
+  // `fulgur quantize` can store as int8/int4.
+  fulgur::nn::Linear qkv{nullptr}, proj{nullptr};
   nn::Dropout resid_drop{nullptr};
 
  private:
@@ -59,8 +62,8 @@ class BlockImpl : public nn::Module {
     ln1 = register_module("ln1", nn::LayerNorm(nn::LayerNormOptions({n_embd})));
     attn = register_module("attn", CausalSelfAttention(n_embd, n_head, dropout));
     ln2 = register_module("ln2", nn::LayerNorm(nn::LayerNormOptions({n_embd})));
-    fc = register_module("fc", nn::Linear(n_embd, 4 * n_embd));
-    proj = register_module("proj", nn::Linear(4 * n_embd, n_embd));
+    fc = register_module("fc", fulgur::nn::Linear(n_embd, 4 * n_embd));
+    proj = register_module("proj", fulgur::nn::Linear(4 * n_embd, n_embd));
     drop = register_module("drop", nn::Dropout(dropout));
   }
 
@@ -71,7 +74,7 @@ class BlockImpl : public nn::Module {
 
   nn::LayerNorm ln1{nullptr}, ln2{nullptr};
   CausalSelfAttention attn{nullptr};
-  nn::Linear fc{nullptr}, proj{nullptr};
+  fulgur::nn::Linear fc{nullptr}, proj{nullptr};
   nn::Dropout drop{nullptr};
 };
 TORCH_MODULE(Block);
@@ -204,7 +207,7 @@ ParameterGroups GptModel::parameter_groups() const {
   // Only weights that multiply activations (Linear) decay; pulling embeddings or LayerNorm gains
   // towards zero would only fight the model.
   for (const auto& m : named_modules("", /*include_self=*/false)) {
-    if (!m.value()->as<nn::Linear>()) continue;
+    if (!m.value()->as<fulgur::nn::Linear>()) continue;
     for (const auto& p : m.value()->named_parameters(/*recurse=*/false)) {
       if (p.key() != "weight") continue;
       groups.decay.push_back(p.value());

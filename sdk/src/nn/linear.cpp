@@ -26,6 +26,7 @@ struct LinearImpl::State {
   at::Tensor scales_and_zeros;
   const void* packed_from = nullptr;
   uint32_t packed_version = 0;
+  Float8Options float8{Float8Scaling::none};  // FP8 training (SDK 1.4)
 };
 
 std::string to_string(WeightQuantization quantization) {
@@ -194,6 +195,7 @@ void LinearImpl::quantize_weight(const QuantizeOptions& q) {
   const QuantizedWeight quantized = quantize(weight.detach().to(at::kFloat), q.method(), q.group_size());
   prepare_quantized(q);
   state_->fake = WeightQuantization::none;
+  state_->float8 = Float8Options(Float8Scaling::none);  // a quantized layer serves; it does not train
   torch::NoGradGuard no_grad;
   weight.copy_(quantized.values);
   state_->scale.copy_(quantized.scale);
@@ -205,12 +207,35 @@ void LinearImpl::fake_quantize(const FakeQuantizeOptions& options) {
     throw Error(ErrorKind::invalid_argument,
                 "fulgur::nn::Linear::fake_quantize: the weight is quantized already (quantization-aware training "
                 "needs the float weight)");
+  if (options.method() != WeightQuantization::none && state_->float8.scaling() != Float8Scaling::none)
+    throw Error(ErrorKind::invalid_argument,
+                "fulgur::nn::Linear::fake_quantize: the layer trains in FP8; quantization-aware training and FP8 "
+                "training are exclusive (turn one off)");
   if (options.method() == WeightQuantization::int4) check_group_size(options.group_size());
   state_->fake = options.method();
   state_->fake_group_size = options.method() == WeightQuantization::int4 ? options.group_size() : 0;
 }
 
 WeightQuantization LinearImpl::fake_quantization() const { return state_->fake; }
+
+void LinearImpl::float8_training(const Float8Options& float8) {
+  if (float8.scaling() != Float8Scaling::none) {
+    if (state_->quantization != WeightQuantization::none)
+      throw Error(ErrorKind::invalid_argument,
+                  "fulgur::nn::Linear::float8_training: the weight is quantized (FP8 training needs the float weight)");
+    if (state_->fake != WeightQuantization::none)
+      throw Error(ErrorKind::invalid_argument,
+                  "fulgur::nn::Linear::float8_training: the layer trains with fake quantization; quantization-aware "
+                  "training and FP8 training are exclusive (turn one off)");
+    if (!float8_compatible(this->options.in_features(), this->options.out_features()))
+      throw Error(ErrorKind::invalid_argument,
+                  fmt::format("fulgur::nn::Linear::float8_training: {} -> {} features; FP8 needs both multiples of 16",
+                              this->options.in_features(), this->options.out_features()));
+  }
+  state_->float8 = float8;
+}
+
+Float8Options LinearImpl::float8_options() const { return state_->float8; }
 
 WeightQuantization LinearImpl::quantization() const { return state_->quantization; }
 int64_t LinearImpl::group_size() const { return state_->group_size; }
@@ -223,6 +248,7 @@ at::Tensor LinearImpl::dequantized_weight() const {
 at::Tensor LinearImpl::forward(const at::Tensor& input) {
   State& s = *state_;
   if (s.quantization == WeightQuantization::none) {
+    if (s.float8.scaling() != Float8Scaling::none) return float8_linear(input, weight, bias, s.float8);
     if (s.fake == WeightQuantization::none) return at::linear(input, weight, bias);
     // Quantization-aware training: the stored weight's values forward, the float weight's gradient
     // backward (w + (q(w) - w).detach() has the value q(w) and the derivative 1).
@@ -275,6 +301,7 @@ void LinearImpl::pretty_print(std::ostream& stream) const {
          << ", bias=" << (options.bias() ? "true" : "false");
   if (state_->quantization == WeightQuantization::int8) stream << ", weight=int8";
   if (state_->quantization == WeightQuantization::int4) stream << ", weight=int4, group_size=" << state_->group_size;
+  if (state_->float8.scaling() != Float8Scaling::none) stream << ", float8=" << to_string(state_->float8.scaling());
   stream << ")";
 }
 
@@ -328,6 +355,17 @@ std::vector<std::string> fake_quantize_linear_layers(torch::nn::Module& module, 
   std::vector<std::string> done;
   for (const auto& [key, linear] : float_linear_layers(module, filter)) {
     linear->fake_quantize(options);
+    done.push_back(key);
+  }
+  return done;
+}
+
+std::vector<std::string> convert_to_float8_training(torch::nn::Module& module, const Float8Options& options,
+                                                    const std::string& filter) {
+  std::vector<std::string> done;
+  for (const auto& [key, linear] : float_linear_layers(module, filter)) {
+    if (!float8_compatible(linear->options.in_features(), linear->options.out_features())) continue;
+    linear->float8_training(options);
     done.push_back(key);
   }
   return done;

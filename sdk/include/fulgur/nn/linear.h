@@ -26,6 +26,7 @@
 #pragma once
 
 #include <fulgur/export.h>
+#include <fulgur/nn/float8.h>
 
 #include <torch/arg.h>
 #include <torch/nn/cloneable.h>
@@ -136,6 +137,13 @@ class FULGUR_SDK_API LinearImpl : public torch::nn::Cloneable<LinearImpl> {
   int64_t group_size() const;
   /// The weight as float32 [out_features, in_features]: the parameter, or the dequantized buffers.
   at::Tensor dequantized_weight() const;
+  /// FP8 training on (see fulgur/nn/float8.h: the forward and backward products run in FP8, the
+  /// weight stays in its precision) or, with Float8Scaling::none, off. Throws
+  /// fulgur::Error(invalid_argument) on a quantized layer, on one training with fake_quantize, and
+  /// for sizes that are not float8_compatible. SDK 1.4.
+  void float8_training(const Float8Options& options);
+  /// What float8_training set: scaling Float8Scaling::none when off. SDK 1.4.
+  Float8Options float8_options() const;
 
   /// The options the layer was made with.
   LinearOptions options;
