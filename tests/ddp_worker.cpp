@@ -26,7 +26,10 @@
 //   are not finite. The metrics file records `optimizer_step_count` (the first parameter's step
 //   count in the Adam/AdamW state) and `loss_scale` (16-mixed) after fit.
 //   FULGUR_TEST_RECORD_SAMPLES=1: each rank appends "epoch global_step index" for every training
-//   sample it is handed to <out_dir>/samples_rank<r>.txt (elastic resume: each sample once per epoch).
+//   sample it is handed to <out_dir>/samples_rank<r>.txt (elastic resume: each sample once per epoch);
+//   =round: to samples_rank<r>_port<MASTER_PORT>.txt, one file per torchrun round.
+//   FULGUR_TEST_STEP_SLEEP_MS=n: every training batch starts n ms late (a run slow enough to be
+//   interrupted from outside, as the torchrun elastic check does).
 #include <fulgur/blocks.h>
 #include <fulgur/callback.h>
 #include <fulgur/config.h>
@@ -45,6 +48,7 @@
 #include <fmt/format.h>
 #include <torch/torch.h>
 
+#include <chrono>
 #include <csignal>
 #include <cstdio>
 #include <cstdlib>
@@ -53,6 +57,7 @@
 #include <limits>
 #include <map>
 #include <optional>
+#include <thread>
 
 namespace {
 
@@ -248,6 +253,15 @@ struct DieAtStep : fulgur::Callback {
   int64_t rank, step;
 };
 
+struct SlowSteps : fulgur::Callback {
+  explicit SlowSteps(int64_t ms) : ms(ms) {}
+  fulgur::HookSet hooks() const override { return static_cast<fulgur::HookSet>(fulgur::Hook::train_batch_start); }
+  void on_train_batch_start(fulgur::TrainerContext&, const fulgur::Batch&, int64_t) override {
+    std::this_thread::sleep_for(std::chrono::milliseconds(ms));
+  }
+  int64_t ms;
+};
+
 // Writes which dataset rows each training batch holds (found by their first feature, which the
 // fixed random data makes unique), with the epoch and the global step it trains in.
 struct RecordSamples : fulgur::Callback {
@@ -284,11 +298,19 @@ int main(int argc, char** argv) {
     auto module = std::make_shared<Mlp>();  // after the Trainer: its seed fixes the weights
     FixedData data(config.data.get_int("batch_size"), config.data.get_bool("shuffle"));
     trainer.add_callback(std::make_shared<CollectiveCheck>());
-    if (std::getenv("FULGUR_TEST_RECORD_SAMPLES"))
+    if (const char* record = std::getenv("FULGUR_TEST_RECORD_SAMPLES")) {
+      // "round": one file per rank and process group (MASTER_PORT differs between torchrun's rounds).
+      const std::string round = std::string(record) == "round" && std::getenv("MASTER_PORT")
+                                    ? fmt::format("_port{}", std::getenv("MASTER_PORT"))
+                                    : "";
       trainer.add_callback(std::make_shared<RecordSamples>(
-          data.inputs, fmt::format("{}/samples_rank{}.txt", argv[2], std::getenv("RANK") ? std::getenv("RANK") : "0")));
+          data.inputs,
+          fmt::format("{}/samples_rank{}{}.txt", argv[2], std::getenv("RANK") ? std::getenv("RANK") : "0", round)));
+    }
     if (const char* r = std::getenv("FULGUR_TEST_DIE_RANK"))
       trainer.add_callback(std::make_shared<DieAtStep>(std::atoll(r), std::atoll(std::getenv("FULGUR_TEST_DIE_STEP"))));
+    if (const char* ms = std::getenv("FULGUR_TEST_STEP_SLEEP_MS"))
+      trainer.add_callback(std::make_shared<SlowSteps>(std::atoll(ms)));
     module->rank = std::getenv("RANK") ? std::atoll(std::getenv("RANK")) : 0;
     if (std::getenv("FULGUR_TEST_SCRAMBLE_INIT") && module->rank != 0 && std::getenv("FULGUR_TEST_BUILT_BLOCKS")) {
       // The layers are made during fit: these ranks would draw other weights, unless they build

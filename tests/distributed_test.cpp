@@ -1504,6 +1504,37 @@ TEST_CASE("elastic: num_nodes = 0 takes as many nodes as the launcher started (t
   CHECK(metrics(*elastic, 1).at("global_step") == 2);
 }
 
+TEST_CASE("elastic: when torchrun restarted some ranks and not others, every rank resumes from the last checkpoint") {
+  // torchrun counts restarts per agent: a node that replaced a lost one starts its workers with
+  // TORCHELASTIC_RESTART_COUNT = 0 beside workers that say 1. Here rank 1 says 1 and rank 0 says
+  // 0: both must resume (rank 0 training from scratch beside a resumed rank 1 would hang).
+  TempDir dir;
+  const std::string checkpoints = checkpoint_every(4) + "save_last = true\n";
+  fulgur::test::write_bytes(dir / "first.toml", worker_config("ddp", "auto", 4, 4, 1, true) + checkpoints);
+  fulgur::test::write_bytes(dir / "second.toml", worker_config("ddp", "auto", 4, 8, 1, true) + checkpoints);
+  auto torchrun = [&](const char* config, const char* prefix) {
+    return run_process({FULGUR_TEST_PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                        "--no-python", "/bin/sh", "-c", std::string(prefix) + "exec \"$0\" \"$@\"",
+                        FULGUR_TEST_DDP_WORKER, (dir / config).string(), dir.path().string()},
+                       clean_env(), dir / (std::string(config) + ".log"));
+  };
+  const ProcessResult first = torchrun("first.toml", "");
+  REQUIRE_MESSAGE(first.status == 0, first.output);
+  REQUIRE(fs::exists(dir / "ckpts" / "last.ckpt"));
+  const ProcessResult second =
+      torchrun("second.toml", "if [ \"$RANK\" = 1 ]; then export TORCHELASTIC_RESTART_COUNT=1; fi; ");
+  REQUIRE_MESSAGE(second.status == 0, second.output);
+  CHECK(contains(second.output, "TORCHELASTIC_RESTART_COUNT = 1: this job was restarted"));
+  CHECK(contains(second.output, "another rank of this job was restarted, so fit resumes from the last checkpoint"));
+  CHECK(contains(second.output, "(epoch 0, global step 4"));
+  std::ifstream metrics0(dir / "metrics_rank0.txt");
+  std::string key;
+  double value = -1, step = -1;
+  while (metrics0 >> key >> value)
+    if (key == "global_step") step = value;
+  CHECK(step == 8);
+}
+
 // Checkpoints written mid-epoch at S ranks resume at T ranks under ddp (full checkpoints) and
 // fsdp ZeRO-3 (sharded, each rank reading its rows): the epoch's samples are each seen once. All
 // 18 cells: 24 short runs, about 30 s on 2 cores. ZeRO-1 (full checkpoints) and ZeRO-2 (sharded)
