@@ -3,6 +3,8 @@
 // cluster-environment detection for each launcher and the distributed sampler's coverage.
 #include <fulgur/cluster_environment.h>
 #include <fulgur/data.h>
+#include <fulgur/data/data_loader.h>
+#include <fulgur/data/tar_shards.h>
 #include <fulgur/error.h>
 
 #include <arpa/inet.h>
@@ -1442,6 +1444,91 @@ TEST_CASE("elastic: a streaming DataLoader says it has no global position, and r
   const fulgur::Error e = fulgur::test::error_from([&] { position->start_epoch_at_sample(0, 2); });
   FULGUR_CHECK_CONTAINS(e.what(), "iterable dataset");
   FULGUR_CHECK_CONTAINS(e.what(), "resume with the number of processes that wrote the checkpoint");
+}
+
+TEST_CASE("elastic: tar shards resume mid-epoch at another number of replicas, each sample once") {
+  // 3 shards of 8 samples, batch 2. The replicas deal the one stream round robin across the
+  // shards, so where every replica stands is one position in it: 3 replicas take 2 batches each
+  // (shard 0 and half of shard 1), 2 replicas one batch each, 4 replicas the rest.
+  TempDir dir;
+  std::vector<fs::path> shards;
+  for (int64_t shard = 0, index = 0; shard < 3; ++shard) {
+    std::vector<std::pair<std::string, std::string>> members;
+    for (int64_t i = 0; i < 8; ++i, ++index) {
+      const std::string key = fmt::format("s{}/{:03}", shard, i);
+      members.emplace_back(key + ".bin", "x");
+      members.emplace_back(key + ".cls", std::to_string(index));
+    }
+    shards.push_back(dir / fmt::format("shard{}.tar", shard));
+    fulgur::data::write_tar(shards.back(), members);
+  }
+  for (int64_t workers : {0, 2}) {
+    CAPTURE(workers);
+    auto make = [&](int64_t rank, int64_t replicas) {
+      auto loader = fulgur::data::make_data_loader(
+          std::make_shared<fulgur::data::TarShards>(shards, fulgur::data::TarShardOptions().input("bin")),
+          fulgur::data::DataLoaderOptions().batch_size(2).num_workers(workers));
+      loader->set_replica(rank, replicas);
+      return loader;
+    };
+    std::multiset<int64_t> seen;
+    auto take = [&](fulgur::BatchLoader& loader, int64_t batches) {
+      for (int64_t b = 0; b < batches || batches < 0; ++b) {
+        auto batch = loader.next();
+        if (!batch) return b;
+        for (int64_t i = 0; i < batch->target.size(0); ++i) seen.insert(batch->target[i].item<int64_t>());
+      }
+      return batches;
+    };
+    int64_t consumed = -1;
+    for (int64_t rank = 0; rank < 3; ++rank) {
+      auto loader = make(rank, 3);
+      loader->start_epoch(0, 0);
+      CHECK(take(*loader, 2) == 2);
+      fulgur::SamplePositionLoader* position = fulgur::sample_position_of(*loader);
+      REQUIRE(position != nullptr);
+      CHECK(position->epoch_samples() == -1);  // a stream's length is not known
+      consumed = position->samples_consumed(2);
+    }
+    CHECK(consumed == 12);
+    for (int64_t rank = 0; rank < 2; ++rank) {
+      auto loader = make(rank, 2);
+      fulgur::SamplePositionLoader* position = fulgur::sample_position_of(*loader);
+      CHECK(position->start_epoch_at_sample(0, 12) == -1);  // until the stream ends
+      CHECK(take(*loader, 1) == 1);
+      CHECK(position->samples_consumed(1) == 16);
+    }
+    for (int64_t rank = 0; rank < 4; ++rank) {
+      auto loader = make(rank, 4);
+      fulgur::sample_position_of(*loader)->start_epoch_at_sample(0, 16);
+      CHECK(take(*loader, -1) == 1);  // 8 left: one batch of 2 each
+    }
+    std::multiset<int64_t> every;
+    for (int64_t i = 0; i < 24; ++i) every.insert(i);
+    CHECK(seen == every);
+  }
+}
+
+TEST_CASE("elastic: a run reading tar shards goes on at another number of processes mid-epoch, each row once") {
+  // The worker's 96 rows as 3 tar shards, streamed in order. 3 ranks train 4 steps of 12 rows
+  // (all of shard 0, half of shard 1); 2 ranks train the other 48 (6 steps of 8) from there.
+  TempDir shards;
+  auto env = clean_env();
+  env["FULGUR_TEST_RECORD_SAMPLES"] = "1";
+  env["FULGUR_TEST_TAR_SHARDS"] = shards.path().string();
+  auto first = run_worker(worker_config("ddp", "3", 4, 4) + checkpoint_every(4), {}, env);
+  REQUIRE_SUCCESS(first);
+  const fs::path at4 = first->dir / "ckpts" / "step=4.ckpt";
+  REQUIRE_MESSAGE(fs::exists(at4), first->result.output);
+  auto second = run_worker(with_max_epochs(worker_config("ddp", "2", 4, 100), 1), {"--resume", at4.string()}, env);
+  REQUIRE_SUCCESS(second);
+  CHECK(contains(second->result.output,
+                 "resumed at step 4 of epoch 0 with 2 processes (was 3); the stream goes on from its sample 48"));
+  CHECK(metrics(*second, 0).at("global_step") == 10);
+  std::map<int64_t, std::multiset<int64_t>> seen = recorded_samples(*first, 3);
+  merge(seen, recorded_samples(*second, 2));
+  REQUIRE(seen.size() == 1);
+  CHECK(seen[0] == every_row_once());
 }
 
 TEST_CASE("elastic: 3 ranks, one killed mid-epoch, go on at 2 and grow back to 3, every sample once per epoch") {
