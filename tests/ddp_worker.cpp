@@ -26,11 +26,19 @@
 //   are not finite. The metrics file records `optimizer_step_count` (the first parameter's step
 //   count in the Adam/AdamW state) and `loss_scale` (16-mixed) after fit.
 //   FULGUR_TEST_RECORD_SAMPLES=1: each rank appends "epoch global_step index" for every training
-//   sample it is handed to <out_dir>/samples_rank<r>.txt (elastic resume: each sample once per epoch).
+//   sample it is handed to <out_dir>/samples_rank<r>.txt (elastic resume: each sample once per epoch);
+//   =round: to samples_rank<r>_port<MASTER_PORT>.txt, one file per torchrun round.
+//   FULGUR_TEST_TAR_SHARDS=<dir>: the training rows come from tar shards written under <dir>, in
+//   order (an iterable dataset: TarShards in a DataLoader), instead of a tensor loader.
+//   FULGUR_TEST_STEP_SLEEP_MS=n: every training batch starts n ms late (a run slow enough to be
+//   interrupted from outside, as the torchrun elastic check does).
 #include <fulgur/blocks.h>
 #include <fulgur/callback.h>
 #include <fulgur/config.h>
 #include <fulgur/data.h>
+#include <fulgur/data/data_loader.h>
+#include <fulgur/data/tar_shards.h>
+#include <fulgur/data/transforms.h>
 #include <fulgur/error.h>
 #include <fulgur/metrics.h>
 #include <fulgur/module.h>
@@ -45,14 +53,17 @@
 #include <fmt/format.h>
 #include <torch/torch.h>
 
+#include <chrono>
 #include <csignal>
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 #include <fstream>
 #include <iostream>
 #include <limits>
 #include <map>
 #include <optional>
+#include <thread>
 
 namespace {
 
@@ -199,6 +210,7 @@ struct FixedData : fulgur::DataModule {
     targets = at::randint(0, 4, {96}, gen, at::kLong);
   }
   std::unique_ptr<fulgur::BatchLoader> train_loader() override {
+    if (const char* dir = std::getenv("FULGUR_TEST_TAR_SHARDS")) return tar_loader(dir);
     auto loader = fulgur::make_tensor_loader(inputs, targets,
                                              fulgur::TensorLoaderOptions().batch_size(batch).shuffle(shuffle).seed(5));
     if (std::getenv("FULGUR_TEST_UNKNOWN_LENGTH")) return std::make_unique<UnknownLength>(std::move(loader));
@@ -207,6 +219,32 @@ struct FixedData : fulgur::DataModule {
   std::unique_ptr<fulgur::BatchLoader> val_loader() override {
     return fulgur::make_tensor_loader(inputs.slice(0, 0, 32), targets.slice(0, 0, 32),
                                       fulgur::TensorLoaderOptions().batch_size(8));
+  }
+  // The same rows as 3 tar shards of 32 samples (.bin: the 16 floats, .cls: the target), in this
+  // rank's own folder under `dir`, read back in order by a DataLoader over TarShards.
+  std::unique_ptr<fulgur::BatchLoader> tar_loader(const std::string& dir) const {
+    namespace d = fulgur::data;
+    const std::filesystem::path own =
+        std::filesystem::path(dir) / fmt::format("rank{}", std::getenv("RANK") ? std::getenv("RANK") : "0");
+    std::filesystem::create_directories(own);
+    std::vector<std::filesystem::path> shards;
+    for (int64_t shard = 0; shard < 3; ++shard) {
+      std::vector<std::pair<std::string, std::string>> members;
+      for (int64_t row = shard * 32; row < (shard + 1) * 32; ++row) {
+        const at::Tensor x = inputs[row].contiguous();
+        const std::string key = fmt::format("s{}/{:03}", shard, row);
+        members.emplace_back(key + ".bin", std::string(static_cast<const char*>(x.data_ptr()), x.nbytes()));
+        members.emplace_back(key + ".cls", std::to_string(targets[row].item<int64_t>()));
+      }
+      shards.push_back(own / fmt::format("shard{}.tar", shard));
+      d::write_tar(shards.back(), members);
+    }
+    auto floats = d::lambda([](d::Sample s, d::SampleRng&) {
+      s.input = s.input.view(at::kFloat).clone();
+      return s;
+    });
+    return d::make_data_loader(std::make_shared<d::TarShards>(shards, d::TarShardOptions().input("bin")),
+                               d::DataLoaderOptions().batch_size(batch).transform(floats));
   }
   int64_t batch;
   bool shuffle;
@@ -248,6 +286,15 @@ struct DieAtStep : fulgur::Callback {
   int64_t rank, step;
 };
 
+struct SlowSteps : fulgur::Callback {
+  explicit SlowSteps(int64_t ms) : ms(ms) {}
+  fulgur::HookSet hooks() const override { return static_cast<fulgur::HookSet>(fulgur::Hook::train_batch_start); }
+  void on_train_batch_start(fulgur::TrainerContext&, const fulgur::Batch&, int64_t) override {
+    std::this_thread::sleep_for(std::chrono::milliseconds(ms));
+  }
+  int64_t ms;
+};
+
 // Writes which dataset rows each training batch holds (found by their first feature, which the
 // fixed random data makes unique), with the epoch and the global step it trains in.
 struct RecordSamples : fulgur::Callback {
@@ -284,11 +331,19 @@ int main(int argc, char** argv) {
     auto module = std::make_shared<Mlp>();  // after the Trainer: its seed fixes the weights
     FixedData data(config.data.get_int("batch_size"), config.data.get_bool("shuffle"));
     trainer.add_callback(std::make_shared<CollectiveCheck>());
-    if (std::getenv("FULGUR_TEST_RECORD_SAMPLES"))
+    if (const char* record = std::getenv("FULGUR_TEST_RECORD_SAMPLES")) {
+      // "round": one file per rank and process group (MASTER_PORT differs between torchrun's rounds).
+      const std::string round = std::string(record) == "round" && std::getenv("MASTER_PORT")
+                                    ? fmt::format("_port{}", std::getenv("MASTER_PORT"))
+                                    : "";
       trainer.add_callback(std::make_shared<RecordSamples>(
-          data.inputs, fmt::format("{}/samples_rank{}.txt", argv[2], std::getenv("RANK") ? std::getenv("RANK") : "0")));
+          data.inputs,
+          fmt::format("{}/samples_rank{}{}.txt", argv[2], std::getenv("RANK") ? std::getenv("RANK") : "0", round)));
+    }
     if (const char* r = std::getenv("FULGUR_TEST_DIE_RANK"))
       trainer.add_callback(std::make_shared<DieAtStep>(std::atoll(r), std::atoll(std::getenv("FULGUR_TEST_DIE_STEP"))));
+    if (const char* ms = std::getenv("FULGUR_TEST_STEP_SLEEP_MS"))
+      trainer.add_callback(std::make_shared<SlowSteps>(std::atoll(ms)));
     module->rank = std::getenv("RANK") ? std::atoll(std::getenv("RANK")) : 0;
     if (std::getenv("FULGUR_TEST_SCRAMBLE_INIT") && module->rank != 0 && std::getenv("FULGUR_TEST_BUILT_BLOCKS")) {
       // The layers are made during fit: these ranks would draw other weights, unless they build

@@ -3,6 +3,8 @@
 // cluster-environment detection for each launcher and the distributed sampler's coverage.
 #include <fulgur/cluster_environment.h>
 #include <fulgur/data.h>
+#include <fulgur/data/data_loader.h>
+#include <fulgur/data/tar_shards.h>
 #include <fulgur/error.h>
 
 #include <arpa/inet.h>
@@ -1444,6 +1446,91 @@ TEST_CASE("elastic: a streaming DataLoader says it has no global position, and r
   FULGUR_CHECK_CONTAINS(e.what(), "resume with the number of processes that wrote the checkpoint");
 }
 
+TEST_CASE("elastic: tar shards resume mid-epoch at another number of replicas, each sample once") {
+  // 3 shards of 8 samples, batch 2. The replicas deal the one stream round robin across the
+  // shards, so where every replica stands is one position in it: 3 replicas take 2 batches each
+  // (shard 0 and half of shard 1), 2 replicas one batch each, 4 replicas the rest.
+  TempDir dir;
+  std::vector<fs::path> shards;
+  for (int64_t shard = 0, index = 0; shard < 3; ++shard) {
+    std::vector<std::pair<std::string, std::string>> members;
+    for (int64_t i = 0; i < 8; ++i, ++index) {
+      const std::string key = fmt::format("s{}/{:03}", shard, i);
+      members.emplace_back(key + ".bin", "x");
+      members.emplace_back(key + ".cls", std::to_string(index));
+    }
+    shards.push_back(dir / fmt::format("shard{}.tar", shard));
+    fulgur::data::write_tar(shards.back(), members);
+  }
+  for (int64_t workers : {0, 2}) {
+    CAPTURE(workers);
+    auto make = [&](int64_t rank, int64_t replicas) {
+      auto loader = fulgur::data::make_data_loader(
+          std::make_shared<fulgur::data::TarShards>(shards, fulgur::data::TarShardOptions().input("bin")),
+          fulgur::data::DataLoaderOptions().batch_size(2).num_workers(workers));
+      loader->set_replica(rank, replicas);
+      return loader;
+    };
+    std::multiset<int64_t> seen;
+    auto take = [&](fulgur::BatchLoader& loader, int64_t batches) {
+      for (int64_t b = 0; b < batches || batches < 0; ++b) {
+        auto batch = loader.next();
+        if (!batch) return b;
+        for (int64_t i = 0; i < batch->target.size(0); ++i) seen.insert(batch->target[i].item<int64_t>());
+      }
+      return batches;
+    };
+    int64_t consumed = -1;
+    for (int64_t rank = 0; rank < 3; ++rank) {
+      auto loader = make(rank, 3);
+      loader->start_epoch(0, 0);
+      CHECK(take(*loader, 2) == 2);
+      fulgur::SamplePositionLoader* position = fulgur::sample_position_of(*loader);
+      REQUIRE(position != nullptr);
+      CHECK(position->epoch_samples() == -1);  // a stream's length is not known
+      consumed = position->samples_consumed(2);
+    }
+    CHECK(consumed == 12);
+    for (int64_t rank = 0; rank < 2; ++rank) {
+      auto loader = make(rank, 2);
+      fulgur::SamplePositionLoader* position = fulgur::sample_position_of(*loader);
+      CHECK(position->start_epoch_at_sample(0, 12) == -1);  // until the stream ends
+      CHECK(take(*loader, 1) == 1);
+      CHECK(position->samples_consumed(1) == 16);
+    }
+    for (int64_t rank = 0; rank < 4; ++rank) {
+      auto loader = make(rank, 4);
+      fulgur::sample_position_of(*loader)->start_epoch_at_sample(0, 16);
+      CHECK(take(*loader, -1) == 1);  // 8 left: one batch of 2 each
+    }
+    std::multiset<int64_t> every;
+    for (int64_t i = 0; i < 24; ++i) every.insert(i);
+    CHECK(seen == every);
+  }
+}
+
+TEST_CASE("elastic: a run reading tar shards goes on at another number of processes mid-epoch, each row once") {
+  // The worker's 96 rows as 3 tar shards, streamed in order. 3 ranks train 4 steps of 12 rows
+  // (all of shard 0, half of shard 1); 2 ranks train the other 48 (6 steps of 8) from there.
+  TempDir shards;
+  auto env = clean_env();
+  env["FULGUR_TEST_RECORD_SAMPLES"] = "1";
+  env["FULGUR_TEST_TAR_SHARDS"] = shards.path().string();
+  auto first = run_worker(worker_config("ddp", "3", 4, 4) + checkpoint_every(4), {}, env);
+  REQUIRE_SUCCESS(first);
+  const fs::path at4 = first->dir / "ckpts" / "step=4.ckpt";
+  REQUIRE_MESSAGE(fs::exists(at4), first->result.output);
+  auto second = run_worker(with_max_epochs(worker_config("ddp", "2", 4, 100), 1), {"--resume", at4.string()}, env);
+  REQUIRE_SUCCESS(second);
+  CHECK(contains(second->result.output,
+                 "resumed at step 4 of epoch 0 with 2 processes (was 3); the stream goes on from its sample 48"));
+  CHECK(metrics(*second, 0).at("global_step") == 10);
+  std::map<int64_t, std::multiset<int64_t>> seen = recorded_samples(*first, 3);
+  merge(seen, recorded_samples(*second, 2));
+  REQUIRE(seen.size() == 1);
+  CHECK(seen[0] == every_row_once());
+}
+
 TEST_CASE("elastic: 3 ranks, one killed mid-epoch, go on at 2 and grow back to 3, every sample once per epoch") {
   // 96 rows, batch 4 per rank, shuffled. At 3 ranks a step takes 12 samples (8 steps an epoch),
   // at 2 ranks 8 (12 steps). The per-rank batch is kept, so the global batch follows the ranks.
@@ -1502,6 +1589,37 @@ TEST_CASE("elastic: num_nodes = 0 takes as many nodes as the launcher started (t
                             /*torchrun=*/true);
   REQUIRE_SUCCESS(elastic);
   CHECK(metrics(*elastic, 1).at("global_step") == 2);
+}
+
+TEST_CASE("elastic: when torchrun restarted some ranks and not others, every rank resumes from the last checkpoint") {
+  // torchrun counts restarts per agent: a node that replaced a lost one starts its workers with
+  // TORCHELASTIC_RESTART_COUNT = 0 beside workers that say 1. Here rank 1 says 1 and rank 0 says
+  // 0: both must resume (rank 0 training from scratch beside a resumed rank 1 would hang).
+  TempDir dir;
+  const std::string checkpoints = checkpoint_every(4) + "save_last = true\n";
+  fulgur::test::write_bytes(dir / "first.toml", worker_config("ddp", "auto", 4, 4, 1, true) + checkpoints);
+  fulgur::test::write_bytes(dir / "second.toml", worker_config("ddp", "auto", 4, 8, 1, true) + checkpoints);
+  auto torchrun = [&](const char* config, const char* prefix) {
+    return run_process({FULGUR_TEST_PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                        "--no-python", "/bin/sh", "-c", std::string(prefix) + "exec \"$0\" \"$@\"",
+                        FULGUR_TEST_DDP_WORKER, (dir / config).string(), dir.path().string()},
+                       clean_env(), dir / (std::string(config) + ".log"));
+  };
+  const ProcessResult first = torchrun("first.toml", "");
+  REQUIRE_MESSAGE(first.status == 0, first.output);
+  REQUIRE(fs::exists(dir / "ckpts" / "last.ckpt"));
+  const ProcessResult second =
+      torchrun("second.toml", "if [ \"$RANK\" = 1 ]; then export TORCHELASTIC_RESTART_COUNT=1; fi; ");
+  REQUIRE_MESSAGE(second.status == 0, second.output);
+  CHECK(contains(second.output, "TORCHELASTIC_RESTART_COUNT = 1: this job was restarted"));
+  CHECK(contains(second.output, "another rank of this job was restarted, so fit resumes from the last checkpoint"));
+  CHECK(contains(second.output, "(epoch 0, global step 4"));
+  std::ifstream metrics0(dir / "metrics_rank0.txt");
+  std::string key;
+  double value = -1, step = -1;
+  while (metrics0 >> key >> value)
+    if (key == "global_step") step = value;
+  CHECK(step == 8);
 }
 
 // Checkpoints written mid-epoch at S ranks resume at T ranks under ddp (full checkpoints) and

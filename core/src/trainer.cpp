@@ -20,6 +20,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <filesystem>
+#include <string_view>
 #include <thread>
 
 #include "connectors/layer_sync.h"
@@ -221,6 +222,17 @@ StrategyEnvironment TrainerEngine::make_strategy_environment() {
                               "{} node(s); set num_nodes = {}",
                               num_nodes, to_string(cluster.kind), cluster.info.world_size,
                               cluster.info.local_world_size, nodes, nodes));
+    // torch 2.11's c10d rendezvous, when it shares its store with the workers (the default), hangs
+    // when a node joins a running group: the new node waits for the round's MASTER_ADDR, which the
+    // others computed once and never write again, and they wait for its torchelastic/role_info.
+    const char* shared = std::getenv("TORCHELASTIC_USE_AGENT_STORE");
+    if (num_nodes == 0 && cluster.kind == ClusterKind::torchrun && cluster.info.global_rank == 0 && shared &&
+        std::string_view(shared) == "True")
+      spdlog::warn(
+          "num_nodes = 0 (elastic), but torchrun shares its rendezvous store with the workers: with torch 2.11 a node "
+          "that joins a running group makes the re-rendezvous time out (DistStoreError on "
+          "torchelastic/assigned_ranks); start every torchrun agent with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 so that "
+          "the group can grow back");
   }
   if (cluster.detected() && multi_process && !automatic &&
       static_cast<int64_t>(env.devices.size()) != cluster.info.local_world_size)
@@ -407,9 +419,27 @@ void TrainerEngine::sync_optimizer_host_state() {
 
 void TrainerEngine::fit(Module& module, DataModule& data, const std::string& ckpt_path) {
   // The argument wins; otherwise [trainer] ckpt_path (TOML or ConfigBuilder) applies to fit.
-  const std::string requested =
-      restart_ckpt_path(ckpt_path.empty() ? config_.trainer.get_string("ckpt_path") : ckpt_path);
+  const std::string configured = ckpt_path.empty() ? config_.trainer.get_string("ckpt_path") : ckpt_path;
+  std::string requested = restart_ckpt_path(configured);
+  // An elastic torchrun group (num_nodes = 0) that re-formed because a node joined is no restart to
+  // torchrun (TORCHELASTIC_RESTART_COUNT stays), yet the job is under way: such a job always
+  // resumes from its last checkpoint when one exists, as torchelastic asks of its scripts.
+  const bool elastic =
+      requested.empty() && config_.trainer.get_int("num_nodes") == 0 && std::getenv("TORCHELASTIC_RUN_ID");
+  if (elastic) requested = "last";
   run_stage(Stage::fit, module, data, [&] {
+    // torchrun counts restarts per agent, and a group re-formed for a node that joined is no
+    // restart at all: the joining node's workers start with TORCHELASTIC_RESTART_COUNT = 0 beside
+    // workers that say 1. Every rank resumes when any rank was restarted, or they would train from
+    // different states (and the first collective would hang on the mismatch).
+    if (configured.empty() && agree(requested == "last", /*all=*/false) && requested.empty()) {
+      requested = "last";
+      spdlog::info("another rank of this job was restarted, so fit resumes from the last checkpoint here too");
+    }
+    if (elastic && global_rank() == 0)
+      spdlog::info(
+          "num_nodes = 0 under torchrun (elastic): fit resumes from the last checkpoint if there is one "
+          "(ckpt_path = \"last\")");
     check_manual_optimization(module);
     TrainingEpochLoop& epoch_loop = fit_loop_.epoch_loop();
     // Manual optimization: every optimizer.step() is a global step, as Lightning counts them (a GAN

@@ -1,4 +1,5 @@
 #include <fulgur/data/data_loader.h>
+#include <fulgur/data/tar_shards.h>
 #include <fulgur/error.h>
 #include <fulgur/sample_position.h>
 
@@ -100,29 +101,49 @@ struct DataLoader::Impl final : SamplePositionLoader {
 
   int64_t epoch_samples() const override { return map ? base->size() : -1; }
 
+  // A stream whose replicas take its samples round robin (replica r of R: positions r, r + R, ...,
+  // as TarShards deals them) has one global order too, the stream itself, though of unknown
+  // length: what every replica handed out is its prefix, whichever shard it reached. Other streams
+  // split themselves in ways the loader cannot know.
+  bool round_robin_stream() const { return stream && dynamic_cast<const TarShards*>(stream.get()) != nullptr; }
+
   int64_t samples_consumed(int64_t handed_out) const override {
-    if (!map) return -1;
-    return std::min(segment_start + handed_out * options.batch_size_ * replicas, base->size());
+    const int64_t consumed = segment_start + handed_out * options.batch_size_ * replicas;
+    if (map) return std::min(consumed, base->size());
+    return round_robin_stream() ? consumed : -1;
   }
 
   int64_t start_epoch_at_sample(int64_t e, int64_t consumed) override {
-    if (!map)
+    if (!map && !round_robin_stream())
       throw Error(ErrorKind::checkpoint,
-                  "DataLoader: an iterable dataset (tar shards, token files, a stream) keeps its position per rank, "
-                  "not in global samples, so it cannot resume mid-epoch with another number of processes: resume "
-                  "with the number of processes that wrote the checkpoint, or from a checkpoint saved at an epoch end");
+                  "DataLoader: this iterable dataset splits itself among the ranks in its own way, so its position "
+                  "is kept per rank, not in global samples, and it cannot resume mid-epoch with another number of "
+                  "processes: resume with the number of processes that wrote the checkpoint, or from a checkpoint "
+                  "saved at an epoch end (TarShards, which deals its stream round robin, can)");
     stop_workers();
     skipped_before_epoch = skipped.load();
     epoch_reported = false;
     epoch = e;
     stream_done = false;
-    segment_start = std::clamp<int64_t>(consumed, 0, base->size());
-    epoch_indices = detail::deal_remaining(base->indices(e), segment_start, rank, replicas, drops_tail());
-    const int64_t per = static_cast<int64_t>(epoch_indices.size()), bs = options.batch_size_;
-    end = options.drop_last_ ? per / bs : (per + bs - 1) / bs;
     next_batch = next_emit = 0;
+    if (map) {
+      segment_start = std::clamp<int64_t>(consumed, 0, base->size());
+      epoch_indices = detail::deal_remaining(base->indices(e), segment_start, rank, replicas, drops_tail());
+      const int64_t per = static_cast<int64_t>(epoch_indices.size()), bs = options.batch_size_;
+      end = options.drop_last_ ? per / bs : (per + bs - 1) / bs;
+    } else {
+      // Positions consumed, consumed + 1, ... are dealt round robin again: this replica's are those
+      // congruent to consumed + rank modulo the replicas, so the stream is started as that replica
+      // and moves past the ones before `consumed` without decoding them (reading their headers).
+      segment_start = std::max<int64_t>(0, consumed);
+      const int64_t as_rank = (segment_start + rank) % replicas;
+      const int64_t before = segment_start > as_rank ? (segment_start - as_rank + replicas - 1) / replicas : 0;
+      stream->start(e, as_rank, replicas);
+      if (stream->skip(before) < before) stream_done = true;
+      end = stream_done ? 0 : kUnknown;
+    }
     for (int64_t w = 0; w < options.num_workers_; ++w) workers.emplace_back([this] { worker_loop(); });
-    return end;
+    return map ? end : -1;
   }
 
   // Streaming: reads the samples of the next batch (under the lock when workers run). Returns false

@@ -105,7 +105,9 @@ class NormalizingLoader final : public BatchLoader, public SamplePositionLoader 
   }
   void set_replica(int64_t rank, int64_t num_replicas) override { inner_->set_replica(rank, num_replicas); }
   int64_t epoch_samples() const override { return position_ ? position_->epoch_samples() : -1; }
-  int64_t samples_consumed(int64_t batches) const override { return position_->samples_consumed(batches); }
+  int64_t samples_consumed(int64_t batches) const override {
+    return position_ ? position_->samples_consumed(batches) : -1;
+  }
   int64_t start_epoch_at_sample(int64_t epoch, int64_t consumed) override {
     return position_->start_epoch_at_sample(epoch, consumed);
   }

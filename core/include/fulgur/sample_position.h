@@ -19,14 +19,15 @@ class SamplePositionLoader {
  public:
   virtual ~SamplePositionLoader();
   /// Samples in an epoch's global order (all replicas together, before padding or dropping);
-  /// -1: this loader cannot say where an epoch stands in samples (a streaming dataset).
+  /// -1: not known before the epoch is read (a stream dealt round robin, as TarShards).
   virtual int64_t epoch_samples() const = 0;
   /// Samples of the current epoch's global order consumed once every replica has handed out
-  /// `batches` batches since the epoch (or its remainder) started, at most epoch_samples().
+  /// `batches` batches since the epoch (or its remainder) started, at most epoch_samples();
+  /// -1: this loader cannot say where an epoch stands in samples (a stream that splits itself).
   virtual int64_t samples_consumed(int64_t batches) const = 0;
   /// Starts `epoch` with the first `consumed` samples of its global order already seen (by any
   /// number of replicas) and deals the rest to this loader's replicas as a whole epoch is dealt.
-  /// Returns the number of batches this replica hands out.
+  /// Returns the number of batches this replica hands out, -1 for a stream (until it ends).
   virtual int64_t start_epoch_at_sample(int64_t epoch, int64_t consumed) = 0;
 };
 

@@ -26,12 +26,15 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <cstdlib>
 #include <mutex>
 #include <span>
 #include <sstream>
 #include <string_view>
+#include <thread>
 
 namespace fulgur::detail {
 
@@ -405,30 +408,90 @@ class C10dCommunicator final : public Communicator, public CommunicatorGroups {
   bool failed_ = false;
 };
 
-// torchrun's agent serves the store itself and keeps it across the restarts of --max-restarts:
-// every rank is a client, and each attempt's keys live under their own prefix, or a restarted
-// group would meet the previous attempt's addresses (torch.distributed's env:// does the same).
+// torchrun's agent serves a store itself (TORCHELASTIC_USE_AGENT_STORE=True, torch's default) and
+// keeps it for its whole life: keys of an earlier group are still there when the group re-forms,
+// and no prefix tells the groups apart (TORCHELASTIC_RESTART_COUNT is counted per agent, and a
+// group re-formed for a node that joined is no restart at all; pytorch/pytorch#135712). So the
+// agent's store only carries where rank 0 of this group serves a store of its own, fresh for the
+// group, as without the agent store: an address left by a dead group is refused or answers with
+// another nonce, and is read again until this group's rank 0 has written its own.
 bool torchelastic_agent_store() {
   const char* v = std::getenv("TORCHELASTIC_USE_AGENT_STORE");
   return v && std::string_view(v) == "True";
 }
 
-c10::intrusive_ptr<c10d::Store> attempt_store(c10::intrusive_ptr<c10d::Store> store) {
-  if (!torchelastic_agent_store()) return store;
-  const char* attempt = std::getenv("TORCHELASTIC_RESTART_COUNT");
-  return c10::make_intrusive<c10d::PrefixStore>(fmt::format("/worker/attempt_{}", attempt ? attempt : "0"),
-                                                std::move(store));
+std::vector<uint8_t> bytes(const std::string& s) { return {s.begin(), s.end()}; }
+
+c10::intrusive_ptr<c10d::Store> store_beside_agent_store(const ClusterInfo& cluster,
+                                                         const CommunicatorOptions& options) {
+  constexpr const char* kAddress = "/worker/fulgur/group_store";
+  auto client_options = [](uint16_t port, std::chrono::milliseconds timeout) {
+    c10d::TCPStoreOptions o;
+    o.port = port;
+    o.isServer = false;
+    o.waitWorkers = false;
+    o.timeout = timeout;
+    return o;
+  };
+  auto agent = c10::make_intrusive<c10d::TCPStore>(
+      cluster.master_addr, client_options(static_cast<uint16_t>(cluster.master_port), options.timeout));
+  if (cluster.global_rank == 0) {
+    c10d::TCPStoreOptions own;
+    own.port = 0;  // any free port
+    own.isServer = true;
+    own.numWorkers = static_cast<size_t>(cluster.world_size);
+    own.waitWorkers = false;
+    own.timeout = options.timeout;
+    auto store = c10::make_intrusive<c10d::TCPStore>(cluster.master_addr, own);
+    const std::string nonce =
+        fmt::format("{}-{}", ::getpid(), std::chrono::steady_clock::now().time_since_epoch().count());
+    store->set("fulgur/nonce", bytes(nonce));
+    agent->set(kAddress, bytes(fmt::format("{} {}", store->getPort(), nonce)));
+    return store;
+  }
+  const auto deadline = std::chrono::steady_clock::now() + options.timeout;
+  std::string last_error = "no address published yet";
+  while (true) {
+    const std::vector<uint8_t> published = agent->get(kAddress);  // waits for the first group's rank 0
+    std::istringstream in(std::string(published.begin(), published.end()));
+    int port = 0;
+    std::string nonce;
+    in >> port >> nonce;
+    try {
+      auto store = c10::make_intrusive<c10d::TCPStore>(
+          cluster.master_addr, client_options(static_cast<uint16_t>(port), std::chrono::milliseconds(2000)));
+      const std::vector<uint8_t> answer = store->get("fulgur/nonce");
+      if (std::string(answer.begin(), answer.end()) == nonce) {
+        store->setTimeout(options.timeout);
+        return store;
+      }
+      last_error = fmt::format("the store at port {} belongs to another group", port);
+    } catch (const std::exception& e) {
+      last_error = e.what();  // a dead group's address
+    }
+    if (std::chrono::steady_clock::now() > deadline)
+      throw Error(ErrorKind::distributed,
+                  fmt::format("rank {} of {} found no store of this group's rank 0 through torchrun's agent store at "
+                              "{}:{} within {} s (last: {}); is rank 0 running?",
+                              cluster.global_rank, cluster.world_size, cluster.master_addr, cluster.master_port,
+                              std::chrono::duration_cast<std::chrono::seconds>(options.timeout).count(),
+                              first_line(last_error)));
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  }
 }
 
 c10::intrusive_ptr<c10d::Store> rendezvous(const ClusterInfo& cluster, const CommunicatorOptions& options) {
   c10d::TCPStoreOptions store_options;  // fields assigned one by one: torch appends new ones
   store_options.port = static_cast<uint16_t>(cluster.master_port);
-  store_options.isServer = cluster.global_rank == 0 && !torchelastic_agent_store();
+  store_options.isServer = cluster.global_rank == 0;
   store_options.numWorkers = static_cast<size_t>(cluster.world_size);
   store_options.waitWorkers = true;
   store_options.timeout = options.timeout;
   try {
-    return attempt_store(c10::make_intrusive<c10d::TCPStore>(cluster.master_addr, store_options));
+    if (torchelastic_agent_store()) return store_beside_agent_store(cluster, options);
+    return c10::make_intrusive<c10d::TCPStore>(cluster.master_addr, store_options);
+  } catch (const Error&) {
+    throw;
   } catch (const std::exception& e) {
     const auto* c10_error = dynamic_cast<const c10::Error*>(&e);
     const std::string cause = first_line(c10_error ? c10_error->what_without_backtrace() : e.what());

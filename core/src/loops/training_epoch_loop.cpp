@@ -152,7 +152,7 @@ void TrainingEpochLoop::start_epoch(BatchLoader& train, int64_t skip) {
   // order is epoch 0's: a BatchLoader takes no request to stop shuffling.
   const int64_t epoch = t.trainer_config_.overfit ? 0 : position_.epoch;
   positions_ = sample_position_of(train);
-  if (positions_ && positions_->epoch_samples() < 0) positions_ = nullptr;  // a stream: no global order
+  if (positions_ && positions_->samples_consumed(0) < 0) positions_ = nullptr;  // a stream split its own way
   const int64_t replicas = loader_replicas();
   const int64_t saved_samples = resume_samples_, saved_replicas = resume_replicas_, saved_from = resume_dealt_from_;
   const int64_t saved_per_step = resume_samples_per_step_;
@@ -181,15 +181,17 @@ void TrainingEpochLoop::start_epoch(BatchLoader& train, int64_t skip) {
     const int64_t left_batches = positions_->start_epoch_at_sample(epoch, saved_samples);
     loader_batch_base_ = skip;
     dealt_from_ = saved_samples;
-    epoch_end_batch_ = skip + left_batches;
-    if (num_batches_ >= 0 && num_batches_ < train.num_batches())  // limit_train_batches: per rank, as before
+    epoch_end_batch_ = left_batches < 0 ? -1 : skip + left_batches;  // -1: a stream, until it ends
+    if (num_batches_ >= 0 && num_batches_ < train.num_batches())     // limit_train_batches: per rank, as before
       epoch_end_batch_ = std::min(epoch_end_batch_, std::max(skip, num_batches_));
   }
   if (skip > 0 && t.global_rank() == 0) {
     const int64_t consumed = redeal ? saved_samples : positions_ ? positions_->samples_consumed(skip) : -1;
     const std::string remain =
-        consumed >= 0 ? fmt::format("{} samples of this epoch remain", positions_->epoch_samples() - consumed)
-                      : "this loader does not say how many samples of this epoch remain";
+        consumed < 0 ? "this loader does not say how many samples of this epoch remain"
+        : positions_->epoch_samples() < 0
+            ? fmt::format("the stream goes on from its sample {} (its length is not known)", consumed)
+            : fmt::format("{} samples of this epoch remain", positions_->epoch_samples() - consumed);
     spdlog::info("resumed at step {} of epoch {} with {} processes (was {}); {}", position_.global_step,
                  position_.epoch, replicas, saved_replicas > 0 ? saved_replicas : replicas, remain);
     const int64_t per_step = samples_per_batch_ * t.trainer_config_.accumulate_grad_batches;
