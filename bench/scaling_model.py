@@ -249,7 +249,8 @@ def gloo_prediction(calib, gloo, n, cores):
     by the bench; the formula where a side has no measurement) at the measured Gloo bandwidth, plus
     the measured latency per collective. No overlap: with one thread per rank on as many cores, no
     core is free to run Gloo's threads next to the compute."""
-    single_ms = calib["single"]["step_ms"]
+    singles = [r["step_ms"] for r in calib["results"].get("fulgur-single") or []] or [calib["single"]["step_ms"]]
+    single_ms = statistics.median(singles)
     params = calib["params"]
     L = calib["args"]["n_layer"]
     g = gloo[str(n)]

@@ -37,6 +37,7 @@ FULGUR_SIDES = {"fulgur-ddp": ("ddp", None), "fulgur-z1": ("fsdp", 1), "fulgur-z
 LIGHTNING_SIDES = {"lightning-ddp": "ddp", "lightning-fsdp-full": "fsdp_full",
                    "lightning-fsdp-grad-op": "fsdp_grad_op"}
 LABELS = {
+    "fulgur-single": "Fulgur, 1 process (compute only)",
     "fulgur-ddp": "Fulgur ddp", "fulgur-z1": "Fulgur fsdp zero_stage 1", "fulgur-z2": "Fulgur fsdp zero_stage 2",
     "fulgur-z3": "Fulgur fsdp zero_stage 3", "lightning-ddp": "Lightning DDPStrategy",
     "lightning-fsdp-full": "Lightning FSDP2 FULL_SHARD", "lightning-fsdp-grad-op": "Lightning FSDP2 SHARD_GRAD_OP",
@@ -44,6 +45,7 @@ LABELS = {
 # Fulgur side -> the Lightning side it is compared with (ZeRO-1 has no Lightning counterpart: ddp).
 PAIRS = [("fulgur-ddp", "lightning-ddp"), ("fulgur-z1", "lightning-ddp"), ("fulgur-z2", "lightning-fsdp-grad-op"),
          ("fulgur-z3", "lightning-fsdp-full")]
+NOVOTE = "-novote"  # suffix of a Fulgur side: FULGUR_SIGNAL_VOTE_EVERY=0
 STEP_RE = re.compile(r"^FULGUR_STEP rank=(\d+) step=(\d+) t=([\d.]+) loss=([-\d.eE+naif]+) wchar=(-?\d+) "
                      r"rss_kib=(\d+) minflt=(\d+)", re.M)
 
@@ -110,6 +112,10 @@ def command(args, side, root):
                FULGUR_LOG_LEVEL=os.environ.get("FULGUR_LOG_LEVEL", "warn"))
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
+    if side.endswith(NOVOTE):
+        # The same Fulgur side without the per-batch signal vote (a measurement switch).
+        env["FULGUR_SIGNAL_VOTE_EVERY"] = "0"
+        side = side[: -len(NOVOTE)]
     if side in FULGUR_SIDES:
         strategy, stage = FULGUR_SIDES[side]
         path = os.path.join(root, "bench.toml")
@@ -191,7 +197,9 @@ def main():
     p.add_argument("--fulgur", required=True, help="build/bin/fulgur")
     p.add_argument("--build", required=True, help="the build directory (its bench-plugins/ holds bench_step_probe)")
     p.add_argument("--runs", type=int, default=3, help="interleaved runs per side (default 3)")
-    p.add_argument("--sides", default=",".join(list(FULGUR_SIDES) + list(LIGHTNING_SIDES)))
+    p.add_argument("--sides", default=",".join(["fulgur-single"] + list(FULGUR_SIDES) + list(LIGHTNING_SIDES)),
+                   help="fulgur-single, fulgur-ddp, fulgur-z1..3, lightning-ddp, lightning-fsdp-full, "
+                        "lightning-fsdp-grad-op; a Fulgur side + '-novote' runs it with FULGUR_SIGNAL_VOTE_EVERY=0")
     p.add_argument("--ranks", type=int, default=2)
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--warmup", type=int, default=5, help="steps left out of the step time")
@@ -213,7 +221,10 @@ def main():
     args.build = os.path.abspath(args.build)
     sides = [s for s in args.sides.split(",") if s]
     for s in sides:
-        if s not in FULGUR_SIDES and s not in LIGHTNING_SIDES:
+        if s.endswith(NOVOTE) and s[: -len(NOVOTE)] in FULGUR_SIDES:
+            LABELS[s] = LABELS[s[: -len(NOVOTE)]] + ", no signal vote"
+            continue
+        if s not in FULGUR_SIDES and s not in LIGHTNING_SIDES and s != "fulgur-single":
             p.error(f"unknown side '{s}'; choose from {', '.join(list(FULGUR_SIDES) + list(LIGHTNING_SIDES))}")
 
     root = tempfile.mkdtemp(prefix="fulgur-distributed-")
@@ -277,7 +288,8 @@ def report(args, sides, results, errors, single, params, load_before, load_after
           f"batch {args.batch_size} per rank, float32, AdamW, {args.steps} steps (step time over steps "
           f"{args.warmup + 1}–{args.steps}), 1 thread per rank, {os.cpu_count()} CPUs, load average "
           f"{load_before[0]:.1f} before / {load_after[0]:.1f} after, {args.runs} interleaved run(s), {seconds:.0f} s. "
-          f"One process, one thread (compute only): {single['step_ms']:.1f} ms/step. Median (min–max) over runs.\n")
+          f"Median (min–max) over runs. '− 1 process': the median step minus the median step of one process "
+          f"with one thread doing one rank's work (what communication and sharing the cores add).\n")
     # Same work first.
     ref_side = "fulgur-ddp" if results.get("fulgur-ddp") else next((s for s in sides if results.get(s)), None)
     agree = {}
@@ -285,7 +297,7 @@ def report(args, sides, results, errors, single, params, load_before, load_after
         ref = results[ref_side][0]["ranks"]
         k = args.check_steps
         for s in sides:
-            if not results.get(s):
+            if not results.get(s) or s == "fulgur-single":  # one rank reads other windows
                 continue
             diff = max(abs(a - b) for res in results[s] for r in ref
                        for a, b in zip(res["ranks"][r]["losses"][:k], ref[r]["losses"][:k]))
@@ -298,18 +310,21 @@ def report(args, sides, results, errors, single, params, load_before, load_after
     for s in sides:
         if s in agree and s not in ok:
             print(f"**{LABELS[s]}: losses differ by {agree[s]:.2e} > {args.tolerance}: not the same work, no ratio.**\n")
-    print("| side | ms/step | peak RSS MiB per rank (max over ranks) | page faults per rank | MB sent/step/rank "
-          "measured | formula | start to first step s |")
-    print("|---|---|---|---|---|---|---|")
+    singles = [r["step_ms"] for r in results.get("fulgur-single") or []] or [single["step_ms"]]
+    single_ms = statistics.median(singles)
+    print("| side | ms/step | − 1 process ms | peak RSS MiB per rank (max over ranks) | page faults per rank | "
+          "MB sent/step/rank measured | formula | start to first step s |")
+    print("|---|---|---|---|---|---|---|---|")
     for s in sides:
         runs = results.get(s)
         if not runs:
-            print(f"| {LABELS[s]} | failed: {errors.get(s, 'no run')[:80]} | | | | | |")
+            print(f"| {LABELS[s]} | failed: {errors.get(s, 'no run')[:80]} | | | | | | |")
             continue
         rss = [max(v["rss_mib"] for v in r["ranks"].values()) for r in runs]
         flt = [max(v["minflt"] for v in r["ranks"].values()) for r in runs]
         sent = [statistics.mean(v["bytes_per_step"] for v in r["ranks"].values()) for r in runs]
-        print(f"| {LABELS[s]} | {fmt_range([r['step_ms'] for r in runs])} | {fmt_range(rss, 0)} | "
+        print(f"| {LABELS[s]} | {fmt_range([r['step_ms'] for r in runs])} | "
+              f"{statistics.median(r['step_ms'] for r in runs) - single_ms:+.1f} | {fmt_range(rss, 0)} | "
               f"{fmt_range(flt, 0)} | {fmt_range(sent, 3, 1e-6)} | {formula_bytes(s, params, n) / 1e6:.3f} "
               f"({FORMULA_TEXT.get(s, '')}) | {fmt_range([r['first_step_s'] for r in runs], 1)} |")
     print("\n| Fulgur ÷ Lightning | step time | peak RSS (max rank) | start to first step |")
@@ -324,6 +339,16 @@ def report(args, sides, results, errors, single, params, load_before, load_after
                for a, b in zip(fr, lr)]
         print(f"| {LABELS[f]} ÷ {LABELS[l]} | {fmt_range(ratio('step_ms'), 2)} | {fmt_range(rss, 2)} | "
               f"{fmt_range(ratio('first_step_s'), 2)} |")
+    votes = [s for s in sides if s.endswith(NOVOTE) and results.get(s) and results.get(s[: -len(NOVOTE)])]
+    if votes:
+        print("\n| signal vote (one asynchronous 8-byte max-all-reduce per batch) | step time with ÷ without | "
+              "ms/step with − without |")
+        print("|---|---|---|")
+        for s in votes:
+            with_vote, without = results[s[: -len(NOVOTE)]], results[s]
+            print(f"| {LABELS[s[: -len(NOVOTE)]]} | "
+                  f"{fmt_range([a['step_ms'] / b['step_ms'] for a, b in zip(with_vote, without)], 3)} | "
+                  f"{fmt_range([a['step_ms'] - b['step_ms'] for a, b in zip(with_vote, without)], 1)} |")
 
 
 if __name__ == "__main__":
