@@ -1,10 +1,12 @@
 // bench_step_probe: a callback plugin for bench/distributed.sh. After every training batch it
 // prints one line to stderr on every rank:
-//   FULGUR_STEP rank=R step=I t=SECONDS loss=L wchar=BYTES rss_kib=KIB minflt=N
+//   FULGUR_STEP rank=R step=I t=SECONDS loss=L wchar=BYTES rss_kib=KIB minflt=N cpu=SECONDS
 // t is CLOCK_MONOTONIC (std::chrono::steady_clock, Python's time.monotonic()), so the driver
 // measures start-to-first-step against the moment it started the process; wchar is the bytes this
 // process has passed to write(2)/writev(2) (/proc/self/io), which on Gloo is the bytes it sent on
-// its sockets (Gloo's TCP pairs write with writev); rss_kib and minflt are getrusage(RUSAGE_SELF).
+// its sockets (Gloo's TCP pairs write with writev); rss_kib, minflt and cpu (user + system time of
+// all its threads) are getrusage(RUSAGE_SELF). CPU time per step is what a shared, loaded machine
+// distorts least: wall time there depends on what else runs.
 // The Lightning side (bench/python/gpt_lightning.py) prints the same line from a Callback.
 // With save_init set, rank 0 also writes the model's parameters as they are before the first step
 // to that .safetensors file (the Python model loads them: the same initial weights on both sides).
@@ -31,6 +33,8 @@ long long proc_io_wchar() {
   return -1;
 }
 
+double seconds(const timeval& tv) { return static_cast<double>(tv.tv_sec) + 1e-6 * static_cast<double>(tv.tv_usec); }
+
 class StepProbe final : public fulgur::CallbackBase<StepProbe> {
  public:
   FULGUR_OPTIONS(Options,
@@ -50,8 +54,9 @@ class StepProbe final : public fulgur::CallbackBase<StepProbe> {
     rusage ru{};
     ::getrusage(RUSAGE_SELF, &ru);
     const std::string line =
-        fmt::format("FULGUR_STEP rank={} step={} t={:.6f} loss={:.8f} wchar={} rss_kib={} minflt={}\n",
-                    trainer.cluster().global_rank, step_++, t, loss, proc_io_wchar(), ru.ru_maxrss, ru.ru_minflt);
+        fmt::format("FULGUR_STEP rank={} step={} t={:.6f} loss={:.8f} wchar={} rss_kib={} minflt={} cpu={:.6f}\n",
+                    trainer.cluster().global_rank, step_++, t, loss, proc_io_wchar(), ru.ru_maxrss, ru.ru_minflt,
+                    seconds(ru.ru_utime) + seconds(ru.ru_stime));
     std::fputs(line.c_str(), stderr);
   }
 

@@ -47,7 +47,7 @@ PAIRS = [("fulgur-ddp", "lightning-ddp"), ("fulgur-z1", "lightning-ddp"), ("fulg
          ("fulgur-z3", "lightning-fsdp-full")]
 NOVOTE = "-novote"  # suffix of a Fulgur side: FULGUR_SIGNAL_VOTE_EVERY=0
 STEP_RE = re.compile(r"^FULGUR_STEP rank=(\d+) step=(\d+) t=([\d.]+) loss=([-\d.eE+naif]+) wchar=(-?\d+) "
-                     r"rss_kib=(\d+) minflt=(\d+)", re.M)
+                     r"rss_kib=(\d+) minflt=(\d+) cpu=([\d.]+)", re.M)
 
 
 def toml_text(args, root, strategy, stage, devices, save_init=""):
@@ -149,7 +149,7 @@ def run_one(args, side, root):
         r = int(m.group(1))
         ranks.setdefault(r, []).append({"step": int(m.group(2)), "t": float(m.group(3)), "loss": float(m.group(4)),
                                         "wchar": int(m.group(5)), "rss_kib": int(m.group(6)),
-                                        "minflt": int(m.group(7))})
+                                        "minflt": int(m.group(7)), "cpu": float(m.group(8))})
     want = 1 if side == "fulgur-single" else args.ranks
     if p.returncode != 0 or len(ranks) != want or any(len(v) != args.steps for v in ranks.values()):
         tail = "\n".join(l for l in text.splitlines() if "FULGUR_STEP" not in l)[-1500:]
@@ -160,10 +160,13 @@ def run_one(args, side, root):
         steps.sort(key=lambda s: s["step"])
         dts = [b["t"] - a["t"] for a, b in zip(steps[w:], steps[w + 1:])]
         sent = [b["wchar"] - a["wchar"] for a, b in zip(steps[w:], steps[w + 1:])]
+        cpu = [b["cpu"] - a["cpu"] for a, b in zip(steps[w:], steps[w + 1:])]
         res["ranks"][r] = {"step_ms": 1000 * statistics.median(dts), "bytes_per_step": statistics.median(sent),
+                           "cpu_ms": 1000 * statistics.mean(cpu),
                            "rss_mib": steps[-1]["rss_kib"] / 1024, "minflt": steps[-1]["minflt"],
                            "first_step_s": steps[0]["t"] - start, "losses": [s["loss"] for s in steps]}
     res["step_ms"] = res["ranks"][0]["step_ms"]
+    res["cpu_ms"] = statistics.mean(v["cpu_ms"] for v in res["ranks"].values())
     res["first_step_s"] = max(v["first_step_s"] for v in res["ranks"].values())
     return res
 
@@ -312,23 +315,24 @@ def report(args, sides, results, errors, single, params, load_before, load_after
             print(f"**{LABELS[s]}: losses differ by {agree[s]:.2e} > {args.tolerance}: not the same work, no ratio.**\n")
     singles = [r["step_ms"] for r in results.get("fulgur-single") or []] or [single["step_ms"]]
     single_ms = statistics.median(singles)
-    print("| side | ms/step | − 1 process ms | peak RSS MiB per rank (max over ranks) | page faults per rank | "
-          "MB sent/step/rank measured | formula | start to first step s |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| side | ms/step | − 1 process ms | CPU ms/step/rank | peak RSS MiB per rank (max over ranks) | "
+          "page faults per rank | MB sent/step/rank measured | formula | start to first step s |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for s in sides:
         runs = results.get(s)
         if not runs:
-            print(f"| {LABELS[s]} | failed: {errors.get(s, 'no run')[:80]} | | | | | | |")
+            print(f"| {LABELS[s]} | failed: {errors.get(s, 'no run')[:80]} | | | | | | | |")
             continue
         rss = [max(v["rss_mib"] for v in r["ranks"].values()) for r in runs]
         flt = [max(v["minflt"] for v in r["ranks"].values()) for r in runs]
         sent = [statistics.mean(v["bytes_per_step"] for v in r["ranks"].values()) for r in runs]
         print(f"| {LABELS[s]} | {fmt_range([r['step_ms'] for r in runs])} | "
-              f"{statistics.median(r['step_ms'] for r in runs) - single_ms:+.1f} | {fmt_range(rss, 0)} | "
+              f"{statistics.median(r['step_ms'] for r in runs) - single_ms:+.1f} | "
+              f"{fmt_range([r['cpu_ms'] for r in runs])} | {fmt_range(rss, 0)} | "
               f"{fmt_range(flt, 0)} | {fmt_range(sent, 3, 1e-6)} | {formula_bytes(s, params, n) / 1e6:.3f} "
               f"({FORMULA_TEXT.get(s, '')}) | {fmt_range([r['first_step_s'] for r in runs], 1)} |")
-    print("\n| Fulgur ÷ Lightning | step time | peak RSS (max rank) | start to first step |")
-    print("|---|---|---|---|")
+    print("\n| Fulgur ÷ Lightning | step time | CPU time per step | peak RSS (max rank) | start to first step |")
+    print("|---|---|---|---|---|")
     for f, l in PAIRS:
         if f not in ok or l not in ok or not results.get(f) or not results.get(l):
             continue
@@ -337,18 +341,20 @@ def report(args, sides, results, errors, single, params, load_before, load_after
         ratio = lambda key: [a[key] / b[key] for a, b in zip(fr, lr)]
         rss = [max(v["rss_mib"] for v in a["ranks"].values()) / max(v["rss_mib"] for v in b["ranks"].values())
                for a, b in zip(fr, lr)]
-        print(f"| {LABELS[f]} ÷ {LABELS[l]} | {fmt_range(ratio('step_ms'), 2)} | {fmt_range(rss, 2)} | "
+        print(f"| {LABELS[f]} ÷ {LABELS[l]} | {fmt_range(ratio('step_ms'), 2)} | {fmt_range(ratio('cpu_ms'), 2)} | "
+              f"{fmt_range(rss, 2)} | "
               f"{fmt_range(ratio('first_step_s'), 2)} |")
     votes = [s for s in sides if s.endswith(NOVOTE) and results.get(s) and results.get(s[: -len(NOVOTE)])]
     if votes:
         print("\n| signal vote (one asynchronous 8-byte max-all-reduce per batch) | step time with ÷ without | "
-              "ms/step with − without |")
-        print("|---|---|---|")
+              "ms/step with − without | CPU ms/step/rank with − without |")
+        print("|---|---|---|---|")
         for s in votes:
             with_vote, without = results[s[: -len(NOVOTE)]], results[s]
             print(f"| {LABELS[s[: -len(NOVOTE)]]} | "
                   f"{fmt_range([a['step_ms'] / b['step_ms'] for a, b in zip(with_vote, without)], 3)} | "
-                  f"{fmt_range([a['step_ms'] - b['step_ms'] for a, b in zip(with_vote, without)], 1)} |")
+                  f"{fmt_range([a['step_ms'] - b['step_ms'] for a, b in zip(with_vote, without)], 1)} | "
+                  f"{fmt_range([a['cpu_ms'] - b['cpu_ms'] for a, b in zip(with_vote, without)], 2)} |")
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ generator seeded seed + epoch, padded and dealt rank::world_size exactly as Fulg
 distributed_sampler; batches of batch_size, the last one dropped), the same optimizer (AdamW, decay
 on Linear weights only, constant learning rate) and no clipping, no validation, no logger, no
 checkpoint. After every training batch every rank prints the line bench_step_probe prints:
-  FULGUR_STEP rank=R step=I t=SECONDS loss=L wchar=BYTES rss_kib=KIB minflt=N
+  FULGUR_STEP rank=R step=I t=SECONDS loss=L wchar=BYTES rss_kib=KIB minflt=N cpu=SECONDS
 
   python gpt_lightning.py --strategy ddp|fsdp_full|fsdp_grad_op|single --tokens train.bin --init init.safetensors
 """
@@ -144,7 +144,8 @@ def main():
             ru = resource.getrusage(resource.RUSAGE_SELF)
             sys.stderr.write(
                 f"FULGUR_STEP rank={trainer.global_rank} step={self.step} t={time.monotonic():.6f} "
-                f"loss={float(loss):.8f} wchar={proc_wchar()} rss_kib={ru.ru_maxrss} minflt={ru.ru_minflt}\n")
+                f"loss={float(loss):.8f} wchar={proc_wchar()} rss_kib={ru.ru_maxrss} minflt={ru.ru_minflt} "
+                f"cpu={ru.ru_utime + ru.ru_stime:.6f}\n")
             sys.stderr.flush()
             self.step += 1
 
