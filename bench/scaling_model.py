@@ -210,19 +210,26 @@ def gloo_worker():
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank, n = dist.get_rank(), dist.get_world_size()
-    out = {}
+    import resource
+
+    def cpu():
+        ru = resource.getrusage(resource.RUSAGE_SELF)
+        return ru.ru_utime + ru.ru_stime
+
+    out, cpu_out = {}, {}
     for size in GLOO_SIZES:
         x = torch.zeros(size // 4)
         for _ in range(3):
             dist.all_reduce(x)
         reps = 50 if size <= 65536 else 10
         dist.barrier()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), cpu()
         for _ in range(reps):
             dist.all_reduce(x)
         out[size] = (time.perf_counter() - t0) / reps
+        cpu_out[size] = (cpu() - c0) / reps
     if rank == 0:
-        print("GLOO " + json.dumps({"ranks": n, "allreduce_s": out}), flush=True)
+        print("GLOO " + json.dumps({"ranks": n, "allreduce_s": out, "allreduce_cpu_s": cpu_out}), flush=True)
     dist.destroy_process_group()
 
 
@@ -235,12 +242,19 @@ def measure_gloo(n, python):
     line = next(l for l in outs[0].splitlines() if l.startswith("GLOO "))
     res = json.loads(line[5:])
     times = {int(k): v for k, v in res["allreduce_s"].items()}
-    # Fit t = a + (2(N-1)/N) S / bw by least squares over the sizes.
-    xs = [2 * (n - 1) / n * s for s in times]
-    ys = list(times.values())
-    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
-    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
-    return {"ranks": n, "latency_s": times[8], "bandwidth_Bps": 1 / slope, "allreduce_s": times}
+    cpu = {int(k): v for k, v in res["allreduce_cpu_s"].items()}
+    # Fit t = a + (2(N-1)/N) S / bw (bytes each rank sends) by least squares over the sizes; the
+    # CPU time of rank 0 the same way: CPU seconds per collective and per byte sent.
+    def fit(values):
+        xs = [2 * (n - 1) / n * s for s in values]
+        ys = list(values.values())
+        mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+        slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+        return my - slope * mx, slope
+    _, slope = fit(times)
+    cpu0, cpu_slope = fit(cpu)
+    return {"ranks": n, "latency_s": times[8], "bandwidth_Bps": 1 / slope, "allreduce_s": times,
+            "cpu_per_collective_s": max(cpu0, cpu[8]), "cpu_per_byte_s": max(cpu_slope, 0.0), "allreduce_cpu_s": cpu}
 
 
 def gloo_prediction(calib, gloo, n, cores):
@@ -262,12 +276,14 @@ def gloo_prediction(calib, gloo, n, cores):
         "lightning-fsdp-grad-op": (2 * f, 2 * (L + 1)), "fulgur-z3": (3 * f, 3 * (L + 1)),
         "lightning-fsdp-full": (3 * f, 3 * (L + 1)),
     }
+    single_cpu = statistics.median(r["cpu_ms"] for r in calib["results"].get("fulgur-single") or [calib["single"]])
     out = {}
     for side, (formula, collectives) in sides.items():
         runs = calib["results"].get(side) or []
         sent = [statistics.mean(v["bytes_per_step"] for v in r["ranks"].values()) for r in runs]
         b = statistics.median(sent) if sent else formula
-        out[side] = 1e3 * (compute + b / bw + collectives * lat)
+        cpu = single_cpu + 1e3 * (b * g["cpu_per_byte_s"] + collectives * g["cpu_per_collective_s"])
+        out[side] = (1e3 * (compute + b / bw + collectives * lat), cpu)
     return out
 
 
@@ -287,7 +303,8 @@ def main():
         res = {n: measure_gloo(n, sys.executable) for n in (2, 3)}
         for n, r in res.items():
             print(f"Gloo, {n} ranks on {os.cpu_count()} CPUs: latency (8-byte all-reduce) {r['latency_s'] * 1e6:.0f} us, "
-                  f"bus bandwidth {r['bandwidth_Bps'] / 1e9:.2f} GB/s; " +
+                  f"bandwidth {r['bandwidth_Bps'] / 1e9:.2f} GB/s per rank sent; CPU {r['cpu_per_collective_s'] * 1e6:.0f} us "
+                  f"per collective + {r['cpu_per_byte_s'] * 1e9:.2f} ns per byte sent; " +
                   ", ".join(f"{s} B: {t * 1e6:.0f} us" for s, t in r["allreduce_s"].items()))
         if args.out:
             with open(args.out, "w") as f:
@@ -298,8 +315,9 @@ def main():
             sys.exit("--calibration needs --gloo (the figures of --measure-gloo --out)")
         with open(args.gloo) as f:
             gloo = json.load(f)
-        print("| ranks | side | predicted ms/step | measured ms/step (median) | predicted ÷ measured |")
-        print("|---|---|---|---|---|")
+        print("| ranks | side | predicted ms/step (idle machine) | measured ms/step, median (range) | ÷ | "
+              "predicted CPU ms/step/rank | measured CPU ms/step/rank | ÷ |")
+        print("|---|---|---|---|---|---|---|---|")
         for path in args.calibration:
             with open(path) as f:
                 calib = json.load(f)
@@ -308,8 +326,12 @@ def main():
             for side, runs in calib["results"].items():
                 if not runs or side not in pred:
                     continue
-                measured = sorted(r["step_ms"] for r in runs)[len(runs) // 2]
-                print(f"| {n} | {side} | {pred[side]:.1f} | {measured:.1f} | {pred[side] / measured:.2f} |")
+                wall = [r["step_ms"] for r in runs]
+                cpu = statistics.median(r["cpu_ms"] for r in runs)
+                pw, pc = pred[side]
+                m = statistics.median(wall)
+                print(f"| {n} | {side} | {pw:.1f} | {m:.1f} ({min(wall):.1f}–{max(wall):.1f}) | {pw / m:.2f} | "
+                      f"{pc:.1f} | {cpu:.1f} | {pc / cpu:.2f} |")
         return
     table(H100, args.tokens_per_rank)
 
