@@ -183,6 +183,7 @@ def fmt_range(values, digits=1, scale=1.0):
 def formula_bytes(side, params, n):
     """Bytes a rank sends per step by the textbook algorithms (ring all-reduce 2(N-1)/N, all-gather
     and reduce-scatter (N-1)/N of the float32 parameters)."""
+    side = side[: -len(NOVOTE)] if side.endswith(NOVOTE) else side
     b = 4 * params * (n - 1) / n
     return {"fulgur-ddp": 2 * b, "lightning-ddp": 2 * b, "fulgur-z1": 3 * b, "fulgur-z2": 2 * b,
             "lightning-fsdp-grad-op": 2 * b, "fulgur-z3": 3 * b, "lightning-fsdp-full": 3 * b}.get(side, 0.0)
@@ -330,7 +331,7 @@ def report(args, sides, results, errors, single, params, load_before, load_after
               f"{statistics.median(r['step_ms'] for r in runs) - single_ms:+.1f} | "
               f"{fmt_range([r['cpu_ms'] for r in runs])} | {fmt_range(rss, 0)} | "
               f"{fmt_range(flt, 0)} | {fmt_range(sent, 3, 1e-6)} | {formula_bytes(s, params, n) / 1e6:.3f} "
-              f"({FORMULA_TEXT.get(s, '')}) | {fmt_range([r['first_step_s'] for r in runs], 1)} |")
+              f"({FORMULA_TEXT.get(s.removesuffix(NOVOTE), '')}) | {fmt_range([r['first_step_s'] for r in runs], 1)} |")
     print("\n| Fulgur ÷ Lightning | step time | CPU time per step | peak RSS (max rank) | start to first step |")
     print("|---|---|---|---|---|")
     for f, l in PAIRS:
