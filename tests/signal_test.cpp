@@ -186,6 +186,31 @@ TEST_CASE("signals: SIGTERM to one rank of a 2-process ddp run stops both at the
   CHECK(job::same_weights(dir / "ckpt" / "last.ckpt", ref / "ckpt" / "last.ckpt"));
 }
 
+TEST_CASE("signals: FULGUR_SIGNAL_VOTE_EVERY = 3 still stops both ranks of a ddp run, at the documented step") {
+  TempDir dir;
+  const fs::path plugins = job::plugin_dir(dir, {"signal-at-step"});
+  const std::string ddp = "strategy = \"ddp\"\ndevices = 2\n";
+  // Rank 1 receives SIGTERM at step 5. Votes start after steps 3, 6, 9, ... and each is read when
+  // the next starts: the one started after step 3 (no signal yet) is read after step 6, the one
+  // started after step 6 (rank 1 has the signal) after step 9: both ranks save step 9, within the
+  // documented 2N = 6 batches of the signal.
+  std::ofstream(dir / "job.toml") << job::toml(dir.path(), plugins, 1, 16, ddp,
+                                               signal_at(5, "SIGTERM", dir / "signalled", /*rank=*/1));
+  const ProcessRun stopped = job::run_example(dir / "job.toml", dir.path(), {{"FULGUR_SIGNAL_VOTE_EVERY", "3"}});
+  INFO(stopped.output);
+  REQUIRE(stopped.exit_code == 143);
+  CHECK(fs::exists(dir / "signalled.1"));
+  CHECK(!contains(stopped.output, "[fulgur launcher] rank 1"));
+  const fs::path interrupted = dir / "runs" / "interrupted.ckpt";
+  REQUIRE(fs::exists(interrupted));
+  CHECK(job::checkpoint_dict(interrupted).at("global_step").toInt() == 9);
+
+  // A value that is not a number is refused, named.
+  const ProcessRun bad = job::run_example(dir / "job.toml", dir.path(), {{"FULGUR_SIGNAL_VOTE_EVERY", "often"}});
+  CHECK(bad.exit_code != 0);
+  FULGUR_CHECK_CONTAINS(bad.output, "FULGUR_SIGNAL_VOTE_EVERY = 'often'");
+}
+
 TEST_CASE(
     "signals: under fsdp with sharded checkpoints, SIGTERM to one rank saves one checkpoint directory and "
     "ckpt_path = \"last\" resumes from it bit for bit") {

@@ -187,7 +187,35 @@ SignalScope::~SignalScope() {
 
 int signals::received() { return g_received.load(std::memory_order_relaxed); }
 
+namespace {
+
+// FULGUR_SIGNAL_VOTE_EVERY=N (default 1): vote after every N-th batch only, so a stop comes up to 2N
+// batches after the signal; 0: no vote mid-epoch, a measurement switch for bench/distributed.sh (a
+// signal then reaches only the signalled rank: not for real runs). Every rank reads the same
+// environment (launchers pass it on) and counts the same batches, so all vote at the same ones.
+int64_t vote_every() {
+  static const int64_t every = [] {
+    const char* text = std::getenv("FULGUR_SIGNAL_VOTE_EVERY");
+    if (text == nullptr || *text == '\0') return int64_t{1};
+    char* end = nullptr;
+    const long long n = std::strtoll(text, &end, 10);
+    if (*end != '\0' || n < 0)
+      throw Error(ErrorKind::config, fmt::format("FULGUR_SIGNAL_VOTE_EVERY = '{}': expected a whole number >= 0 "
+                                                 "(batches between signal votes; 0 = none, for measurements)",
+                                                 text));
+    return static_cast<int64_t>(n);
+  }();
+  return every;
+}
+
+// Batches this process has ended with several ranks (SignalVote::after_batch calls).
+int64_t g_vote_batches = 0;
+
+}  // namespace
+
 bool SignalVote::after_batch() {
+  const int64_t every = vote_every();
+  if (every == 0 || ++g_vote_batches % every != 0) return false;
   if (finish()) return true;
   ballot_ = at::full({1}, static_cast<int64_t>(signals::received()), at::TensorOptions().dtype(at::kLong));
   pending_ = communicator_->all_reduce_async(ballot_, ReduceOp::max);

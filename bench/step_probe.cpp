@@ -1,0 +1,71 @@
+// bench_step_probe: a callback plugin for bench/distributed.sh. After every training batch it
+// prints one line to stderr on every rank:
+//   FULGUR_STEP rank=R step=I t=SECONDS loss=L wchar=BYTES rss_kib=KIB minflt=N cpu=SECONDS
+// t is CLOCK_MONOTONIC (std::chrono::steady_clock, Python's time.monotonic()), so the driver
+// measures start-to-first-step against the moment it started the process; wchar is the bytes this
+// process has passed to write(2)/writev(2) (/proc/self/io), which on Gloo is the bytes it sent on
+// its sockets (Gloo's TCP pairs write with writev); rss_kib, minflt and cpu (user + system time of
+// all its threads) are getrusage(RUSAGE_SELF). CPU time per step is what a shared, loaded machine
+// distorts least: wall time there depends on what else runs.
+// The Lightning side (bench/python/gpt_lightning.py) prints the same line from a Callback.
+// With save_init set, rank 0 also writes the model's parameters as they are before the first step
+// to that .safetensors file (the Python model loads them: the same initial weights on both sides).
+#include <fulgur/plugin.h>
+#include <fulgur/weights.h>
+
+#include <fmt/format.h>
+#include <sys/resource.h>
+#include <torch/torch.h>
+
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <string>
+
+namespace {
+
+long long proc_io_wchar() {
+  std::ifstream in("/proc/self/io");
+  std::string key;
+  long long value = 0;
+  while (in >> key >> value)
+    if (key == "wchar:") return value;
+  return -1;
+}
+
+double seconds(const timeval& tv) { return static_cast<double>(tv.tv_sec) + 1e-6 * static_cast<double>(tv.tv_usec); }
+
+class StepProbe final : public fulgur::CallbackBase<StepProbe> {
+ public:
+  FULGUR_OPTIONS(Options,
+                 (string, save_init, "Rank 0 writes the initial parameters here (.safetensors); \"\" = no", "\"\""));
+
+  explicit StepProbe(const Options& options) : save_init_(options.save_init) {}
+
+  void on_train_start(fulgur::TrainerContext& trainer) override {
+    if (save_init_.empty() || !trainer.is_global_zero()) return;
+    fulgur::save_safetensors(fulgur::named_tensors(trainer.model()), save_init_, {{"format", "pt"}});
+  }
+
+  void on_train_batch_end(fulgur::TrainerContext& trainer, const fulgur::StepOutput& out, const fulgur::Batch&,
+                          int64_t) override {
+    const double loss = out.loss.defined() ? out.loss.detach().to(torch::kFloat64).item<double>() : 0.0;
+    const double t = std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+    rusage ru{};
+    ::getrusage(RUSAGE_SELF, &ru);
+    const std::string line =
+        fmt::format("FULGUR_STEP rank={} step={} t={:.6f} loss={:.8f} wchar={} rss_kib={} minflt={} cpu={:.6f}\n",
+                    trainer.cluster().global_rank, step_++, t, loss, proc_io_wchar(), ru.ru_maxrss, ru.ru_minflt,
+                    seconds(ru.ru_utime) + seconds(ru.ru_stime));
+    std::fputs(line.c_str(), stderr);
+  }
+
+ private:
+  std::string save_init_;
+  int64_t step_ = 0;
+};
+
+}  // namespace
+
+FULGUR_PLUGIN(StepProbe, "bench_step_probe", "1.0.0",
+              "bench/distributed.sh: per-step time, loss, bytes written and RSS of every rank on stderr")
