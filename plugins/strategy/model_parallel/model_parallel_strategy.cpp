@@ -134,26 +134,43 @@ class ModelParallelStrategy final : public fulgur::process_group::ProcessGroupSt
   }
 
   // ---- checkpoints (tensor_parallel_size > 1): each rank's shards in DCP's FSDP2 + TP layout ----
-
-  c10::IValue module_state_dict(torch::nn::Module& module) override {
-    if (!split()) return ProcessGroupStrategy::module_state_dict(module);
-    return fulgur::model_parallel::sharded_module_state(module, pieces_, coordinate(), placements_);
-  }
-
-  c10::IValue optimizer_state_dict(torch::optim::Optimizer& optimizer) override {
-    c10::IValue local = ProcessGroupStrategy::optimizer_state_dict(optimizer);
-    if (!split()) return local;
-    const auto position = std::find(optimizers_.begin(), optimizers_.end(), &optimizer);
-    return fulgur::model_parallel::sharded_optimizer_state(local, optimizer, position - optimizers_.begin(), pieces_,
-                                                           coordinate(), placements_);
-  }
+  // module_state_dict and optimizer_state_dict stay the default (this rank's tp shards, which the
+  // loaders below take back as they are); the layout is made when they are written.
 
   void save_checkpoint(const fulgur::CheckpointParts& parts, const std::string& path) override {
     if (!split()) {
       ProcessGroupStrategy::save_checkpoint(parts, path);
       return;
     }
-    fulgur::dcp::save(path, fulgur::join_checkpoint(parts), placements_, communicator_.get());
+    std::map<std::string, fulgur::dcp::Chunk> placements;
+    c10::IValue model_state = parts.model_state ? fulgur::model_parallel::sharded_module_state(
+                                                      *parts.model_state, pieces_, coordinate(), placements)
+                                                : c10::IValue();
+    std::vector<c10::IValue> optimizer_states;
+    if (parts.optimizer_states) {
+      if (!parts.optimizer_states->empty() && parts.optimizer_states->size() != optimizers_.size())
+        throw fulgur::Error(fulgur::ErrorKind::checkpoint,
+                            fmt::format("strategy 'model_parallel': cannot save '{}': {} optimizer states for {} "
+                                        "optimizers set up",
+                                        path, parts.optimizer_states->size(), optimizers_.size()));
+      for (size_t i = 0; i < parts.optimizer_states->size(); ++i) {
+        const c10::IValue& state = (*parts.optimizer_states)[i];
+        // LibTorch's own archive (Lion, Muon, LBFGS, ...): one opaque blob per rank, which rank 0
+        // alone would write; each tp rank's shard state would be lost.
+        if (state.isGenericDict() && state.toGenericDict().contains("fulgur_archive"))
+          throw fulgur::Error(fulgur::ErrorKind::checkpoint,
+                              fmt::format("strategy 'model_parallel': cannot save '{}': optimizer {} keeps its state "
+                                          "in one LibTorch archive, which cannot be split by tensor-parallel shard; "
+                                          "use Adam, AdamW or SGD with tensor_parallel_size > 1",
+                                          path, i));
+        optimizer_states.push_back(fulgur::model_parallel::sharded_optimizer_state(
+            (*parts.optimizer_states)[i], *optimizers_[i], static_cast<int64_t>(i), pieces_, coordinate(), placements));
+      }
+    }
+    fulgur::CheckpointParts layout = parts;
+    if (parts.model_state) layout.model_state = &model_state;
+    if (parts.optimizer_states) layout.optimizer_states = &optimizer_states;
+    fulgur::dcp::save(path, fulgur::join_checkpoint(layout), placements, communicator_.get());
   }
 
   // A DCP directory: only this rank's region of each split tensor is read, whatever (dp, tp) wrote
@@ -198,7 +215,6 @@ class ModelParallelStrategy final : public fulgur::process_group::ProcessGroupSt
   torch::nn::Module* module_ = nullptr;
   std::vector<torch::optim::Optimizer*> optimizers_;
   fulgur::model_parallel::Pieces pieces_;
-  std::map<std::string, fulgur::dcp::Chunk> placements_;  // of the save in progress
 };
 
 }  // namespace

@@ -146,6 +146,7 @@ Pieces find_pieces(torch::nn::Module& model, int64_t tp_rank) {
     }
   }
   for (const auto& item : model.named_parameters()) {
+    pieces.parameters.insert(item.key());
     auto found = pieces.by_tensor.find(item.value().unsafeGetTensorImpl());
     if (found == pieces.by_tensor.end()) continue;
     pieces.by_name[item.key()] = &found->second;
@@ -154,23 +155,27 @@ Pieces find_pieces(torch::nn::Module& model, int64_t tp_rank) {
   return pieces;
 }
 
-c10::IValue sharded_module_state(torch::nn::Module& model, const Pieces& pieces, const Coordinate& at,
+c10::IValue sharded_module_state(const c10::IValue& state, const Pieces& pieces, const Coordinate& at,
                                  std::map<std::string, dcp::Chunk>& placements) {
   placements.clear();
-  auto state = c10::impl::GenericDict(c10::StringType::get(), c10::AnyType::get());
-  for (const auto& item : model.named_parameters()) {
-    const at::Tensor value = item.value().detach();
-    if (value.dim() == 0) {  // a scalar: replicated, written by rank 0
-      state.insert(item.key(), value);
+  if (!state.isGenericDict()) return state;
+  const auto entries = state.toGenericDict();
+  auto out = c10::impl::GenericDict(entries.keyType(), entries.valueType());
+  for (const auto& entry : entries) {
+    const std::string name = entry.key().isString() ? entry.key().toStringRef() : std::string();
+    // Buffers, scalars and anything else: whole, written by rank 0.
+    if (!entry.value().isTensor() || entry.value().toTensor().dim() == 0 || !pieces.parameters.contains(name)) {
+      out.insert(entry.key(), entry.value());
       continue;
     }
-    if (auto part = chunk_of(value, piece_of(pieces, item.value()), at)) {
-      state.insert(item.key(), part->first);
-      placements["state_dict." + item.key()] = std::move(part->second);
+    const at::Tensor& value = entry.value().toTensor();
+    auto found = pieces.by_name.find(name);
+    if (auto part = chunk_of(value, found == pieces.by_name.end() ? nullptr : found->second, at)) {
+      out.insert(entry.key(), part->first);
+      placements["state_dict." + name] = std::move(part->second);
     }
   }
-  for (const auto& item : model.named_buffers()) state.insert(item.key(), item.value().detach());
-  return state;
+  return out;
 }
 
 c10::IValue sharded_optimizer_state(const c10::IValue& local, torch::optim::Optimizer& optimizer,

@@ -19,6 +19,7 @@
 #include <cstdint>
 #include <map>
 #include <optional>
+#include <set>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -40,6 +41,7 @@ struct Pieces {
   std::unordered_map<const void*, Piece> by_tensor;  // TensorImpl*
   std::map<std::string, const Piece*> by_name;
   std::vector<std::string> split_names;  // for messages and tests: which parameters are split
+  std::set<std::string> parameters;      // every parameter's name (the rest of a state dict: buffers)
 };
 
 /// Finds the split parameters of `model` (its ColumnParallelLinear, RowParallelLinear and
@@ -51,13 +53,16 @@ struct Coordinate {
   int64_t dp_rank = 0, dp_size = 1, tp_rank = 0;
 };
 
-/// The model state to write: split parameters as this rank's chunk (placements recorded under
-/// "state_dict.<name>"), replicated ones chunked over dp on tp rank 0, buffers whole (rank 0).
-c10::IValue sharded_module_state(torch::nn::Module& model, const Pieces& pieces, const Coordinate& at,
+/// The model state to write, from `state` (the module's state as this rank holds it): each
+/// parameter as this rank's chunk (placements, made anew, recorded under "state_dict.<name>"):
+/// split ones their dp rows of the tp shard, replicated ones their dp rows on tp rank 0 only;
+/// buffers whole (rank 0 writes them).
+c10::IValue sharded_module_state(const c10::IValue& state, const Pieces& pieces, const Coordinate& at,
                                  std::map<std::string, dcp::Chunk>& placements);
 
 /// The same for one optimizer's state (torch.optim layout, `local` from fulgur::optimizer_state_dict):
-/// every per-parameter tensor of the parameter's shape is chunked like the parameter.
+/// every per-parameter tensor of the parameter's shape is chunked like the parameter (placements
+/// added).
 c10::IValue sharded_optimizer_state(const c10::IValue& local, torch::optim::Optimizer& optimizer,
                                     int64_t optimizer_index, const Pieces& pieces, const Coordinate& at,
                                     std::map<std::string, dcp::Chunk>& placements);
