@@ -7,6 +7,7 @@
 
 #include <fulgur/checkpoint_io.h>
 #include <fulgur/data/token_file.h>
+#include <fulgur/distributed_checkpoint.h>
 
 #include <doctest/doctest.h>
 #include <fmt/format.h>
@@ -693,7 +694,6 @@ TEST_CASE("gpt example: under model_parallel with tensor_parallel_size 2 it trai
                                   "--config",
                                   job.toml.string(),
                                   "--trainer.default_root_dir=" + (job.dir / name).string(),
-                                  "--trainer.enable_checkpointing=false",
                                   "--trainer.precision=32-true",
                                   "--trainer.max_steps=6",
                                   "--trainer.log_every_n_steps=1"};
@@ -709,6 +709,7 @@ TEST_CASE("gpt example: under model_parallel with tensor_parallel_size 2 it trai
     return losses;
   };
   const auto single = fit("single", {});
+  fs::remove_all(job.dir / "ckpt");  // the split run's last.ckpt in its place, not last-v1.ckpt
   // Heads, MLP and projections split across 2 Gloo ranks (each reads the same batches).
   const auto split = fit("tp2", {"--trainer.strategy=model_parallel", "--trainer.devices=2",
                                  "--strategy.tensor_parallel_size=2", "--strategy.timeout=60"});
@@ -717,4 +718,11 @@ TEST_CASE("gpt example: under model_parallel with tensor_parallel_size 2 it trai
     CHECK(std::abs(single[i] - split[i]) <= 1e-5);
   }
   CHECK(single.back() < single.front());
+  // Its last.ckpt holds the split layers as whole tensors, each rank having written its shard.
+  const fulgur::dcp::Reader checkpoint((job.dir / "ckpt" / "last.ckpt").string());
+  CHECK(checkpoint.shape("state_dict.blocks.0.attn.q.weight") == std::vector<int64_t>{32, 32});
+  CHECK(checkpoint.shape("state_dict.blocks.1.fc.weight") == std::vector<int64_t>{128, 32});
+  CHECK(checkpoint.shape("state_dict.blocks.1.proj.weight") == std::vector<int64_t>{32, 128});
+  CHECK(checkpoint.shape("optimizer_states.0.state.0.exp_avg").size() >= 1);
+  CHECK(fs::exists(job.dir / "ckpt" / "last.ckpt" / "__1_0.distcp"));
 }
