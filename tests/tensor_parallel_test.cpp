@@ -450,7 +450,9 @@ TEST_CASE("model_parallel: a tp 2 checkpoint loads under single_device and dp 2 
                 resume("ddp_from_whole", "name = \"ddp\"\ntimeout = 60.0", 2, whole), 1e-5);
 }
 
-TEST_CASE("model_parallel: PyTorch's parallelize_module and fully_shard load the tp 2 and dp 2 x tp 2 checkpoints") {
+TEST_CASE(
+    "model_parallel: PyTorch's parallelize_module and fully_shard load the tp 2 and dp 2 x tp 2 checkpoints, and the "
+    "reverse") {
   if (std::string_view(FULGUR_TEST_PYTHON).empty()) {
     fulgur::test::skip_test("no Python with torch configured (FULGUR_PYTHON)");
     return;
@@ -466,11 +468,12 @@ TEST_CASE("model_parallel: PyTorch's parallelize_module and fully_shard load the
     const fs::path split = dir / fmt::format("split{}", devices), whole = dir / fmt::format("whole{}", devices);
     fit_checkpointed(split, plugins, split_strategy, devices, 1);
     fit_checkpointed(whole, plugins, whole_strategy, whole_devices, 1);
-    const fs::path python_dir = dir / fmt::format("python{}", devices);
+    const fs::path python_dir = dir / fmt::format("python{}", devices), resaved = dir / "resaved";
     const auto [status, output] = fulgur::test::run_command(
-        fmt::format("OMP_NUM_THREADS=1 {} {}/tests/python/tp_dcp_interop.py '{}' {} 2 '{}' '{}'", FULGUR_TEST_PYTHON,
+        fmt::format("OMP_NUM_THREADS=1 {} {}/tests/python/tp_dcp_interop.py '{}' {} 2 '{}' '{}' {}", FULGUR_TEST_PYTHON,
                     FULGUR_TEST_SOURCE_DIR, (split / "ckpt" / "last.ckpt").string(), devices / 2,
-                    (whole / "ckpt" / "last.ckpt").string(), python_dir.string()));
+                    (whole / "ckpt" / "last.ckpt").string(), python_dir.string(),
+                    devices == 2 ? "'" + resaved.string() + "'" : ""));
     INFO(output);
     REQUIRE(status == 0);
     REQUIRE(fulgur::test::contains(output, "python-ok"));
@@ -480,5 +483,16 @@ TEST_CASE("model_parallel: PyTorch's parallelize_module and fully_shard load the
     for (const char* name : {"col.weight", "col.bias", "row.weight", "row.bias"})
       CHECK(at::equal(python_written.read(fmt::format("state_dict.{}", name)),
                       fulgur_written.read(fmt::format("state_dict.{}", name))));
+    if (devices != 2) continue;
+    // The whole training state as Python's tp 2 ranks saved it: Fulgur resumes from it under tp 2
+    // exactly as from its own checkpoint.
+    auto resume = [&](const std::string& name, const fs::path& from) {
+      fit_checkpointed(dir / name, plugins, kTp2, 2, 2, {fmt::format("ckpt_path = \"{}\"", from.string())});
+      return fulgur::test::read_csv(dir / name / "runs" / "lightning_logs" / "version_0" / "metrics.csv")
+          .at("train/loss");
+    };
+    const auto from_python = resume("from_python", resaved);
+    CHECK(from_python.size() >= 10);
+    CHECK(from_python == resume("from_fulgur", split / "ckpt" / "last.ckpt"));
   }
 }

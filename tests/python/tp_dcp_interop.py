@@ -1,7 +1,7 @@
 """Python's side of tests/tensor_parallel_test.cpp: PyTorch's own tensor parallelism reads the
 checkpoint the model_parallel strategy wrote.
 
-    tp_dcp_interop.py <fulgur_dir> <dp> <tp> <one_process_file> <python_dir>
+    tp_dcp_interop.py <fulgur_dir> <dp> <tp> <one_process_file> <python_dir> [<resaved_dir>]
 
 dp x tp Gloo ranks build tp_mlp (col = Linear(8, 32), row = Linear(32, 4)) with parallelize_module
 (ColwiseParallel, RowwiseParallel) on the "tp" dimension of init_device_mesh("cpu", (dp, tp)), and
@@ -9,7 +9,9 @@ fully_shard on "dp" when dp > 1 (torchtitan's 2D), then dcp.load the model state
 whole tensors must equal `one_process_file`'s (the same training in one process, saved as a plain
 file; equal up to float rounding). Each rank then dcp.save's its model into `python_dir`: the
 chunks PyTorch writes there must be the chunks Fulgur wrote (offsets and sizes, per tensor), and
-Fulgur's optimizer moments are chunked as their parameters. Prints "python-ok".
+Fulgur's optimizer moments are chunked as their parameters. With <resaved_dir>, the ranks also
+dcp.save a whole training checkpoint there (Fulgur's, read with dcp_to_torch_save, its model state
+the DTensors just loaded), for Fulgur to resume from. Prints "python-ok".
 """
 import os
 import socket
@@ -34,7 +36,7 @@ def chunks(metadata, key):
     return sorted((tuple(c.offsets), tuple(c.sizes)) for c in metadata.state_dict_metadata[key].chunks)
 
 
-def rank_main(rank, dp, tp, fulgur_dir, one_process_file, python_dir, port):
+def rank_main(rank, dp, tp, fulgur_dir, one_process_file, python_dir, resaved_dir, port):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
@@ -67,6 +69,16 @@ def rank_main(rank, dp, tp, fulgur_dir, one_process_file, python_dir, port):
             for moment in ("exp_avg", "exp_avg_sq"):
                 assert chunks(ours, f"optimizer_states.0.state.{index}.{moment}") == chunks(ours, key), (name, moment)
             print(f"{key}: {chunks(ours, key)}")
+    if resaved_dir:
+        from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+        whole_file = os.path.join(python_dir, "whole.pt")
+        if rank == 0:
+            dcp_to_torch_save(fulgur_dir, whole_file)
+        dist.barrier()
+        everything = torch.load(whole_file, weights_only=True)
+        everything["state_dict"] = state["state_dict"]
+        dcp.save(everything, checkpoint_id=resaved_dir)
     dist.barrier()
     sys.stdout.flush()
     # Done and checked on every rank; skip Python torch's Gloo teardown, which once aborted a rank
@@ -75,11 +87,12 @@ def rank_main(rank, dp, tp, fulgur_dir, one_process_file, python_dir, port):
 
 
 def main():
-    fulgur_dir, dp, tp, one_process_file, python_dir = sys.argv[1:]
+    fulgur_dir, dp, tp, one_process_file, python_dir = sys.argv[1:6]
+    resaved_dir = sys.argv[6] if len(sys.argv) > 6 else ""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.spawn(rank_main, args=(int(dp), int(tp), fulgur_dir, one_process_file, python_dir, port), nprocs=int(dp) * int(tp))
+    mp.spawn(rank_main, args=(int(dp), int(tp), fulgur_dir, one_process_file, python_dir, resaved_dir, port), nprocs=int(dp) * int(tp))
     print("python-ok")
 
 
