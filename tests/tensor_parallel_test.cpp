@@ -18,7 +18,9 @@
 #include <thread>
 #include <vector>
 
+#include <fulgur/checkpoint_io.h>
 #include <fulgur/device_mesh.h>
+#include <fulgur/distributed_checkpoint.h>
 #include <fulgur/error.h>
 #include <fulgur/nn/tensor_parallel.h>
 
@@ -299,7 +301,7 @@ TEST_CASE("model_parallel: fulgur fit with tensor_parallel_size 2 equals single_
   CHECK(column(mesh, "shard/col_rows").front() == 16);
 }
 
-TEST_CASE("model_parallel: a mesh that does not fit the job and split checkpoints are clear errors") {
+TEST_CASE("model_parallel: a mesh that does not fit the job is a clear error") {
   fulgur::test::ProcessRun run;
   fit_tp_mlp("name = \"model_parallel\"\ntensor_parallel_size = 2\ndata_parallel_size = 2\ntimeout = 60.0", 2,
              "enable_checkpointing = false", &run);
@@ -307,8 +309,190 @@ TEST_CASE("model_parallel: a mesh that does not fit the job and split checkpoint
   CHECK(fulgur::test::contains(run.output,
                                "data_parallel_size 2 x tensor_parallel_size 2 = 4 ranks, but the job "
                                "has 2 processes"));
-  fit_tp_mlp("name = \"model_parallel\"\ntensor_parallel_size = 2\ntimeout = 60.0", 2, "enable_checkpointing = true",
-             &run);
-  CHECK(run.exit_code != 0);
-  CHECK(fulgur::test::contains(run.output, "checkpoints of tensor-parallel shards are not supported yet"));
+}
+
+namespace {
+
+constexpr const char* kTp2 = "name = \"model_parallel\"\ntensor_parallel_size = 2\ntimeout = 60.0";
+constexpr const char* kTp2Dp2 =
+    "name = \"model_parallel\"\ntensor_parallel_size = 2\ndata_parallel_size = 2\ntimeout = 60.0";
+
+// A job for fit_checkpointed: its [trainer] lines (ckpt_path), model_checkpoint lines and other
+// callbacks.
+struct JobExtras {
+  std::string trainer;
+  std::string checkpoint;  // default: a last.ckpt after each epoch
+  std::string callbacks;
+};
+
+// `fulgur fit` of tp_mlp (AdamW, so the optimizer has per-parameter state) on tp_regression in
+// `dir`: `epochs` epochs of 10 steps (8 with two replicas), clipped by norm, last.ckpt in dir/ckpt;
+// the run must succeed unless `run_out` takes it.
+fulgur::test::ProcessRun fit_checkpointed(const fs::path& dir, const fs::path& plugins, const std::string& strategy,
+                                          int devices, int epochs, const JobExtras& extras = {},
+                                          bool must_succeed = true) {
+  fs::create_directories(dir);
+  fulgur::test::write_bytes(
+      dir / "run.toml",
+      fmt::format("[trainer]\nmax_epochs = {}\nseed = 7\nlimit_train_batches = 10\nnum_sanity_val_steps = 0\n"
+                  "log_every_n_steps = 1\ngradient_clip_val = 0.5\nenable_progress_bar = false\n"
+                  "enable_model_summary = false\naccelerator = \"cpu\"\ndevices = {}\n"
+                  "default_root_dir = \"{}\"\n{}\n[strategy]\n{}\n\n"
+                  "[model]\nname = \"tp_mlp\"\nlr = 0.01\noptimizer = \"adamw\"\n\n"
+                  "[data]\nname = \"tp_regression\"\nbatch_size = 16\n\n[[loggers]]\nname = \"csv\"\n\n"
+                  "[[callbacks]]\nname = \"model_checkpoint\"\ndirpath = \"{}\"\nsave_top_k = 0\n"
+                  "save_last = true\n{}\n{}",
+                  epochs, devices, (dir / "runs").string(), extras.trainer, strategy, (dir / "ckpt").string(),
+                  extras.checkpoint, extras.callbacks));
+  fulgur::test::ProcessRun run = fulgur::test::run_process(
+      {FULGUR_TEST_FULGUR_BIN, "fit", "--config", "run.toml"},
+      {{"FULGUR_LOG_LEVEL", "info"}, {"FULGUR_PLUGIN_PATH", plugins.string()}, {"OMP_NUM_THREADS", "1"}}, dir);
+  if (must_succeed) {
+    INFO(run.output);
+    REQUIRE(run.exit_code == 0);
+  }
+  return run;
+}
+
+fs::path tp_plugins(const TempDir& dir) {
+  const fs::path plugins = dir.subdir("plugins");
+  for (const char* library :
+       {"libfulgur-fixture-tp-mlp.so", "libfulgur-fixture-tp-regression.so", "libfulgur-fixture-kill-at-step.so"})
+    fulgur::test::copy_library(fulgur::test::fixture(library), plugins / library);
+  return plugins;
+}
+
+// Every model and optimizer tensor of two DCP checkpoints, bit for bit; returns how many.
+int64_t require_same_tensors(const fs::path& a, const fs::path& b) {
+  REQUIRE(fulgur::dcp::is_distributed_checkpoint(a.string()));
+  REQUIRE(fulgur::dcp::is_distributed_checkpoint(b.string()));
+  const fulgur::dcp::Reader ra(a.string()), rb(b.string());
+  int64_t compared = 0;
+  for (const std::string& key : ra.keys()) {
+    if (!(key.starts_with("state_dict.") || key.starts_with("optimizer_states.")) || !ra.is_tensor(key)) continue;
+    INFO(key);
+    REQUIRE(rb.contains(key));
+    CHECK(at::equal(ra.read(key), rb.read(key)));
+    ++compared;
+  }
+  return compared;
+}
+
+std::vector<double> csv_column(const fs::path& run_dir, const std::string& name) {
+  return column(fulgur::test::read_csv(run_dir / "runs" / "lightning_logs" / "version_0" / "metrics.csv"), name);
+}
+
+void require_close(const std::vector<double>& a, const std::vector<double>& b, double tolerance) {
+  REQUIRE(!a.empty());
+  REQUIRE(a.size() == b.size());
+  for (size_t i = 0; i < a.size(); ++i) {
+    INFO("step " << i << ": " << a[i] << " vs " << b[i]);
+    CHECK(std::abs(a[i] - b[i]) <= tolerance);
+  }
+}
+
+}  // namespace
+
+TEST_CASE("model_parallel: tp 2 and dp 2 x tp 2 killed mid-epoch resume from \"last\" bit for bit") {
+  TempDir dir;
+  const fs::path plugins = tp_plugins(dir);
+  for (const auto& [strategy, devices] : {std::pair<std::string, int>{kTp2, 2}, {kTp2Dp2, 4}}) {
+    INFO("devices " << devices);
+    const fs::path reference = dir / fmt::format("reference{}", devices), work = dir / fmt::format("work{}", devices);
+    JobExtras extras{"ckpt_path = \"last\"", "every_n_train_steps = 4", ""};
+    fit_checkpointed(reference, plugins, strategy, devices, 2, extras);
+    // Every rank SIGKILLs itself after step 6: last.ckpt holds step 4, mid-epoch.
+    extras.callbacks = fmt::format("[[callbacks]]\nname = \"fixture_kill_at_step\"\nstep = 6\nmarker = \"{}\"\n",
+                                   (work / "killed").string());
+    const auto killed = fit_checkpointed(work, plugins, strategy, devices, 2, extras, /*must_succeed=*/false);
+    INFO(killed.output);
+    REQUIRE(killed.exit_code == -SIGKILL);
+    // Every rank wrote its own shard: one data file per rank, nothing gathered.
+    for (int rank = 0; rank < devices; ++rank)
+      CHECK(fs::exists(work / "ckpt" / "last.ckpt" / fmt::format("__{}_0.distcp", rank)));
+    const auto resumed = fit_checkpointed(work, plugins, strategy, devices, 2, extras);
+    CHECK(fulgur::test::contains(resumed.output, "global step 4, 4 batches into the epoch"));
+    // col.weight/bias, row.weight/bias and their exp_avg and exp_avg_sq ("step" is a value).
+    CHECK(require_same_tensors(reference / "ckpt" / "last.ckpt", work / "ckpt" / "last.ckpt") >= 12);
+  }
+}
+
+TEST_CASE("model_parallel: a tp 2 checkpoint loads under single_device and dp 2 x tp 2, a whole one under tp 2") {
+  TempDir dir;
+  const fs::path plugins = tp_plugins(dir);
+  fit_checkpointed(dir / "single", plugins, "name = \"single_device\"", 1, 1);
+  fit_checkpointed(dir / "tp2", plugins, kTp2, 2, 1);
+  const fs::path whole = dir / "single" / "ckpt" / "last.ckpt", split = dir / "tp2" / "ckpt" / "last.ckpt";
+  REQUIRE(fs::is_regular_file(whole));
+  REQUIRE(fulgur::dcp::is_distributed_checkpoint(split.string()));
+  // The split checkpoint holds the whole tensors one process trained (10 AdamW steps apart by
+  // float rounding only): each shard is where it belongs.
+  {
+    const c10::IValue one = fulgur::read_checkpoint_file(whole.string());
+    const fulgur::dcp::Reader reader(split.string());
+    for (const auto& entry : one.toGenericDict().at("state_dict").toGenericDict()) {
+      INFO(entry.key().toStringRef());
+      const at::Tensor read = reader.read("state_dict." + entry.key().toStringRef());
+      CHECK(read.sizes() == entry.value().toTensor().sizes());
+      CHECK(torch::allclose(read, entry.value().toTensor(), 0, 1e-5));
+    }
+  }
+  auto resume = [&](const std::string& name, const std::string& strategy, int devices, const fs::path& from) {
+    fit_checkpointed(dir / name, plugins, strategy, devices, 2, {fmt::format("ckpt_path = \"{}\"", from.string())});
+    return csv_column(dir / name, "train/loss");
+  };
+  const auto single_from_whole = resume("single_from_whole", "name = \"single_device\"", 1, whole);
+  REQUIRE(single_from_whole.size() == 10);  // the second epoch
+  require_close(resume("single_from_tp2", "name = \"single_device\"", 1, split), single_from_whole, 1e-5);
+  require_close(resume("tp2_from_whole", kTp2, 2, whole), single_from_whole, 1e-5);
+  // Two replicas of the split model train as ddp does.
+  require_close(resume("mesh_from_tp2", kTp2Dp2, 4, split),
+                resume("ddp_from_whole", "name = \"ddp\"\ntimeout = 60.0", 2, whole), 1e-5);
+}
+
+TEST_CASE(
+    "model_parallel: PyTorch's parallelize_module and fully_shard load the tp 2 and dp 2 x tp 2 checkpoints, and the "
+    "reverse") {
+  if (std::string_view(FULGUR_TEST_PYTHON).empty()) {
+    fulgur::test::skip_test("no Python with torch configured (FULGUR_PYTHON)");
+    return;
+  }
+  TempDir dir;
+  const fs::path plugins = tp_plugins(dir);
+  // (dp, tp) = (1, 2) trains as one process, (2, 2) as two ddp replicas: their whole checkpoints
+  // are what Python must find in the split ones.
+  for (const auto& [split_strategy, devices, whole_strategy, whole_devices] :
+       {std::tuple<std::string, int, std::string, int>{kTp2, 2, "name = \"single_device\"", 1},
+        {kTp2Dp2, 4, "name = \"ddp\"\ntimeout = 60.0", 2}}) {
+    INFO("devices " << devices);
+    const fs::path split = dir / fmt::format("split{}", devices), whole = dir / fmt::format("whole{}", devices);
+    fit_checkpointed(split, plugins, split_strategy, devices, 1);
+    fit_checkpointed(whole, plugins, whole_strategy, whole_devices, 1);
+    const fs::path python_dir = dir / fmt::format("python{}", devices), resaved = dir / "resaved";
+    const auto [status, output] = fulgur::test::run_command(
+        fmt::format("OMP_NUM_THREADS=1 {} {}/tests/python/tp_dcp_interop.py '{}' {} 2 '{}' '{}' {}", FULGUR_TEST_PYTHON,
+                    FULGUR_TEST_SOURCE_DIR, (split / "ckpt" / "last.ckpt").string(), devices / 2,
+                    (whole / "ckpt" / "last.ckpt").string(), python_dir.string(),
+                    devices == 2 ? "'" + resaved.string() + "'" : ""));
+    INFO(output);
+    REQUIRE(status == 0);
+    REQUIRE(fulgur::test::contains(output, "python-ok"));
+    // And the reverse: Fulgur reads what Python's ranks wrote, every tensor equal.
+    const fulgur::dcp::Reader fulgur_written((split / "ckpt" / "last.ckpt").string()),
+        python_written(python_dir.string());
+    for (const char* name : {"col.weight", "col.bias", "row.weight", "row.bias"})
+      CHECK(at::equal(python_written.read(fmt::format("state_dict.{}", name)),
+                      fulgur_written.read(fmt::format("state_dict.{}", name))));
+    if (devices != 2) continue;
+    // The whole training state as Python's tp 2 ranks saved it: Fulgur resumes from it under tp 2
+    // exactly as from its own checkpoint.
+    auto resume = [&](const std::string& name, const fs::path& from) {
+      fit_checkpointed(dir / name, plugins, kTp2, 2, 2, {fmt::format("ckpt_path = \"{}\"", from.string())});
+      return fulgur::test::read_csv(dir / name / "runs" / "lightning_logs" / "version_0" / "metrics.csv")
+          .at("train/loss");
+    };
+    const auto from_python = resume("from_python", resaved);
+    CHECK(from_python.size() >= 10);
+    CHECK(from_python == resume("from_fulgur", split / "ckpt" / "last.ckpt"));
+  }
 }

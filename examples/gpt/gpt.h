@@ -18,6 +18,7 @@
 
 #include <fulgur/data.h>
 #include <fulgur/metrics.h>
+#include <fulgur/model_parallel.h>
 #include <fulgur/module.h>
 #include <fulgur/option_spec.h>
 #include <fulgur/options.h>
@@ -99,11 +100,17 @@ struct ParameterGroups {
   std::vector<std::string> decay_names, no_decay_names;
 };
 
-class GptModel : public Module {
+// Under the model_parallel strategy (fulgur::DeviceMeshReceiver) each transformer block is split
+// across mesh.group("tp"): attention by heads, the MLP Megatron's way; embeddings, LayerNorms and
+// the tied output layer stay whole on every rank.
+class GptModel : public Module, public DeviceMeshReceiver {
  public:
   static constexpr auto hparams_schema = kGptModelHyperParams;
   explicit GptModel(const Options& hparams);
   ~GptModel() override;
+
+  // model_parallel's mesh, before configure_model: the blocks are split across its "tp" group.
+  void set_device_mesh(const DeviceMesh& mesh) override;
 
   // Makes and initialises the layers (once; the Trainer calls it for every stage).
   void configure_model() override;

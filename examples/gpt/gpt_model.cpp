@@ -2,8 +2,10 @@
 #include "gpt.h"
 
 #include <fulgur/blocks.h>
+#include <fulgur/communicator.h>
 #include <fulgur/error.h>
 #include <fulgur/nn/linear.h>
+#include <fulgur/nn/tensor_parallel.h>
 #include <fulgur/optim/lion.h>
 #include <fulgur/optim/muon.h>
 #include <fulgur/suggest.h>
@@ -19,8 +21,52 @@ namespace fulgur::examples {
 
 namespace nn = torch::nn;
 namespace F = torch::nn::functional;
+namespace tp = fulgur::nn;
 
 namespace {
+
+// A tensor-parallel group and this rank's place in it (model_parallel's mesh.group("tp")).
+struct TensorParallel {
+  std::shared_ptr<Communicator> group;
+  int64_t rank = 0, size = 1;
+};
+
+// `to` (a split layer's parameter) takes `from` (this rank's part of the whole layer's).
+void assign(at::Tensor& to, const at::Tensor& from) {
+  torch::NoGradGuard no_grad;
+  to.copy_(from);
+}
+
+// The split layers draw whole weights when they are made; the whole layers' values are copied in
+// instead, and the default generator is put back so the draws after them are one process's.
+class KeepDefaultGenerator {
+ public:
+  KeepDefaultGenerator() : generator_(at::detail::getDefaultCPUGenerator()), state_(generator_.get_state()) {}
+  ~KeepDefaultGenerator() { generator_.set_state(state_); }
+  KeepDefaultGenerator(const KeepDefaultGenerator&) = delete;
+  KeepDefaultGenerator& operator=(const KeepDefaultGenerator&) = delete;
+
+ private:
+  at::Generator generator_;
+  at::Tensor state_;
+};
+
+// Column-parallel copy of rows [first, first + count) of a whole Linear (chunk `rank` of them).
+tp::ColumnParallelLinear column_of(const fulgur::nn::Linear& whole, int64_t first, int64_t count,
+                                   const TensorParallel& tp) {
+  tp::ColumnParallelLinear layer(tp::ParallelLinearOptions(whole->weight.size(1), count).group(tp.group));
+  assign(layer->weight, whole->weight.narrow(0, first, count).chunk(tp.size, 0)[tp.rank]);
+  assign(layer->bias, whole->bias.narrow(0, first, count).chunk(tp.size, 0)[tp.rank]);
+  return layer;
+}
+
+// Row-parallel copy of a whole Linear: chunk `rank` of its input columns, the whole bias.
+tp::RowParallelLinear row_of(const fulgur::nn::Linear& whole, const TensorParallel& tp) {
+  tp::RowParallelLinear layer(tp::ParallelLinearOptions(whole->weight.size(1), whole->weight.size(0)).group(tp.group));
+  assign(layer->weight, whole->weight.chunk(tp.size, 1)[tp.rank]);
+  assign(layer->bias, whole->bias);
+  return layer;
+}
 
 // Multi-head self-attention where position t sees positions <= t only (the causal mask of
 // scaled_dot_product_attention, which also picks the fused CPU kernel).
@@ -32,8 +78,33 @@ class CausalSelfAttentionImpl : public nn::Module {
     resid_drop = register_module("resid_drop", nn::Dropout(dropout));
   }
 
+  // Tensor parallelism as Megatron splits attention: each rank computes n_head / tp heads, q, k and
+  // v column-parallel (its heads' rows of qkv), the output projection row-parallel (its heads'
+  // columns), whose all-reduce makes the output whole. Made from this layer's whole weights.
+  void split(const TensorParallel& tp) {
+    KeepDefaultGenerator keep;
+    const int64_t C = proj->weight.size(0);
+    const nn::Linear whole_qkv = qkv, whole_proj = proj;
+    unregister_module("qkv");
+    unregister_module("proj");
+    qkv = nullptr;
+    proj = nullptr;
+    q = register_module("q", column_of(whole_qkv, 0, C, tp));
+    k = register_module("k", column_of(whole_qkv, C, C, tp));
+    v = register_module("v", column_of(whole_qkv, 2 * C, C, tp));
+    proj_tp = register_module("proj", row_of(whole_proj, tp));
+    local_heads_ = n_head_ / tp.size;
+  }
+
   at::Tensor forward(const at::Tensor& x) {
     const int64_t B = x.size(0), T = x.size(1), C = x.size(2);
+    if (q) {  // split: this rank's heads
+      const int64_t head = C / n_head_;
+      auto heads = [&](const at::Tensor& t) { return t.view({B, T, local_heads_, head}).transpose(1, 2); };
+      at::Tensor y = at::scaled_dot_product_attention(heads(q(x)), heads(k(x)), heads(v(x)), /*attn_mask=*/{},
+                                                      is_training() ? dropout_ : 0.0, /*is_causal=*/true);
+      return resid_drop->forward(proj_tp->forward(y.transpose(1, 2).reshape({B, T, local_heads_ * head})));
+    }
     // [B, T, 3C] -> three [B, heads, T, C / heads]
     std::vector<at::Tensor> parts =
         qkv->forward(x).view({B, T, 3, n_head_, C / n_head_}).permute({2, 0, 3, 1, 4}).unbind(0);
@@ -46,10 +117,13 @@ class CausalSelfAttentionImpl : public nn::Module {
   // fulgur::nn::Linear: torch::nn::Linear's layer, which the fp8 precision can train in FP8 and
   // `fulgur quantize` can store as int8/int4.
   fulgur::nn::Linear qkv{nullptr}, proj{nullptr};
+  tp::ColumnParallelLinear q{nullptr}, k{nullptr}, v{nullptr};  // split only
+  tp::RowParallelLinear proj_tp{nullptr};                       // split only
   nn::Dropout resid_drop{nullptr};
 
  private:
   int64_t n_head_;
+  int64_t local_heads_ = 0;
   double dropout_;
 };
 TORCH_MODULE(CausalSelfAttention);
@@ -67,14 +141,32 @@ class BlockImpl : public nn::Module {
     drop = register_module("drop", nn::Dropout(dropout));
   }
 
+  // Tensor parallelism: attention split by heads, the MLP's fc column-parallel and proj
+  // row-parallel (Megatron's MLP: one all-reduce); LayerNorms stay whole on every rank.
+  void split(const TensorParallel& tp) {
+    attn->split(tp);
+    KeepDefaultGenerator keep;
+    const nn::Linear whole_fc = fc, whole_proj = proj;
+    unregister_module("fc");
+    unregister_module("proj");
+    fc = nullptr;
+    proj = nullptr;
+    fc_tp = register_module("fc", column_of(whole_fc, 0, whole_fc->weight.size(0), tp));
+    proj_tp = register_module("proj", row_of(whole_proj, tp));
+  }
+
   at::Tensor forward(at::Tensor x) {
     x = x + attn->forward(ln1->forward(x));
-    return x + drop->forward(proj->forward(torch::gelu(fc->forward(ln2->forward(x)), "tanh")));
+    const at::Tensor h = ln2->forward(x);
+    if (fc_tp) return x + drop->forward(proj_tp->forward(torch::gelu(fc_tp->forward(h), "tanh")));
+    return x + drop->forward(proj->forward(torch::gelu(fc->forward(h), "tanh")));
   }
 
   nn::LayerNorm ln1{nullptr}, ln2{nullptr};
   CausalSelfAttention attn{nullptr};
   fulgur::nn::Linear fc{nullptr}, proj{nullptr};
+  tp::ColumnParallelLinear fc_tp{nullptr};  // split only
+  tp::RowParallelLinear proj_tp{nullptr};   // split only
   nn::Dropout drop{nullptr};
 };
 TORCH_MODULE(Block);
@@ -90,6 +182,7 @@ struct GptModel::Layers {
   nn::Dropout drop{nullptr};
   std::vector<Block> blocks;
   nn::LayerNorm ln_f{nullptr};
+  TensorParallel tp;  // from model_parallel's device mesh; one rank otherwise
 };
 
 GptModel::GptModel(const Options& given) : layers_(std::make_unique<Layers>()) {
@@ -137,6 +230,22 @@ GptModel::GptModel(const Options& given) : layers_(std::make_unique<Layers>()) {
 
 GptModel::~GptModel() = default;
 
+void GptModel::set_device_mesh(const DeviceMesh& mesh) {
+  TensorParallel& tp = layers_->tp;
+  tp.group = mesh.group("tp");
+  tp.rank = mesh.local_rank("tp");
+  tp.size = mesh.size("tp");
+  const int64_t n_head = hparams.get_int("n_head");
+  if (tp.size > 1 && n_head % tp.size != 0)
+    bad(hparams, fmt::format("n_head = {} must be a multiple of tensor_parallel_size = {} (each rank computes "
+                             "n_head / tensor_parallel_size heads)",
+                             n_head, tp.size));
+  if (tp.size > 1 && hparams.get_string("optimizer") == "muon")
+    bad(hparams,
+        "optimizer = \"muon\" orthogonalizes whole matrices, and a tensor-parallel rank holds a shard of "
+        "each: use \"adamw\" or \"lion\" with tensor_parallel_size > 1");
+}
+
 namespace {
 
 // GPT-2's initialisation of one part of the model: N(0, 0.02) weights, zero biases, and the
@@ -173,6 +282,8 @@ void GptModel::configure_model() {
   for (int64_t i = 0; i < n_layer; ++i) {
     Block block(n_embd, n_head, dropout);
     init_weights(*block, n_layer);
+    // Split after the whole block is drawn: the split model starts as one process's.
+    if (l.tp.size > 1) block->split(l.tp);
     blocks->push_back(fulgur::built_block(block));
     l.blocks.push_back(block);
   }
@@ -207,7 +318,9 @@ ParameterGroups GptModel::parameter_groups() const {
   // Only weights that multiply activations (Linear) decay; pulling embeddings or LayerNorm gains
   // towards zero would only fight the model.
   for (const auto& m : named_modules("", /*include_self=*/false)) {
-    if (!m.value()->as<fulgur::nn::Linear>()) continue;
+    if (!m.value()->as<fulgur::nn::Linear>() && !m.value()->as<tp::ColumnParallelLinear>() &&
+        !m.value()->as<tp::RowParallelLinear>())
+      continue;
     for (const auto& p : m.value()->named_parameters(/*recurse=*/false)) {
       if (p.key() != "weight") continue;
       groups.decay.push_back(p.value());

@@ -3,24 +3,32 @@
 // model gets it before its configure_model (fulgur::DeviceMeshReceiver) and builds its layers on
 // mesh.group("tp") (fulgur/nn/tensor_parallel.h). Each dp replica reads its own slice of the data
 // (every tp rank of a replica the same), gradients are averaged over the dp group after backward,
-// and norm clipping counts each tensor-parallel shard once. Checkpoints of split layers are not
-// written yet (issue #35): with tensor_parallel_size > 1 saving refuses, naming the fix.
+// and norm clipping counts each tensor-parallel shard once. With tensor_parallel_size > 1,
+// checkpoints are torch.distributed.checkpoint directories in the chunk layout PyTorch writes for
+// FSDP2 + TP (tp_checkpoint.h): every rank writes its shard, nothing is gathered, and any (dp, tp)
+// layout, one process or Python reads them.
 #include <fulgur/communicator.h>
 #include <fulgur/device_mesh.h>
+#include <fulgur/distributed_checkpoint.h>
 #include <fulgur/model_parallel.h>
 #include <fulgur/nn/tensor_parallel.h>
 #include <fulgur/plugin.h>
 #include <fulgur/precision.h>
+#include <fulgur/state_dict.h>
 
 #include <ATen/ops/cat.h>
 #include <fmt/format.h>
 #include <torch/nn/module.h>
 #include <torch/optim/optimizer.h>
 
+#include <algorithm>
+#include <map>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "../common/process_group_strategy.h"
+#include "tp_checkpoint.h"
 
 namespace {
 
@@ -72,6 +80,7 @@ class ModelParallelStrategy final : public fulgur::process_group::ProcessGroupSt
   void setup_module(torch::nn::Module& module) override {
     module.to(device_);
     module_ = &module;
+    pieces_ = fulgur::model_parallel::find_pieces(module, mesh_->local_rank("tp"));
     // The replicas of one shard start from dp rank 0's values (each tp rank holds its own shard).
     if (auto dp = mesh_->group("dp"); dp && dp->world_size() > 1) {
       std::vector<at::Tensor> state;
@@ -118,33 +127,94 @@ class ModelParallelStrategy final : public fulgur::process_group::ProcessGroupSt
   int64_t data_parallel_rank() const override { return mesh_ ? mesh_->local_rank("dp") : 0; }
   int64_t data_parallel_size() const override { return mesh_ ? mesh_->size("dp") : 1; }
 
-  void save_checkpoint(const fulgur::CheckpointParts& parts, const std::string& path) override {
-    refuse_split_checkpoint("save", path);
-    Strategy::save_checkpoint(parts, path);
+  void setup_optimizers(std::vector<std::shared_ptr<torch::optim::Optimizer>>& optimizers) override {
+    ProcessGroupStrategy::setup_optimizers(optimizers);
+    optimizers_.clear();
+    for (auto& optimizer : optimizers) optimizers_.push_back(optimizer.get());
   }
+
+  // ---- checkpoints (tensor_parallel_size > 1): each rank's shards in DCP's FSDP2 + TP layout ----
+  // module_state_dict and optimizer_state_dict stay the default (this rank's tp shards, which the
+  // loaders below take back as they are); the layout is made when they are written.
+
+  void save_checkpoint(const fulgur::CheckpointParts& parts, const std::string& path) override {
+    if (!split()) {
+      ProcessGroupStrategy::save_checkpoint(parts, path);
+      return;
+    }
+    std::map<std::string, fulgur::dcp::Chunk> placements;
+    c10::IValue model_state = parts.model_state ? fulgur::model_parallel::sharded_module_state(
+                                                      *parts.model_state, pieces_, coordinate(), placements)
+                                                : c10::IValue();
+    std::vector<c10::IValue> optimizer_states;
+    if (parts.optimizer_states) {
+      if (!parts.optimizer_states->empty() && parts.optimizer_states->size() != optimizers_.size())
+        throw fulgur::Error(fulgur::ErrorKind::checkpoint,
+                            fmt::format("strategy 'model_parallel': cannot save '{}': {} optimizer states for {} "
+                                        "optimizers set up",
+                                        path, parts.optimizer_states->size(), optimizers_.size()));
+      for (size_t i = 0; i < parts.optimizer_states->size(); ++i) {
+        const c10::IValue& state = (*parts.optimizer_states)[i];
+        // LibTorch's own archive (Lion, Muon, LBFGS, ...): one opaque blob per rank, which rank 0
+        // alone would write; each tp rank's shard state would be lost.
+        if (state.isGenericDict() && state.toGenericDict().contains("fulgur_archive"))
+          throw fulgur::Error(fulgur::ErrorKind::checkpoint,
+                              fmt::format("strategy 'model_parallel': cannot save '{}': optimizer {} keeps its state "
+                                          "in one LibTorch archive, which cannot be split by tensor-parallel shard; "
+                                          "use Adam, AdamW or SGD with tensor_parallel_size > 1",
+                                          path, i));
+        optimizer_states.push_back(fulgur::model_parallel::sharded_optimizer_state(
+            (*parts.optimizer_states)[i], *optimizers_[i], static_cast<int64_t>(i), pieces_, coordinate(), placements));
+      }
+    }
+    fulgur::CheckpointParts layout = parts;
+    if (parts.model_state) layout.model_state = &model_state;
+    if (parts.optimizer_states) layout.optimizer_states = &optimizer_states;
+    fulgur::dcp::save(path, fulgur::join_checkpoint(layout), placements, communicator_.get());
+  }
+
+  // A DCP directory: only this rank's region of each split tensor is read, whatever (dp, tp) wrote
+  // it; a file (one process's whole tensors) is read whole and cut by the loaders below.
   void load_checkpoint(const std::string& path, const fulgur::CheckpointParts& out) override {
-    refuse_split_checkpoint("load", path);
-    Strategy::load_checkpoint(path, out);
+    if (!split() || !fulgur::dcp::is_distributed_checkpoint(path)) {
+      ProcessGroupStrategy::load_checkpoint(path, out);
+      return;
+    }
+    fulgur::split_checkpoint(fulgur::model_parallel::read_local(path, pieces_, optimizers_), out, path);
+    if (out.optimizer_states)
+      for (c10::IValue& optimizer : *out.optimizer_states) optimizer = fulgur::dcp::with_index_keys(optimizer);
+  }
+
+  void load_module_state_dict(torch::nn::Module& module, const c10::IValue& state, bool strict,
+                              const std::string& origin) override {
+    ProcessGroupStrategy::load_module_state_dict(module, fulgur::model_parallel::local_module_state(state, pieces_),
+                                                 strict, origin);
+  }
+
+  void load_optimizer_state_dict(torch::optim::Optimizer& optimizer, const c10::IValue& state,
+                                 const std::string& origin) override {
+    ProcessGroupStrategy::load_optimizer_state_dict(
+        optimizer, fulgur::model_parallel::local_optimizer_state(state, optimizer, pieces_), origin);
   }
 
   void teardown() override {
     module_ = nullptr;
+    optimizers_.clear();
+    pieces_ = {};
     ProcessGroupStrategy::teardown();
   }
 
  private:
-  void refuse_split_checkpoint(const char* what, const std::string& path) const {
-    if (tensor_parallel_size_ > 1)
-      throw fulgur::Error(fulgur::ErrorKind::checkpoint,
-                          fmt::format("strategy 'model_parallel': cannot {} '{}': checkpoints of tensor-parallel "
-                                      "shards are not supported yet (issue #35); set [trainer] "
-                                      "enable_checkpointing = false, or train with tensor_parallel_size = 1",
-                                      what, path));
+  bool split() const { return tensor_parallel_size_ > 1 && module_ != nullptr; }
+  fulgur::model_parallel::Coordinate coordinate() const {
+    return {mesh_->local_rank("dp"), mesh_->size("dp"), mesh_->local_rank("tp")};
   }
 
   int64_t data_parallel_size_, tensor_parallel_size_;
   std::optional<fulgur::DeviceMesh> mesh_;
   torch::nn::Module* module_ = nullptr;
+  std::vector<torch::optim::Optimizer*> optimizers_;
+  fulgur::model_parallel::Pieces pieces_;
 };
 
 }  // namespace
