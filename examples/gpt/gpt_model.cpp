@@ -84,7 +84,7 @@ class CausalSelfAttentionImpl : public nn::Module {
   void split(const TensorParallel& tp) {
     KeepDefaultGenerator keep;
     const int64_t C = proj->weight.size(0);
-    const nn::Linear whole_qkv = qkv, whole_proj = proj;
+    const fulgur::nn::Linear whole_qkv = qkv, whole_proj = proj;
     unregister_module("qkv");
     unregister_module("proj");
     qkv = nullptr;
@@ -146,7 +146,7 @@ class BlockImpl : public nn::Module {
   void split(const TensorParallel& tp) {
     attn->split(tp);
     KeepDefaultGenerator keep;
-    const nn::Linear whole_fc = fc, whole_proj = proj;
+    const fulgur::nn::Linear whole_fc = fc, whole_proj = proj;
     unregister_module("fc");
     unregister_module("proj");
     fc = nullptr;
