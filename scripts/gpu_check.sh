@@ -14,7 +14,8 @@
 # device query before the accelerator loads would have turned CUDA off), runs the GPU tests
 # (doctest suite "gpu", CTest names "gpu: ...") and the cuda accelerator tests (any skipped test
 # fails the check), trains the Fashion-MNIST example on cuda
-# with 32-true and bf16-mixed (5 epochs each; test accuracy from the program's own output), runs
+# with 32-true and bf16-mixed (5 epochs each; test accuracy from the program's own output), trains
+# a wider GPT for 200 steps under bf16-mixed and fp8 (tensorwise, rowwise: loss and step time), runs
 # bench/compare.sh --device cuda on small cases and bench/cuda_graphs.sh (captured steps on and
 # off, MFU in bf16), writes every log into RESULTS_DIR and prints one
 # markdown summary (also RESULTS_DIR/summary.md). Exits non-zero, saying why, without a visible GPU.
@@ -109,6 +110,8 @@ figure_of() {
       echo "$(grep -o 'test accuracy: [0-9.]*%' "$log" | tail -1) $(grep -o 'wall_seconds [0-9.]*' "$log" | tail -1)" ;;
     bench_*)
       grep -o 'json: .*' "$log" | tail -1 ;;
+    gpt_*)
+      echo "$(grep -o 'final_train_loss [0-9.]*' "$log" | tail -1) $(grep -o 'wall_seconds_per_step [0-9.]*' "$log" | tail -1)" ;;
   esac
 }
 # One markdown summary, from the logs only (missing logs show as n/a).
@@ -225,10 +228,39 @@ train() {  # train PRECISION
 }
 for precision in 32-true bf16-mixed; do step "fashion_mnist_$precision" train "$precision"; done
 
+# 3b. FP8 training (issue #38): 200 steps of a wider GPT (n_embd 512, 4 layers, context 256, batch
+# 32: products large enough for FP8's tensor cores) under bf16-mixed, fp8 tensorwise and fp8
+# rowwise, on a corpus the script writes. Each log ends with the final train/loss and the wall time
+# per step; the summary puts them side by side (the loss gap and the step-time ratio on this GPU).
+gpt_fp8() {  # gpt_fp8 PRECISION [SCALING]
+  local dir="$out/gpt_${1}${2:+_$2}" status=0
+  mkdir -p "$dir"
+  "$bench_py" -c 'import random,sys
+r = random.Random(1); w = "the cat sat on a mat and dog ran to fulgur trains small models with bytes of text".split()
+open(sys.argv[1], "w").write(" ".join(r.choice(w) for _ in range(400000)))' "$dir/corpus.txt" || return 1
+  local start="$EPOCHREALTIME"
+  (cd "$dir" && "$build_abs/bin/fulgur" fit --config "$OLDPWD/examples/gpt/gpt.toml" --trainer.accelerator=cuda \
+    --trainer.devices=1 --trainer.precision="$1" --trainer.max_steps=200 --trainer.val_check_interval=200 \
+    --trainer.limit_val_batches=2 --trainer.log_every_n_steps=10 --trainer.default_root_dir="$dir/runs" \
+    --model.n_embd=512 --model.n_layer=4 --model.n_head=8 --model.block_size=256 --model.lr_decay_steps=200 --model.warmup_steps=20 \
+    --data.block_size=256 --data.corpus="$dir/corpus.txt" --data.cache_dir="$dir/cache" \
+    ${2:+--precision.scaling=$2}) || status=$?
+  awk -v a="$start" -v b="$EPOCHREALTIME" 'BEGIN { printf "wall_seconds_per_step %.4f\n", (b - a) / 200 }'
+  local csv
+  csv="$(find "$dir/runs" -name metrics.csv | head -1)"
+  [ -n "$csv" ] && awk -F, 'NR == 1 { for (i = 1; i <= NF; i++) if ($i == "train/loss") c = i; next }
+    c && $c != "" { last = $c } END { printf "final_train_loss %s\n", last }' "$csv"
+  find "$dir" -name '*.ckpt' -delete
+  return "$status"
+}
+bench_py="$FULGUR_VENV/bin/python"
+step gpt_bf16-mixed gpt_fp8 bf16-mixed
+step gpt_fp8_tensorwise gpt_fp8 fp8 tensorwise
+step gpt_fp8_rowwise gpt_fp8 fp8 rowwise
+
 # 4. Captured steps (cuda_graphs) on the small GPT at batch 16, 32-true and bf16-mixed, with MFU:
 # first, since a check cut short by its time limit loses what runs last. The benchmarks go through
 # their Python drivers with the built bench_compare (their .sh wrappers would build first).
-bench_py="$FULGUR_VENV/bin/python"
 step bench_cuda_graphs "$bench_py" bench/python/cuda_graphs.py --bench-compare "$build_abs/bin/bench_compare" \
   --runs 3 --cases gpt:16:300:30 --timeout 120 --json "$out/bench_cuda_graphs.json"
 
