@@ -429,18 +429,26 @@ std::string async_toml(std::string toml, bool async) {
 
 TEST_CASE("async_checkpoint: fulgur fit writes the checkpoints of a synchronous run, in the background") {
   TempDir dir;
-  const std::map<std::string, std::string> env = {{"FULGUR_LOG_LEVEL", "warn"}, {"FULGUR_PLUGIN_PATH", ""}};
-  const ProcessRun sync =
-      fit(dir, "sync.toml", async_toml(fit_toml(dir / "s", 2, (dir / "sync").string(), ""), false), env);
+  // No last.ckpt: a second save at the same step would wait for the first before training goes on.
+  auto toml = [](const fs::path& root, const std::string& dirpath, bool async) {
+    std::string text = async_toml(fit_toml(root, 2, dirpath, ""), async);
+    text.replace(text.find("save_last = true"), 16, "save_last = false");
+    return text;
+  };
+  std::map<std::string, std::string> env = {{"FULGUR_LOG_LEVEL", "warn"}, {"FULGUR_PLUGIN_PATH", ""}};
+  const ProcessRun sync = fit(dir, "sync.toml", toml(dir / "s", (dir / "sync").string(), false), env);
   REQUIRE_MESSAGE(sync.exit_code == 0, sync.output);
-  const ProcessRun async =
-      fit(dir, "async.toml", async_toml(fit_toml(dir / "a", 2, (dir / "async").string(), ""), true), env);
+  // Each background save waits 300 ms before it writes (where the build has the seam), so that
+  // the next steps surely change the weights meanwhile.
+  if (FULGUR_TEST_FAULT_INJECTION) env["FULGUR_FAULT_INJECT"] = "async_checkpoint_delay:300";
+  const ProcessRun async = fit(dir, "async.toml", toml(dir / "a", (dir / "async").string(), true), env);
+  env.erase("FULGUR_FAULT_INJECT");
   REQUIRE_MESSAGE(async.exit_code == 0, async.output);
   // Saved every 2 steps while training went on: each file holds the state of its own step (the
   // host copy taken at the save point), every tensor what the synchronous run wrote.
   const std::vector<std::string> names = fulgur::test::job::files_in(dir / "sync");
   REQUIRE(names == std::vector<std::string>{"epoch=0-step=2.ckpt", "epoch=0-step=4.ckpt", "epoch=1-step=6.ckpt",
-                                            "epoch=1-step=8.ckpt", "last.ckpt"});
+                                            "epoch=1-step=8.ckpt"});
   CHECK(fulgur::test::job::files_in(dir / "async") == names);
   for (const std::string& name : names) {
     INFO(name);
@@ -452,12 +460,13 @@ TEST_CASE("async_checkpoint: fulgur fit writes the checkpoints of a synchronous 
   // The same to object storage, where moto_server is installed.
   if (!fs::exists(moto_executable())) return;
   MotoServer server(dir);
-  const ProcessRun s3 =
-      fit(dir, "s3.toml", async_toml(fit_toml(dir / "3", 2, "s3://ckpts/async", ""), true), server.env());
+  std::map<std::string, std::string> s3_env = server.env();
+  if (FULGUR_TEST_FAULT_INJECTION) s3_env["FULGUR_FAULT_INJECT"] = "async_checkpoint_delay:300";
+  const ProcessRun s3 = fit(dir, "s3.toml", toml(dir / "3", "s3://ckpts/async", true), s3_env);
   REQUIRE_MESSAGE(s3.exit_code == 0, s3.output);
   CHECK(server.keys("async/").size() == names.size());
-  server.client({"get", "async/last.ckpt", (dir / "s3-last.ckpt").string()});
-  check_same_tensors(dir / "s3-last.ckpt", dir / "sync" / "last.ckpt");
+  server.client({"get", "async/epoch=0-step=2.ckpt", (dir / "s3-step2.ckpt").string()});
+  check_same_tensors(dir / "s3-step2.ckpt", dir / "sync" / "epoch=0-step=2.ckpt");
 }
 
 TEST_CASE("async_checkpoint: a background save that fails ends the run, naming its checkpoint") {

@@ -7,6 +7,10 @@
 #include <fmt/format.h>
 #include <spdlog/spdlog.h>
 
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <thread>
 #include <unordered_map>
 #include <utility>
 
@@ -62,6 +66,23 @@ c10::IValue copy_value(const c10::IValue& value, StorageCopies& copies) {
   return value;
 }
 
+// Test-only fault injection (compiled in with FULGUR_FAULT_INJECTION, as the SDK's seams):
+// FULGUR_FAULT_INJECT = "async_checkpoint_delay:MS" holds every background save MS milliseconds
+// before it writes, so that training surely moves on meanwhile (tests/storage_test.cpp: the files
+// must still hold the state of their own step).
+int injected_delay_ms() {
+#if defined(FULGUR_FAULT_INJECTION)
+  static const int ms = [] {
+    int v = 0;
+    const char* spec = std::getenv("FULGUR_FAULT_INJECT");
+    return spec && std::sscanf(spec, "async_checkpoint_delay:%d", &v) == 1 ? v : 0;
+  }();
+  return ms;
+#else
+  return 0;
+#endif
+}
+
 }  // namespace
 
 c10::IValue copy_to_host(const c10::IValue& value) {
@@ -82,6 +103,11 @@ void AsyncCheckpointWriter::start(std::string path, std::function<void()> write)
   if (path_)
     throw Error(ErrorKind::runtime,
                 fmt::format("asynchronous checkpoint '{}' started while '{}' is still being written", path, *path_));
+  if (const int ms = injected_delay_ms(); ms > 0)
+    write = [write = std::move(write), ms] {
+      std::this_thread::sleep_for(std::chrono::milliseconds(ms));
+      write();
+    };
   done_ = std::async(std::launch::async, std::move(write));
   path_ = std::move(path);
 }
