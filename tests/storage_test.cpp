@@ -467,6 +467,22 @@ TEST_CASE("async_checkpoint: fulgur fit writes the checkpoints of a synchronous 
   CHECK(server.keys("async/").size() == names.size());
   server.client({"get", "async/epoch=0-step=2.ckpt", (dir / "s3-step2.ckpt").string()});
   check_same_tensors(dir / "s3-step2.ckpt", dir / "sync" / "epoch=0-step=2.ckpt");
+
+  // fulgur predict from that s3:// checkpoint, the prediction writer's files going to s3:// too.
+  std::string predict_toml = toml(dir / "3", "s3://ckpts/async", false) +
+                             "\n[[callbacks]]\nname = \"prediction_writer\"\noutput_dir = \"s3://ckpts/predictions\"\n"
+                             "write_interval = \"batch_and_epoch\"\nformat = \"csv\"\n";
+  predict_toml.insert(predict_toml.find("[trainer]\n") + 10, "limit_predict_batches = 2\n");
+  fulgur::test::write_bytes(dir / "predict.toml", predict_toml);
+  const ProcessRun predict = fulgur::test::run_process({FULGUR_TEST_FULGUR_BIN, "predict", "--config", "predict.toml",
+                                                        "--ckpt_path=s3://ckpts/async/epoch=1-step=8.ckpt"},
+                                                       server.env(), dir.path());
+  REQUIRE_MESSAGE(predict.exit_code == 0, predict.output);
+  CHECK(server.keys("predictions/") == std::vector<std::string>{"predictions/predictions_rank0.csv",
+                                                                "predictions/predictions_rank0_batch0.csv",
+                                                                "predictions/predictions_rank0_batch1.csv"});
+  server.client({"get", "predictions/predictions_rank0.csv", (dir / "predictions.csv").string()});
+  CHECK(fulgur::test::read_csv(dir / "predictions.csv").at("v9").size() == 64);  // 2 batches of 32, 10 classes
 }
 
 TEST_CASE("async_checkpoint: a background save that fails ends the run, naming its checkpoint") {
@@ -543,4 +559,23 @@ TEST_CASE("s3 storage: fsdp on 2 ranks saves sharded checkpoints to s3://, resum
   const auto state = fulgur::test::job::checkpoint_dict(dir / "resumed-last");
   CHECK(state.at("global_step").toInt() == 8);
   CHECK(fulgur::test::job::same_weights(dir / "resumed-last", dir / "ref-ckpt" / "last.ckpt"));
+
+  // fulgur checkpoint and fulgur weights take s3:// URLs for their inputs and outputs.
+  auto fulgur_cli = [&](const std::vector<std::string>& args) {
+    std::vector<std::string> command = {FULGUR_TEST_FULGUR_BIN};
+    command.insert(command.end(), args.begin(), args.end());
+    const ProcessRun run = fulgur::test::run_process(command, server.env(), dir.path());
+    REQUIRE_MESSAGE(run.exit_code == 0, run.output);
+    return run.output;
+  };
+  FULGUR_CHECK_CONTAINS(fulgur_cli({"checkpoint", "inspect", "s3://ckpts/fsdp/last.ckpt"}),
+                        "s3://ckpts/fsdp/last.ckpt: distributed checkpoint");
+  fulgur_cli({"checkpoint", "consolidate", "s3://ckpts/fsdp/last.ckpt", "s3://ckpts/whole/last.ckpt"});
+  fulgur_cli({"weights", "convert", "s3://ckpts/whole/last.ckpt", "s3://ckpts/whole/model.safetensors"});
+  CHECK(server.keys("whole/") == std::vector<std::string>{"whole/last.ckpt", "whole/model.safetensors"});
+  FULGUR_CHECK_CONTAINS(fulgur_cli({"weights", "inspect", "s3://ckpts/whole/model.safetensors"}),
+                        fmt::format("s3://ckpts/whole/model.safetensors: safetensors, {} tensors",
+                                    state.at("state_dict").toGenericDict().size()));
+  server.client({"get", "whole/last.ckpt", (dir / "whole.ckpt").string()});
+  CHECK(fulgur::test::job::same_weights(dir / "whole.ckpt", dir / "ref-ckpt" / "last.ckpt"));
 }
