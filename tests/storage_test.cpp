@@ -86,7 +86,8 @@ s3.create_bucket(Bucket="ckpts")
 print("KEY", key["AccessKeyId"], key["SecretAccessKey"])
 )";
 
-// boto3 on the bucket: `list PREFIX` prints "key size" lines; `get KEY FILE` downloads; `etag KEY`.
+// boto3 on the bucket: `list PREFIX` prints "key size" lines; `get KEY FILE` downloads;
+// `getprefix PREFIX DIR` downloads every key below PREFIX into DIR; `etag KEY`.
 constexpr const char* kClient = R"(
 import sys, boto3
 url, key_id, secret, action = sys.argv[1:5]
@@ -97,6 +98,12 @@ if action == "list":
         print("OBJ", o["Key"], o["Size"])
 elif action == "get":
     s3.download_file("ckpts", sys.argv[5], sys.argv[6])
+elif action == "getprefix":
+    import os
+    prefix, target = sys.argv[5], sys.argv[6]
+    os.makedirs(target, exist_ok=True)
+    for o in s3.list_objects_v2(Bucket="ckpts", Prefix=prefix).get("Contents", []):
+        s3.download_file("ckpts", o["Key"], os.path.join(target, o["Key"][len(prefix):]))
 elif action == "etag":
     print("ETAG", s3.head_object(Bucket="ckpts", Key=sys.argv[5])["ETag"])
 print("python-ok")
@@ -376,4 +383,199 @@ TEST_CASE("s3 storage: credentials from a profile of the shared credentials file
   CHECK(wrong.exit_code != 0);
   FULGUR_CHECK_CONTAINS(wrong.output, "SignatureDoesNotMatch");
   FULGUR_CHECK_CONTAINS(wrong.output, "aws-credentials [default]");
+}
+
+namespace {
+
+// Every tensor of a nested checkpoint value, by its dotted place.
+void flatten_tensors(const c10::IValue& value, const std::string& place, std::map<std::string, at::Tensor>& out) {
+  if (value.isTensor()) {
+    out[place] = value.toTensor();
+  } else if (value.isGenericDict()) {
+    for (const auto& entry : value.toGenericDict())
+      flatten_tensors(
+          entry.value(),
+          place + "." + (entry.key().isString() ? entry.key().toStringRef() : std::to_string(entry.key().toInt())),
+          out);
+  } else if (value.isList()) {
+    const c10::List<c10::IValue> list = value.toList();
+    for (size_t i = 0; i < list.size(); ++i) flatten_tensors(list.get(i), place + "." + std::to_string(i), out);
+  }
+}
+
+// Every tensor of two checkpoint files (weights, optimizer state, RNG state), compared bit for bit.
+void check_same_tensors(const fs::path& a, const fs::path& b) {
+  std::map<std::string, at::Tensor> ta, tb;
+  flatten_tensors(c10::IValue(fulgur::test::job::checkpoint_dict(a)), "", ta);
+  flatten_tensors(c10::IValue(fulgur::test::job::checkpoint_dict(b)), "", tb);
+  CHECK(ta.size() == tb.size());
+  CHECK(ta.size() > 4);
+  for (const auto& [key, tensor] : tb) {
+    INFO(key);
+    REQUIRE(ta.count(key) == 1);
+    CHECK(at::equal(ta.at(key), tensor));
+  }
+}
+
+// fit_toml's run with [trainer] async_checkpoint = true, every checkpoint kept (save_top_k = -1).
+std::string async_toml(std::string toml, bool async) {
+  if (async) toml.insert(toml.find("[trainer]\n") + 10, "async_checkpoint = true\n");
+  const std::string top_k = "save_top_k = 1\n";
+  toml.replace(toml.find(top_k), top_k.size(), "save_top_k = -1\n");
+  return toml;
+}
+
+}  // namespace
+
+TEST_CASE("async_checkpoint: fulgur fit writes the checkpoints of a synchronous run, in the background") {
+  TempDir dir;
+  // No last.ckpt: a second save at the same step would wait for the first before training goes on.
+  auto toml = [](const fs::path& root, const std::string& dirpath, bool async) {
+    std::string text = async_toml(fit_toml(root, 2, dirpath, ""), async);
+    text.replace(text.find("save_last = true"), 16, "save_last = false");
+    return text;
+  };
+  std::map<std::string, std::string> env = {{"FULGUR_LOG_LEVEL", "warn"}, {"FULGUR_PLUGIN_PATH", ""}};
+  const ProcessRun sync = fit(dir, "sync.toml", toml(dir / "s", (dir / "sync").string(), false), env);
+  REQUIRE_MESSAGE(sync.exit_code == 0, sync.output);
+  // Each background save waits 300 ms before it writes (where the build has the seam), so that
+  // the next steps surely change the weights meanwhile.
+  if (FULGUR_TEST_FAULT_INJECTION) env["FULGUR_FAULT_INJECT"] = "async_checkpoint_delay:300";
+  const ProcessRun async = fit(dir, "async.toml", toml(dir / "a", (dir / "async").string(), true), env);
+  env.erase("FULGUR_FAULT_INJECT");
+  REQUIRE_MESSAGE(async.exit_code == 0, async.output);
+  // Saved every 2 steps while training went on: each file holds the state of its own step (the
+  // host copy taken at the save point), every tensor what the synchronous run wrote.
+  const std::vector<std::string> names = fulgur::test::job::files_in(dir / "sync");
+  REQUIRE(names == std::vector<std::string>{"epoch=0-step=2.ckpt", "epoch=0-step=4.ckpt", "epoch=1-step=6.ckpt",
+                                            "epoch=1-step=8.ckpt"});
+  CHECK(fulgur::test::job::files_in(dir / "async") == names);
+  for (const std::string& name : names) {
+    INFO(name);
+    check_same_tensors(dir / "async" / name, dir / "sync" / name);
+    CHECK(fulgur::test::job::checkpoint_dict(dir / "async" / name).at("global_step") ==
+          fulgur::test::job::checkpoint_dict(dir / "sync" / name).at("global_step"));
+  }
+
+  // The same to object storage, where moto_server is installed.
+  if (!fs::exists(moto_executable())) return;
+  MotoServer server(dir);
+  std::map<std::string, std::string> s3_env = server.env();
+  if (FULGUR_TEST_FAULT_INJECTION) s3_env["FULGUR_FAULT_INJECT"] = "async_checkpoint_delay:300";
+  const ProcessRun s3 = fit(dir, "s3.toml", toml(dir / "3", "s3://ckpts/async", true), s3_env);
+  REQUIRE_MESSAGE(s3.exit_code == 0, s3.output);
+  CHECK(server.keys("async/").size() == names.size());
+  server.client({"get", "async/epoch=0-step=2.ckpt", (dir / "s3-step2.ckpt").string()});
+  check_same_tensors(dir / "s3-step2.ckpt", dir / "sync" / "epoch=0-step=2.ckpt");
+
+  // fulgur predict from that s3:// checkpoint, the prediction writer's files going to s3:// too.
+  std::string predict_toml = toml(dir / "3", "s3://ckpts/async", false) +
+                             "\n[[callbacks]]\nname = \"prediction_writer\"\noutput_dir = \"s3://ckpts/predictions\"\n"
+                             "write_interval = \"batch_and_epoch\"\nformat = \"csv\"\n";
+  predict_toml.insert(predict_toml.find("[trainer]\n") + 10, "limit_predict_batches = 2\n");
+  fulgur::test::write_bytes(dir / "predict.toml", predict_toml);
+  const ProcessRun predict = fulgur::test::run_process({FULGUR_TEST_FULGUR_BIN, "predict", "--config", "predict.toml",
+                                                        "--ckpt_path=s3://ckpts/async/epoch=1-step=8.ckpt"},
+                                                       server.env(), dir.path());
+  REQUIRE_MESSAGE(predict.exit_code == 0, predict.output);
+  CHECK(server.keys("predictions/") == std::vector<std::string>{"predictions/predictions_rank0.csv",
+                                                                "predictions/predictions_rank0_batch0.csv",
+                                                                "predictions/predictions_rank0_batch1.csv"});
+  server.client({"get", "predictions/predictions_rank0.csv", (dir / "predictions.csv").string()});
+  CHECK(fulgur::test::read_csv(dir / "predictions.csv").at("v9").size() == 64);  // 2 batches of 32, 10 classes
+}
+
+TEST_CASE("async_checkpoint: a background save that fails ends the run, naming its checkpoint") {
+  TempDir dir;
+  // last.ckpt cannot replace a directory of that name: the first save of last.ckpt (step 2, in the
+  // background) fails, and the next save (step 4) reports it.
+  fs::create_directories(dir / "ckpt" / "last.ckpt" / "occupied");
+  std::string toml = async_toml(fit_toml(dir.path(), 2, (dir / "ckpt").string(), ""), true);
+  toml += "enable_version_counter = false\n";
+  const ProcessRun run = fit(dir, "failing.toml", toml, {{"FULGUR_LOG_LEVEL", "warn"}, {"FULGUR_PLUGIN_PATH", ""}});
+  INFO(run.output);
+  CHECK(run.exit_code != 0);
+  FULGUR_CHECK_CONTAINS(run.output, "the checkpoint '" + (dir / "ckpt" / "last.ckpt").string() +
+                                        "' saved in the background ([trainer] async_checkpoint) failed");
+  CHECK(fulgur::test::job::files_in(dir / "ckpt") == std::vector<std::string>{"epoch=0-step=2.ckpt", "last.ckpt"});
+}
+
+namespace {
+
+// fit_toml's run under fsdp on 2 processes, every rank writing its shards (state_dict_type = "sharded").
+std::string fsdp_toml(std::string toml) {
+  toml.insert(toml.find("[trainer]\n") + 10, "accelerator = \"cpu\"\nstrategy = \"fsdp\"\ndevices = 2\n");
+  return toml + "\n[strategy]\nstate_dict_type = \"sharded\"\n";
+}
+
+}  // namespace
+
+TEST_CASE("s3 storage: fsdp on 2 ranks saves sharded checkpoints to s3://, resumes from one, and Python reads it") {
+  if (moto_missing()) return;
+  TempDir dir;
+  MotoServer server(dir);
+  // The reference: two epochs on local disk, every checkpoint kept (DCP directories).
+  const ProcessRun reference =
+      fit(dir, "reference.toml",
+          fsdp_toml(async_toml(fit_toml(dir / "ref", 2, (dir / "ref-ckpt").string(), ""), false)), server.env());
+  REQUIRE_MESSAGE(reference.exit_code == 0, reference.output);
+
+  // One epoch to s3://: each checkpoint a prefix holding each rank's data file and .metadata.
+  const std::string dirpath = "s3://ckpts/fsdp";
+  const ProcessRun first = fit(dir, "first.toml", fsdp_toml(fit_toml(dir / "a", 1, dirpath, "")), server.env());
+  REQUIRE_MESSAGE(first.exit_code == 0, first.output);
+  CHECK(server.keys("fsdp/") ==
+        std::vector<std::string>{"fsdp/epoch=0-step=4.ckpt/.metadata", "fsdp/epoch=0-step=4.ckpt/__0_0.distcp",
+                                 "fsdp/epoch=0-step=4.ckpt/__1_0.distcp", "fsdp/last.ckpt/.metadata",
+                                 "fsdp/last.ckpt/__0_0.distcp", "fsdp/last.ckpt/__1_0.distcp"});
+
+  // Python's own tool consolidates the downloaded prefix; every tensor equals the local run's.
+  server.client({"getprefix", "fsdp/epoch=0-step=4.ckpt/", (dir / "downloaded").string()});
+  const ProcessRun python =
+      fulgur::test::run_process({FULGUR_TEST_PYTHON, "-c",
+                                 "import sys; from torch.distributed.checkpoint.format_utils import dcp_to_torch_save; "
+                                 "dcp_to_torch_save(sys.argv[1], sys.argv[2])",
+                                 (dir / "downloaded").string(), (dir / "consolidated.pt").string()},
+                                {}, dir.path());
+  REQUIRE_MESSAGE(python.exit_code == 0, python.output);
+  std::map<std::string, at::Tensor> from_python, expected;
+  flatten_tensors(fulgur::read_checkpoint_file((dir / "consolidated.pt").string()), "", from_python);
+  flatten_tensors(c10::IValue(fulgur::test::job::checkpoint_dict(dir / "ref-ckpt" / "epoch=0-step=4.ckpt")), "",
+                  expected);
+  CHECK(from_python.size() == expected.size());
+  CHECK(std::count_if(expected.begin(), expected.end(),
+                      [](const auto& e) { return e.first.starts_with(".optimizer_states."); }) > 0);
+  for (const auto& [key, tensor] : expected) {
+    INFO(key);
+    REQUIRE(from_python.count(key) == 1);
+    CHECK(at::equal(from_python.at(key), tensor));
+  }
+
+  // Two processes resume from "last" (found by listing the prefix) and end where the reference did.
+  const ProcessRun resumed = fit(dir, "resumed.toml", fsdp_toml(fit_toml(dir / "a", 2, dirpath, "last")), server.env());
+  REQUIRE_MESSAGE(resumed.exit_code == 0, resumed.output);
+  CHECK(server.keys("fsdp/epoch=0-step=4.ckpt/").empty());  // save_top_k = 1 removed it
+  server.client({"getprefix", "fsdp/last.ckpt/", (dir / "resumed-last").string()});
+  const auto state = fulgur::test::job::checkpoint_dict(dir / "resumed-last");
+  CHECK(state.at("global_step").toInt() == 8);
+  CHECK(fulgur::test::job::same_weights(dir / "resumed-last", dir / "ref-ckpt" / "last.ckpt"));
+
+  // fulgur checkpoint and fulgur weights take s3:// URLs for their inputs and outputs.
+  auto fulgur_cli = [&](const std::vector<std::string>& args) {
+    std::vector<std::string> command = {FULGUR_TEST_FULGUR_BIN};
+    command.insert(command.end(), args.begin(), args.end());
+    const ProcessRun run = fulgur::test::run_process(command, server.env(), dir.path());
+    REQUIRE_MESSAGE(run.exit_code == 0, run.output);
+    return run.output;
+  };
+  FULGUR_CHECK_CONTAINS(fulgur_cli({"checkpoint", "inspect", "s3://ckpts/fsdp/last.ckpt"}),
+                        "s3://ckpts/fsdp/last.ckpt: distributed checkpoint");
+  fulgur_cli({"checkpoint", "consolidate", "s3://ckpts/fsdp/last.ckpt", "s3://ckpts/whole/last.ckpt"});
+  fulgur_cli({"weights", "convert", "s3://ckpts/whole/last.ckpt", "s3://ckpts/whole/model.safetensors"});
+  CHECK(server.keys("whole/") == std::vector<std::string>{"whole/last.ckpt", "whole/model.safetensors"});
+  FULGUR_CHECK_CONTAINS(fulgur_cli({"weights", "inspect", "s3://ckpts/whole/model.safetensors"}),
+                        fmt::format("s3://ckpts/whole/model.safetensors: safetensors, {} tensors",
+                                    state.at("state_dict").toGenericDict().size()));
+  server.client({"get", "whole/last.ckpt", (dir / "whole.ckpt").string()});
+  CHECK(fulgur::test::job::same_weights(dir / "whole.ckpt", dir / "ref-ckpt" / "last.ckpt"));
 }

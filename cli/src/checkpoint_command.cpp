@@ -3,6 +3,8 @@
 // torch.save file that a single process, Python's torch.load or `fulgur weights` opens.
 #include "checkpoint_command.h"
 
+#include "storage_paths.h"
+
 #include <fulgur/distributed_checkpoint.h>
 #include <fulgur/error.h>
 
@@ -22,15 +24,23 @@ namespace {
 constexpr const char* kCheckpointUsage =
     "usage:\n"
     "  fulgur checkpoint consolidate DIR OUT   (a distributed checkpoint directory into one torch.save file)\n"
-    "  fulgur checkpoint inspect DIR           (keys, dtypes, shapes and writer files)\n";
+    "  fulgur checkpoint inspect DIR           (keys, dtypes, shapes and writer files)\n"
+    "DIR and OUT may be s3:// URLs.\n";
 
+// DIR and OUT may be s3:// URLs (storage_paths.h).
 int consolidate(const std::string& dir, const std::string& out) {
-  dcp::consolidate(dir, out);
-  std::cout << fmt::format("wrote {} ({} bytes) from {}\n", out, std::filesystem::file_size(out), dir);
+  const LocalInput input(dir);
+  LocalOutput output(out);
+  dcp::consolidate(input.path(), output.path());
+  const auto bytes = std::filesystem::file_size(output.path());
+  output.publish();
+  std::cout << fmt::format("wrote {} ({} bytes) from {}\n", out, bytes, dir);
   return 0;
 }
 
-int inspect(const std::string& dir) {
+int inspect(const std::string& shown) {
+  const LocalInput input(shown);
+  const std::string& dir = input.path();
   const dcp::Reader reader(dir);
   const std::vector<std::string> keys = reader.keys();
   size_t width = 4;  // the names' column, up to 64 characters (longer names push their row only)
@@ -38,7 +48,7 @@ int inspect(const std::string& dir) {
   int64_t files = 0;
   for (const auto& entry : std::filesystem::directory_iterator(dir))
     if (entry.path().extension() == ".distcp") ++files;
-  std::cout << fmt::format("{}: distributed checkpoint, {} entries, {} data files\n", dir, keys.size(), files);
+  std::cout << fmt::format("{}: distributed checkpoint, {} entries, {} data files\n", shown, keys.size(), files);
   for (const auto& k : keys) {
     if (reader.is_tensor(k))
       std::cout << fmt::format("{:<{}}  {:<9} [{}]\n", k, width, c10::toString(reader.dtype(k)),

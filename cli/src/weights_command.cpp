@@ -1,6 +1,8 @@
 // `fulgur weights convert IN OUT` and `fulgur weights inspect FILE` on top of fulgur/weights.h.
 #include "weights_command.h"
 
+#include "storage_paths.h"
+
 #include <fulgur/error.h>
 #include <fulgur/weights.h>
 
@@ -21,11 +23,14 @@ namespace {
 constexpr const char* kWeightsUsage =
     "usage:\n"
     "  fulgur weights convert IN OUT   (.pt / .ckpt / .safetensors, by OUT's extension)\n"
-    "  fulgur weights inspect FILE     (names, dtypes and shapes)\n";
+    "  fulgur weights inspect FILE     (names, dtypes and shapes)\n"
+    "IN, OUT and FILE may be s3:// URLs.\n";
 
 std::string dtype_name(c10::ScalarType type) { return std::string(c10::toString(type)); }
 
-int inspect(const std::string& path) {
+int inspect(const std::string& shown) {
+  const LocalInput input(shown);  // an s3:// URL is read from a local copy
+  const std::string& path = input.path();
   // A safetensors file is listed from its header alone: no tensor data is read.
   const bool safetensors = detect_weights_format(path) == WeightsFormat::safetensors;
   struct Row {
@@ -52,20 +57,25 @@ int inspect(const std::string& path) {
     total += r.bytes;
     width = std::max(width, r.name.size());
   }
-  std::cout << fmt::format("{}: {}, {} tensors, {} bytes\n", path, safetensors ? "safetensors" : "torch.save",
+  std::cout << fmt::format("{}: {}, {} tensors, {} bytes\n", shown, safetensors ? "safetensors" : "torch.save",
                            rows.size(), total);
   for (const auto& [k, v] : metadata) std::cout << fmt::format("metadata {} = {}\n", k, v);
   for (const auto& r : rows) std::cout << fmt::format("{:<{}}  {:<7} {}\n", r.name, width, r.dtype, r.shape);
   return 0;
 }
 
-int convert(const std::string& in, const std::string& out) {
+// IN and OUT may be s3:// URLs (storage_paths.h).
+int convert(const std::string& shown_in, const std::string& out) {
+  const LocalInput input(shown_in);
+  const std::string& in = input.path();
   std::map<std::string, std::string> metadata;
   const TensorMap tensors =
       detect_weights_format(in) == WeightsFormat::safetensors ? read_safetensors(in, &metadata) : read_weights(in);
   // What transformers and the Hub expect of a PyTorch safetensors file.
   if (metadata.empty()) metadata["format"] = "pt";
-  save_weights(tensors, out, metadata);
+  LocalOutput output(out);
+  save_weights(tensors, output.path(), metadata);
+  output.publish();
   std::cout << fmt::format("wrote {} ({} tensors)\n", out, tensors.size());
   return 0;
 }

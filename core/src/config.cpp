@@ -124,6 +124,10 @@ const std::vector<OptionSchema>& trainer_option_schema() {
          "[[loggers]] entries, or the default logger when there are none"},
         {"barebones", T::boolean, "false", "Disable every feature that costs time: loggers, callbacks, profiler"},
         {"ckpt_path", T::string, "\"\"", "Checkpoint to resume fit from: a path, \"last\" or \"best\""},
+        {"async_checkpoint", T::boolean, "false",
+         "Write checkpoints in a background thread (Lightning's AsyncCheckpointIO): the state is copied to host "
+         "memory at the save point and training goes on; one save in flight at most, awaited at the next save and "
+         "at the end of fit; a failed save fails the run. Single-process runs (several processes save as usual)"},
         {"strict_loading", T::boolean, "true",
          "Loading a checkpoint's weights: refuse missing or unexpected keys (false: load those that match, "
          "warn about the rest)"},

@@ -136,6 +136,7 @@ ResolvedTrainerConfig ResolvedTrainerConfig::from_config(const Config& config) {
   s.detect_anomaly = t.get_bool("detect_anomaly");
   s.sync_batchnorm = t.get_bool("sync_batchnorm");
   s.strict_loading = t.get_bool("strict_loading");
+  s.async_checkpoint = t.get_bool("async_checkpoint");
   s.init_weights.path = t.get_string("init_weights");
   s.init_weights.strip_prefix = t.get_string("init_weights_strip_prefix");
   s.init_weights.add_prefix = t.get_string("init_weights_add_prefix");

@@ -34,7 +34,8 @@ struct ResolvedTrainerConfig {
   double gradient_clip_val = 0;
   GradClipAlgorithm gradient_clip_algorithm = GradClipAlgorithm::norm;
   bool inference_mode = true, detect_anomaly = false;
-  bool strict_loading = true;  // Lightning's LightningModule.strict_loading, for every ckpt_path
+  bool strict_loading = true;     // Lightning's LightningModule.strict_loading, for every ckpt_path
+  bool async_checkpoint = false;  // checkpoints written in a background thread (async_checkpoint.h)
   // [trainer] init_weights*: the weights a model starts from when no checkpoint is restored.
   struct InitWeights {
     std::string path;  // "" for none; absolute when it came from a TOML file

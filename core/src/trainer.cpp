@@ -396,6 +396,17 @@ void TrainerEngine::finish_stage(Stage stage, RunStatus status) {
   // was interrupted too; one that finished synced before its end hooks).
   step([&] { sync_optimizer_host_state(); });
   fused_adam_.reset();
+  // A background save still in flight (a failure or a signal ended the stage) is completed before
+  // the process may exit; its own failure is reported beside the one that ended the run.
+  try {
+    checkpoints_.wait_for_pending_save();
+  } catch (const std::exception& e) {
+    if (status == RunStatus::success) {
+      if (!first) first = std::current_exception();
+    } else {
+      spdlog::error("{}", e.what());
+    }
+  }
   step([&] { hooks_.call(Hook::teardown, [&](Callback& c) { c.teardown(*this, stage); }); });
   step([&] {
     if (data_) data_->teardown(stage);
@@ -474,8 +485,11 @@ void TrainerEngine::fit(Module& module, DataModule& data, const std::string& ckp
     if (checkpoint) checkpoints_.restore_training_state(*checkpoint);
     epoch_loop.prepare_optimizer_steps();
     fit_loop_.run();
+    // A background save (async_checkpoint) is complete before the end hooks, which may read it.
+    checkpoints_.wait_for_pending_save();
     hooks_.call(Hook::fit_end, [&](Callback& c) { c.on_fit_end(*this); });
     hooks_.module("on_fit_end", [&] { module.on_fit_end(); });
+    checkpoints_.wait_for_pending_save();
   });
 }
 

@@ -133,10 +133,56 @@ void CheckpointConnector::save(const std::string& path, bool weights_only) {
     for (auto* opt : t.optimizer_ptrs_) optimizer_states.push_back(strategy.optimizer_state_dict(*opt));
   }
   c10::IValue metadata = dump_metadata(weights_only);
+  const SavedCheckpoint saved{path, t.global_step(), t.current_epoch(), weights_only};
+  if (t.trainer_config_.async_checkpoint) {
+    if (strategy.cluster().world_size == 1) {
+      save_in_background(path, std::move(model_state), std::move(optimizer_states), std::move(metadata), saved);
+      return;
+    }
+    // The strategy's save may be a collective (a barrier, every rank writing its shards), which
+    // must not run beside the training step's collectives on another thread.
+    if (!warned_async_multiprocess_ && t.global_rank() == 0)
+      spdlog::warn(
+          "[trainer] async_checkpoint applies to single-process runs; this run of {} processes saves its "
+          "checkpoints synchronously",
+          strategy.cluster().world_size);
+    warned_async_multiprocess_ = true;
+  }
   strategy.save_checkpoint(CheckpointParts{&model_state, &optimizer_states, &metadata}, path);
   // Complete on every rank once the strategy returns (its writes end in a barrier where several
   // ranks write): loggers that observe checkpoints may read or upload it now.
-  t.logging_.after_save_checkpoint(SavedCheckpoint{path, t.global_step(), t.current_epoch(), weights_only});
+  t.logging_.after_save_checkpoint(saved);
+}
+
+void CheckpointConnector::save_in_background(const std::string& path, c10::IValue model_state,
+                                             std::vector<c10::IValue> optimizer_states, c10::IValue metadata,
+                                             const SavedCheckpoint& saved) {
+  // One save in flight: the previous one completes (or fails the run) before this one starts.
+  wait_for_pending_save();
+  // Training goes on and changes the weights and optimizer state in place: the background thread
+  // writes a host copy taken now (the parts may be views of the live tensors, or on a device).
+  struct HostParts {
+    c10::IValue model_state, metadata;
+    std::vector<c10::IValue> optimizer_states;
+  };
+  auto host = std::make_shared<HostParts>();
+  host->model_state = copy_to_host(model_state);
+  for (const c10::IValue& state : optimizer_states) host->optimizer_states.push_back(copy_to_host(state));
+  host->metadata = copy_to_host(metadata);
+  model_state = c10::IValue();
+  optimizer_states.clear();
+  Strategy& strategy = *trainer_.plugins_.strategy;
+  async_writer_.start(path, [&strategy, host, path] {
+    strategy.save_checkpoint(CheckpointParts{&host->model_state, &host->optimizer_states, &host->metadata}, path);
+  });
+  pending_ = saved;
+}
+
+void CheckpointConnector::wait_for_pending_save() {
+  if (!async_writer_.in_flight()) return;
+  std::optional<SavedCheckpoint> saved = std::exchange(pending_, std::nullopt);
+  async_writer_.wait();
+  if (saved) trainer_.logging_.after_save_checkpoint(*saved);
 }
 
 std::string CheckpointConnector::resolve(const std::string& ckpt_path, Stage stage) {

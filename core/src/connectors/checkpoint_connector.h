@@ -3,13 +3,17 @@
 // checkpoint-provider callbacks), and restoring a run from one.
 #pragma once
 
+#include <fulgur/logger.h>
 #include <fulgur/trainer.h>
 #include <fulgur/types.h>
 #include <fulgur/weights.h>
 
 #include <ATen/core/ivalue.h>
 
+#include "async_checkpoint.h"
+
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -26,8 +30,12 @@ class CheckpointConnector {
     std::vector<c10::IValue> optimizer_states;           // empty: a weights-only checkpoint
   };
 
-  // TrainerContext::save_checkpoint: the strategy's parts plus dump_metadata, written by the strategy.
+  // TrainerContext::save_checkpoint: the strategy's parts plus dump_metadata, written by the strategy
+  // (in the background with [trainer] async_checkpoint in a single-process run).
   void save(const std::string& path, bool weights_only);
+  // Waits for a background save still in flight; throws fulgur::Error(checkpoint) naming it when it
+  // failed. The loggers hear of a background save (after_save_checkpoint) here, once it is complete.
+  void wait_for_pending_save();
   // A path, "last" or "best" as a file. "" when ckpt_path is "last" in fit and no last
   // checkpoint exists yet (a first run starts fresh, with a warning, as Lightning does).
   std::string resolve(const std::string& ckpt_path, Stage stage);
@@ -60,8 +68,15 @@ class CheckpointConnector {
   static bool is_weights_only_file(const std::string& path);
   static std::string init_weights_hint(const std::string& path);
   void restore_weights_only(const std::string& path, const TensorMap& tensors);
+  // save() with [trainer] async_checkpoint: copies the parts to host memory and has the strategy
+  // write them on a background thread (after the previous save completed).
+  void save_in_background(const std::string& path, c10::IValue model_state, std::vector<c10::IValue> optimizer_states,
+                          c10::IValue metadata, const SavedCheckpoint& saved);
 
   TrainerEngine& trainer_;
+  AsyncCheckpointWriter async_writer_;
+  std::optional<SavedCheckpoint> pending_;  // the background save's, for the loggers
+  bool warned_async_multiprocess_ = false;
 };
 
 }  // namespace fulgur

@@ -153,8 +153,14 @@ std::string absolute_path(const std::string& path) {
   return normal;
 }
 
+// On object storage a sharded (DCP) checkpoint is a prefix whose .metadata, written last, marks it complete.
+constexpr const char* kDcpMetadata = ".metadata";
+
 bool path_exists(const std::string& path) {
-  if (fulgur::is_storage_url(path)) return fulgur::storage_for(path).exists(path);
+  if (fulgur::is_storage_url(path)) {
+    fulgur::Storage& storage = fulgur::storage_for(path);
+    return storage.exists(path) || storage.exists(fulgur::join_storage_path(path, kDcpMetadata));
+  }
   struct stat info {};
   return ::stat(path.c_str(), &info) == 0;
 }
@@ -255,12 +261,14 @@ std::string newest_last_checkpoint(const std::string& directory, bool checkpoint
     int64_t newest_time = 0;
     for (const fulgur::StorageObject& object :
          fulgur::storage_for(directory).list(fulgur::join_storage_path(directory, ""))) {
-      const size_t slash = object.url.rfind('/');
-      const std::string name = object.url.substr(slash + 1), parent = object.url.substr(0, slash);
+      std::string url = object.url;
+      if (url.ends_with(std::string("/") + kDcpMetadata)) url.resize(url.size() - std::strlen(kDcpMetadata) - 1);
+      const size_t slash = url.rfind('/');
+      const std::string name = url.substr(slash + 1), parent = url.substr(0, slash);
       if (!name.starts_with(kLastFilename) || !name.ends_with(kExtension)) continue;
       const bool wanted = checkpoints_below ? parent.ends_with("/checkpoints") : parent == directory;
       if (wanted && (newest.empty() || object.modified_ns > newest_time)) {
-        newest = object.url;
+        newest = url;
         newest_time = object.modified_ns;
       }
     }
@@ -690,7 +698,13 @@ class ModelCheckpoint final : public fulgur::Callback, public fulgur::Checkpoint
     if (!trainer.is_global_zero()) return;
     if (fulgur::is_storage_url(path)) {
       try {
-        fulgur::storage_for(path).remove(path);
+        fulgur::Storage& storage = fulgur::storage_for(path);
+        if (!storage.remove(path)) {
+          // A sharded checkpoint: incomplete (not listed as one) from its first removal on.
+          storage.remove(fulgur::join_storage_path(path, kDcpMetadata));
+          for (const fulgur::StorageObject& object : storage.list(fulgur::join_storage_path(path, "")))
+            storage.remove(object.url);
+        }
       } catch (const fulgur::Error& e) {
         fulgur::log::warn(fmt::format("{}: could not delete {}, which is no longer kept: {}", kOwner, path, e.what()));
       }

@@ -11,6 +11,7 @@
 // from its first dimension on).
 #include <fulgur/checkpoint_io.h>
 #include <fulgur/plugin.h>
+#include <fulgur/storage.h>
 
 #include "../common/callback_conventions.h"
 
@@ -20,6 +21,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -52,13 +54,15 @@ class PredictionWriter final : public fulgur::CallbackBase<PredictionWriter> {
   }
 
   void on_predict_start(fulgur::TrainerContext& trainer) override {
-    dir_ = output_dir_.empty() ? (std::filesystem::path(trainer.default_root_dir()) / "predictions")
-                               : std::filesystem::path(output_dir_);
+    // output_dir may be an object store's URL (s3://bucket/prefix, fulgur/storage.h): files are
+    // written there whole, and there are no directories to create.
+    dir_ = output_dir_.empty() ? (std::filesystem::path(trainer.default_root_dir()) / "predictions").string()
+                               : output_dir_;
     std::error_code ec;
-    std::filesystem::create_directories(dir_, ec);
+    if (!fulgur::is_storage_url(dir_)) std::filesystem::create_directories(dir_, ec);
     if (ec)
       throw Error(ErrorKind::io, fmt::format("{}: cannot create output_dir {}: {}; choose a writable directory", kOwner,
-                                             dir_.string(), ec.message()));
+                                             dir_, ec.message()));
     rank_ = trainer.cluster().global_rank;
     predictions_.clear();
     indices_.clear();
@@ -70,7 +74,7 @@ class PredictionWriter final : public fulgur::CallbackBase<PredictionWriter> {
     const at::Tensor cpu = prediction.detach().to(at::kCPU);
     if (per_batch_) {
       const std::string path =
-          (dir_ / fmt::format("predictions_rank{}_batch{}.{}", rank_, batch_idx, format_)).string();
+          fulgur::join_storage_path(dir_, fmt::format("predictions_rank{}_batch{}.{}", rank_, batch_idx, format_));
       if (format_ == "pt") {
         auto dict = support::new_state_dict();
         dict.insert("prediction", cpu);
@@ -88,7 +92,7 @@ class PredictionWriter final : public fulgur::CallbackBase<PredictionWriter> {
 
   void on_predict_epoch_end(fulgur::TrainerContext&) override {
     if (!per_epoch_) return;
-    const std::string path = (dir_ / fmt::format("predictions_rank{}.{}", rank_, format_)).string();
+    const std::string path = fulgur::join_storage_path(dir_, fmt::format("predictions_rank{}.{}", rank_, format_));
     if (format_ == "pt") {
       c10::List<at::Tensor> list;
       for (const auto& p : predictions_) list.push_back(p);
@@ -105,12 +109,12 @@ class PredictionWriter final : public fulgur::CallbackBase<PredictionWriter> {
   }
 
  private:
-  // Written beside the final name and renamed over it: a reader never sees half a file.
+  // Written atomically (atomic_write_text: beside the final name and renamed over it, or one
+  // object upload): a reader never sees half a file.
   static void write_csv(const std::string& path, const std::vector<at::Tensor>& predictions,
                         const std::vector<int64_t>& indices) {
-    const std::string tmp = path + ".tmp";
+    std::ostringstream out;
     {
-      std::ofstream out(tmp, std::ios::trunc);
       int64_t width = 0;
       for (const auto& p : predictions) width = std::max<int64_t>(width, p.dim() == 0 ? 1 : p.numel() / p.size(0));
       out << "batch_idx,sample";
@@ -135,17 +139,15 @@ class PredictionWriter final : public fulgur::CallbackBase<PredictionWriter> {
           out << "\n";
         }
       }
-      if (!out) throw Error(ErrorKind::io, fmt::format("{}: cannot write {}", kOwner, tmp));
     }
-    if (std::rename(tmp.c_str(), path.c_str()) != 0)
-      throw Error(ErrorKind::io, fmt::format("{}: cannot rename {} to {}", kOwner, tmp, path));
+    fulgur::atomic_write_text(path, out.str());
   }
 
   std::string output_dir_;
   std::string format_;
   bool per_batch_ = false;
   bool per_epoch_ = false;
-  std::filesystem::path dir_;
+  std::string dir_;  // a local directory or a URL
   int64_t rank_ = 0;
   std::vector<at::Tensor> predictions_;
   std::vector<int64_t> indices_;

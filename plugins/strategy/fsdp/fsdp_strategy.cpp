@@ -53,6 +53,7 @@
 #include <fulgur/optim/muon.h>
 #include <fulgur/plugin.h>
 #include <fulgur/state_dict.h>
+#include <fulgur/storage.h>
 #include <fulgur/strategy.h>
 
 #include <ATen/CPUGeneratorImpl.h>
@@ -77,12 +78,13 @@
 #include <mutex>
 #include <optional>
 #include <set>
-#include <utility>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "../common/process_group_strategy.h"
 #include "auto_wrap.h"
+#include "dcp_storage.h"
 #include "fsdp_state.h"
 #include "sharded_parameter.h"
 #include "zero3_units.h"
@@ -387,7 +389,20 @@ class FsdpStrategy final : public fulgur::process_group::ProcessGroupStrategy, p
       ProcessGroupStrategy::save_checkpoint(parts, path);
       return;
     }
+    if (fulgur::is_storage_url(path)) {
+      fulgur::fsdp::save_to_storage(path, fulgur::join_checkpoint(parts), placements_, cluster_.global_rank,
+                                    cluster_.world_size, [this](const std::string& value, int64_t src) {
+                                      return communicator_ ? broadcast_string(value, src) : value;
+                                    });
+      return;
+    }
     fulgur::dcp::save(path, fulgur::join_checkpoint(parts), placements_, communicator_.get());
+  }
+
+  // A sharded checkpoint on object storage is a prefix whose .metadata marks it complete.
+  bool is_checkpoint(const std::string& path) const override {
+    if (fulgur::is_storage_url(path) && fulgur::fsdp::is_stored_checkpoint(path)) return true;
+    return ProcessGroupStrategy::is_checkpoint(path);
   }
 
   void load_module_state_dict(torch::nn::Module& module, const c10::IValue& state, bool strict,
@@ -415,6 +430,12 @@ class FsdpStrategy final : public fulgur::process_group::ProcessGroupStrategy, p
   // optimizer state, not the whole tensors (Strategy::load_checkpoint would read every tensor whole
   // on every rank); the loaders take row-shaped tensors as they come.
   void load_checkpoint(const std::string& path, const fulgur::CheckpointParts& out) override {
+    if (fulgur::is_storage_url(path) && fulgur::fsdp::is_stored_checkpoint(path)) {
+      // Every rank reads from a local copy (the DCP reader reads byte ranges of local files).
+      const fulgur::fsdp::StagedCheckpoint staged(path);
+      load_checkpoint(staged.path(), out);
+      return;
+    }
     if (sharding_.zero_stage != 3 || !fulgur::dcp::is_distributed_checkpoint(path)) {
       ProcessGroupStrategy::load_checkpoint(path, out);
       return;

@@ -1,0 +1,118 @@
+#include "storage_paths.h"
+
+#include <fulgur/error.h>
+#include <fulgur/registry/registry.h>
+#include <fulgur/storage.h>
+
+#include <dlfcn.h>
+#include <stdlib.h>
+#include <sys/stat.h>
+
+#include <fmt/format.h>
+#include <cerrno>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <vector>
+
+namespace fulgur::cli {
+
+namespace {
+
+namespace fs = std::filesystem;
+
+// The first URL of a scheme loads libfulgur-storage-<scheme>.so from the plugin search path (as
+// the core does for fulgur fit; world-writable libraries are refused there as here).
+void install_storage_loader() {
+  static const bool installed = [] {
+    std::vector<fs::path> directories;
+    for (const SearchDirectory& d : plugin_search_path(SearchPathOptions{})) directories.push_back(d.path);
+    set_storage_loader([directories](std::string_view scheme) {
+      for (const fs::path& directory : directories) {
+        const fs::path file = directory / fmt::format("libfulgur-storage-{}.so", scheme);
+        struct stat info {};
+        if (::stat(file.c_str(), &info) != 0) continue;
+        if (info.st_mode & S_IWOTH)
+          throw Error(ErrorKind::plugin_rejected,
+                      fmt::format("storage library {} is writable by everyone, so it is not loaded; chmod o-w it",
+                                  file.string()));
+        if (::dlopen(file.c_str(), RTLD_NOW | RTLD_LOCAL) == nullptr)
+          throw Error(ErrorKind::plugin_rejected, fmt::format("cannot load storage library {} for {}:// URLs: {}",
+                                                              file.string(), scheme, ::dlerror()));
+        return;
+      }
+    });
+    return true;
+  }();
+  (void)installed;
+}
+
+std::string temporary_directory() {
+  const char* tmp = std::getenv("TMPDIR");
+  std::string pattern = fmt::format("{}/fulgur-cli-XXXXXX", tmp && *tmp ? tmp : "/tmp");
+  if (::mkdtemp(pattern.data()) == nullptr)
+    throw Error(ErrorKind::io, fmt::format("cannot make a temporary directory {}: {}", pattern, std::strerror(errno)));
+  return pattern;
+}
+
+std::string trimmed(std::string url) {
+  while (url.ends_with('/') && !url.ends_with("://")) url.pop_back();
+  return url;
+}
+
+// The last component of a URL ("model.safetensors"), which keeps the extension formats go by.
+std::string base_name(const std::string& url) { return url.substr(url.rfind('/') + 1); }
+
+void remove_tree(const std::string& path) {
+  std::error_code ignored;
+  if (!path.empty()) fs::remove_all(path, ignored);
+}
+
+}  // namespace
+
+LocalInput::LocalInput(const std::string& path_or_url) : local_(path_or_url) {
+  if (!is_storage_url(path_or_url)) return;
+  install_storage_loader();
+  const std::string url = trimmed(path_or_url);
+  Storage& storage = storage_for(url);
+  temporary_ = temporary_directory();
+  try {
+    local_ = join_storage_path(temporary_, base_name(url));
+    if (storage.exists(url)) {
+      local_storage().write(local_, storage.read(url));
+    } else if (storage.exists(join_storage_path(url, ".metadata"))) {
+      // A sharded checkpoint: its top-level objects, as a DCP directory.
+      fs::create_directories(local_);
+      for (const StorageObject& object : storage.list(join_storage_path(url, ""))) {
+        const std::string name = object.url.substr(url.size() + 1);
+        if (name.find('/') == std::string::npos)
+          local_storage().write(join_storage_path(local_, name), storage.read(object.url));
+      }
+    } else {
+      throw Error(ErrorKind::io,
+                  fmt::format("{}: no such object, nor a sharded checkpoint (no {}/.metadata)", url, url));
+    }
+  } catch (...) {
+    remove_tree(temporary_);
+    throw;
+  }
+}
+
+LocalInput::~LocalInput() { remove_tree(temporary_); }
+
+LocalOutput::LocalOutput(const std::string& path_or_url) : target_(path_or_url), local_(path_or_url) {
+  if (!is_storage_url(path_or_url)) return;
+  install_storage_loader();
+  storage_for(path_or_url);  // an unknown scheme is refused before any work
+  temporary_ = temporary_directory();
+  local_ = join_storage_path(temporary_, base_name(trimmed(path_or_url)));
+}
+
+LocalOutput::~LocalOutput() { remove_tree(temporary_); }
+
+void LocalOutput::publish() {
+  if (temporary_.empty()) return;
+  storage_for(target_).write(target_, local_storage().read(local_));
+}
+
+}  // namespace fulgur::cli

@@ -1,0 +1,141 @@
+#include "dcp_storage.h"
+
+#include <fulgur/error.h>
+#include <fulgur/storage.h>
+
+#include <fmt/format.h>
+
+#include <stdlib.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <string_view>
+#include <vector>
+
+namespace fulgur::fsdp {
+
+namespace {
+
+namespace fs = std::filesystem;
+
+constexpr const char* kMetadata = ".metadata";
+
+std::string trimmed(std::string url) {
+  while (url.ends_with('/') && !url.ends_with("://")) url.pop_back();
+  return url;
+}
+
+// A fresh local directory under $TMPDIR (the DCP writer and reader work on directories).
+std::string local_directory(std::string_view what) {
+  const char* tmp = std::getenv("TMPDIR");
+  std::string pattern = fmt::format("{}/fulgur-dcp-{}-XXXXXX", tmp && *tmp ? tmp : "/tmp", what);
+  if (::mkdtemp(pattern.data()) == nullptr)
+    throw Error(ErrorKind::io, fmt::format("cannot make a local directory {} for a sharded checkpoint: {}", pattern,
+                                           std::strerror(errno)));
+  return pattern;
+}
+
+void remove_directory(const std::string& dir) {
+  std::error_code ignored;
+  fs::remove_all(dir, ignored);
+}
+
+// The error message of `step`, empty when it succeeded.
+template <class F>
+std::string outcome(F&& step) {
+  try {
+    step();
+    return {};
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+}
+
+// Every rank's `mine`, in rank order.
+std::vector<std::string> all_gather(const std::string& mine, int64_t rank, int64_t world_size,
+                                    const BroadcastString& broadcast) {
+  std::vector<std::string> out;
+  for (int64_t r = 0; r < world_size; ++r) out.push_back(broadcast(r == rank ? mine : std::string(), r));
+  return out;
+}
+
+void throw_first_failure(const std::vector<std::string>& messages, const std::string& url) {
+  for (size_t r = 0; r < messages.size(); ++r)
+    if (!messages[r].empty() && messages[r][0] == 'e')
+      throw Error(ErrorKind::checkpoint, fmt::format("saving sharded checkpoint '{}' failed on rank {}: {}", url, r,
+                                                     std::string_view(messages[r]).substr(1)));
+}
+
+}  // namespace
+
+void save_to_storage(const std::string& target, const c10::IValue& state,
+                     const std::map<std::string, dcp::Chunk>& placements, int64_t rank, int64_t world_size,
+                     const BroadcastString& broadcast) {
+  const std::string url = trimmed(target);
+  Storage& storage = storage_for(url);
+  // 1. Rank 0 takes the old checkpoint's .metadata away: from here until step 3 there is none.
+  std::string error = rank == 0 ? outcome([&] { storage.remove(join_storage_path(url, kMetadata)); }) : std::string();
+  throw_first_failure(all_gather(error.empty() ? "k" : "e" + error, rank, world_size, broadcast), url);
+
+  // 2. Every rank writes its data file locally and uploads it; rank 0 learns what each wrote.
+  const std::string local = local_directory("save");
+  dcp::RankWrite mine;
+  error = outcome([&] {
+    mine = dcp::write_rank_file(local, rank, state, placements);
+    storage.write(join_storage_path(url, mine.file), local_storage().read(join_storage_path(local, mine.file)));
+  });
+  const std::vector<std::string> messages =
+      all_gather(error.empty() ? (rank == 0 ? "k" : "k" + mine.serialize()) : "e" + error, rank, world_size, broadcast);
+  // 3. Rank 0 writes .metadata locally and uploads it last; everyone learns the outcome.
+  error.clear();
+  if (rank == 0 && std::none_of(messages.begin(), messages.end(), [](const std::string& m) { return m[0] == 'e'; })) {
+    error = outcome([&] {
+      std::vector<dcp::RankWrite> ranks{mine};
+      for (int64_t r = 1; r < world_size; ++r)
+        ranks.push_back(dcp::RankWrite::deserialize(std::string_view(messages[r]).substr(1)));
+      // Data files of ranks a previous, larger run had would be read with the new metadata's
+      // names only; they are removed so that the prefix holds one checkpoint.
+      for (const StorageObject& object : storage.list(join_storage_path(url, ""))) {
+        const std::string name = object.url.substr(url.size() + 1);
+        const bool ours = name == kMetadata || std::any_of(ranks.begin(), ranks.end(),
+                                                           [&](const dcp::RankWrite& w) { return w.file == name; });
+        if (!ours) storage.remove(object.url);
+      }
+      dcp::write_metadata(local, ranks);
+      storage.write(join_storage_path(url, kMetadata), local_storage().read(join_storage_path(local, kMetadata)));
+    });
+  }
+  remove_directory(local);
+  throw_first_failure(messages, url);
+  throw_first_failure(all_gather(error.empty() ? "k" : "e" + error, rank, world_size, broadcast), url);
+}
+
+bool is_stored_checkpoint(const std::string& url) {
+  return storage_for(url).exists(join_storage_path(trimmed(url), kMetadata));
+}
+
+StagedCheckpoint::StagedCheckpoint(const std::string& target) : dir_(local_directory("load")) {
+  const std::string url = trimmed(target);
+  try {
+    Storage& storage = storage_for(url);
+    if (!storage.exists(join_storage_path(url, kMetadata)))
+      throw Error(ErrorKind::checkpoint,
+                  fmt::format("'{}' is not a complete sharded checkpoint: it has no {} (its save did not finish)", url,
+                              kMetadata));
+    for (const StorageObject& object : storage.list(join_storage_path(url, ""))) {
+      const std::string name = object.url.substr(url.size() + 1);
+      if (name.find('/') != std::string::npos) continue;  // not part of this checkpoint
+      local_storage().write(join_storage_path(dir_, name), storage.read(object.url));
+    }
+  } catch (...) {
+    remove_directory(dir_);
+    throw;
+  }
+}
+
+StagedCheckpoint::~StagedCheckpoint() { remove_directory(dir_); }
+
+}  // namespace fulgur::fsdp

@@ -1,0 +1,47 @@
+// state_dict_type = "sharded" checkpoints on object storage (an s3:// URL, fulgur/storage.h): a
+// prefix laid out as DCP's directory, `<url>/__<rank>_0.distcp` per rank and `<url>/.metadata`.
+// Every rank writes its data file locally with the SDK's DCP writer and uploads it (one atomic
+// object each); rank 0 uploads .metadata last, once every rank's upload succeeded, so a checkpoint
+// exists (is listed as one, is resumed from) only when it is complete. Reading downloads the
+// prefix into a local directory and opens it with the SDK's reader.
+#pragma once
+
+#include <fulgur/distributed_checkpoint.h>
+
+#include <ATen/core/ivalue.h>
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <string>
+
+namespace fulgur::fsdp {
+
+/// `value` sent by rank `src` to every rank (a collective; the identity in a single process).
+using BroadcastString = std::function<std::string(const std::string& value, int64_t src)>;
+
+/// The collective save of `state` (this rank's part, `placements` as for dcp::save) to `url`.
+/// A previous checkpoint at `url` loses its .metadata first: it is gone, not half replaced, until
+/// the new one is complete. A failure on any rank throws fulgur::Error(checkpoint) on every rank.
+void save_to_storage(const std::string& url, const c10::IValue& state,
+                     const std::map<std::string, dcp::Chunk>& placements, int64_t rank, int64_t world_size,
+                     const BroadcastString& broadcast);
+
+/// True when `url` is a complete sharded checkpoint on object storage (its .metadata exists).
+bool is_stored_checkpoint(const std::string& url);
+
+/// A local copy of the sharded checkpoint at `url` (downloaded whole), removed with this object.
+class StagedCheckpoint {
+ public:
+  explicit StagedCheckpoint(const std::string& url);
+  ~StagedCheckpoint();
+  StagedCheckpoint(const StagedCheckpoint&) = delete;
+  StagedCheckpoint& operator=(const StagedCheckpoint&) = delete;
+  /// The local directory, for dcp::Reader and the strategy's loaders.
+  const std::string& path() const { return dir_; }
+
+ private:
+  std::string dir_;
+};
+
+}  // namespace fulgur::fsdp
