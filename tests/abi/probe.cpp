@@ -23,6 +23,7 @@
 #include <fulgur/model_parallel.h>
 #include <fulgur/module.h>
 #include <fulgur/nn/batch_norm.h>
+#include <fulgur/nn/float8.h>
 #include <fulgur/nn/linear.h>
 #include <fulgur/nn/tensor_parallel.h>
 #include <fulgur/option_spec.h>
@@ -113,6 +114,10 @@ FULGUR_ABI_PROBE(nn_parallel_linear_options, fulgur::nn::ParallelLinearOptions)
 FULGUR_ABI_PROBE(nn_vocab_parallel_embedding, fulgur::nn::VocabParallelEmbeddingImpl)
 FULGUR_ABI_PROBE(nn_vocab_parallel_embedding_options, fulgur::nn::VocabParallelEmbeddingOptions)
 FULGUR_ABI_PROBE(nn_tensor_parallel_rng, fulgur::nn::TensorParallelRng)
+
+// SDK 1.4: FP8 training of linear layers (fulgur/nn/float8.h).
+FULGUR_ABI_PROBE(nn_float8_options, fulgur::nn::Float8Options)
+FULGUR_ABI_PROBE(nn_float8_tensor, fulgur::nn::Float8Tensor)
 
 // The Trainer as callbacks see it.
 FULGUR_ABI_PROBE(trainer_context, fulgur::TrainerContext)
