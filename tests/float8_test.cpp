@@ -156,7 +156,7 @@ print('bitwise equal' if mine == theirs else 'differ: max %g' % (out - torch.fro
   CHECK(contains(output, "bitwise equal"));
 }
 
-TEST_CASE("#38.1 float8_linear: outputs and gradients within FP8's error of float32; CPU kernel equals emulation") {
+TEST_CASE("#38.1 float8_linear: outputs and gradients within FP8's error of float32, the CPU kernel equals emulation") {
   using namespace fulgur::nn;
   torch::manual_seed(11);
   const at::Tensor x0 = torch::randn({4, 8, 64});
@@ -247,7 +247,7 @@ TEST_CASE("#38.1 fulgur::nn::Linear in FP8: a mode of the layer, chosen by size 
   CHECK(contains(error_from([&] { fc1->float8_training(Float8Options()); }).what(), "quantized"));
 }
 
-TEST_CASE("#38.1 precision fp8: the Fashion-MNIST MLP trains within 1 point of bf16-mixed; bad options refused") {
+TEST_CASE("#38.1 precision fp8: the Fashion-MNIST MLP trains within 1 point of bf16-mixed, bad options refused") {
   if (fashion_mnist_missing()) return;
   TempDir dir;
   const auto config = [&](const std::string& root, const std::string& precision) {

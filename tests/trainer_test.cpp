@@ -987,6 +987,9 @@ TEST_CASE("every [trainer] key changes what a run does, or its value is rejected
       // What they change needs a signal: signal_test.cpp drives that in real processes.
       {"interrupt_checkpoint", "\"ckpt/..\"", "", "interrupt_checkpoint"},
       {"requeue_signal", "\"SIGNOPE\"", "", "requeue_signal = \"SIGNOPE\""},
+      // What it changes needs checkpoints written in the background: storage_test.cpp drives it
+      // through `fulgur fit` (the same files as a synchronous run, a failed save ends the run).
+      {"async_checkpoint", "\"yes\"", "", "async_checkpoint"},
   };
   // The walk: a key added to the schema without a probe here fails this test.
   for (const fulgur::OptionSchema& schema : fulgur::trainer_option_schema()) {

@@ -125,8 +125,11 @@ Pieces find_pieces(torch::nn::Module& model, int64_t tp_rank) {
   auto add = [&](const at::Tensor& t, Piece piece) {
     if (t.defined()) pieces.by_tensor[t.unsafeGetTensorImpl()] = std::move(piece);
   };
-  for (const auto& item : model.named_modules()) {
-    torch::nn::Module* m = item.value().get();
+  // The root apart: named_modules' include_self needs a module held by a shared_ptr, which a
+  // caller's stack-held model (the testing kit's) is not.
+  std::vector<torch::nn::Module*> modules{&model};
+  for (const auto& item : model.named_modules("", /*include_self=*/false)) modules.push_back(item.value().get());
+  for (torch::nn::Module* m : modules) {
     if (auto* column = dynamic_cast<fulgur::nn::ColumnParallelLinearImpl*>(m)) {
       const int64_t out = column->options.out_features();
       const int64_t rows = column->weight.size(0);
