@@ -285,6 +285,15 @@ TEST_CASE("#38.1 precision fp8: the Fashion-MNIST MLP trains within 1 point of b
   CHECK(std::abs(rowwise - bf16) <= 0.01);
   CHECK(fp8 > 0.75);
 
+  // autocast = false keeps the layers outside FP8 in float32; a named backend is said in the log.
+  write_bytes(dir / "run.toml", config("float32", "fp8") + "\n[precision]\nautocast = false\nbackend = \"emulated\"\n");
+  const ProcessRun float32_rest = run_process(
+      {FULGUR_TEST_FULGUR_BIN, "fit", "--config", "run.toml", "--trainer.limit_train_batches=5"}, kEnv, dir.path());
+  REQUIRE_MESSAGE(float32_rest.exit_code == 0, float32_rest.output);
+  FULGUR_CHECK_CONTAINS(float32_rest.output,
+                        "fp8: 1 linear layers train in FP8 (tensorwise scaling, backend emulated): fc1; left in "
+                        "float32: fc2");
+
   // Bad options: what, which plugin, how to fix.
   write_bytes(dir / "run.toml", config("bad", "fp8") + "\n[precision]\nscaling = \"delayed\"\n");
   ProcessRun bad = run_process({FULGUR_TEST_FULGUR_BIN, "fit", "--config", "run.toml"}, kEnv, dir.path());
