@@ -8,12 +8,20 @@
 // all its threads) are getrusage(RUSAGE_SELF). CPU time per step is what a shared, loaded machine
 // distorts least: wall time there depends on what else runs.
 // The Lightning side (bench/python/gpt_lightning.py) prints the same line from a Callback.
+// With memory = true every rank also prints, once, at the second step (the optimizer's state
+// exists then):
+//   FULGUR_MEMORY rank=R parameters=BYTES gradients=BYTES optimizer=BYTES activations=BYTES
+// parameters and gradients: this rank's tensors (its shards under tensor parallelism);
+// optimizer: every tensor of its optimizers' per-parameter state (AdamW: exp_avg, exp_avg_sq);
+// activations: the heap bytes (glibc mallinfo2, all arenas, mmapped blocks included) that forward
+// left alive when backward starts, less those alive when the batch started: what autograd saved.
 // With save_init set, rank 0 also writes the model's parameters as they are before the first step
 // to that .safetensors file (the Python model loads them: the same initial weights on both sides).
 #include <fulgur/plugin.h>
 #include <fulgur/weights.h>
 
 #include <fmt/format.h>
+#include <malloc.h>
 #include <sys/resource.h>
 #include <torch/torch.h>
 
@@ -33,14 +41,51 @@ long long proc_io_wchar() {
   return -1;
 }
 
+// Bytes malloc has handed out and not had back, in every arena.
+long long heap_in_use() {
+  const struct mallinfo2 info = ::mallinfo2();
+  return static_cast<long long>(info.uordblks + info.hblkhd);
+}
+
+long long bytes_of(const at::Tensor& t) { return t.defined() ? static_cast<long long>(t.nbytes()) : 0; }
+
 double seconds(const timeval& tv) { return static_cast<double>(tv.tv_sec) + 1e-6 * static_cast<double>(tv.tv_usec); }
 
 class StepProbe final : public fulgur::CallbackBase<StepProbe> {
  public:
   FULGUR_OPTIONS(Options,
-                 (string, save_init, "Rank 0 writes the initial parameters here (.safetensors); \"\" = no", "\"\""));
+                 (string, save_init, "Rank 0 writes the initial parameters here (.safetensors); \"\" = no", "\"\""),
+                 (boolean, memory, "Print this rank's parameter, gradient, optimizer and activation bytes once",
+                  false));
 
-  explicit StepProbe(const Options& options) : save_init_(options.save_init) {}
+  explicit StepProbe(const Options& options) : save_init_(options.save_init), memory_(options.memory) {}
+
+  void on_train_batch_start(fulgur::TrainerContext&, const fulgur::Batch&, int64_t) override {
+    if (memory_ && step_ == 1) heap_at_start_ = heap_in_use();
+  }
+
+  void on_before_backward(fulgur::TrainerContext&, const at::Tensor&) override {
+    if (memory_ && step_ == 1) activations_ = heap_in_use() - heap_at_start_;
+  }
+
+  void on_before_optimizer_step(fulgur::TrainerContext& trainer, torch::optim::Optimizer&) override {
+    if (!memory_ || step_ != 1) return;
+    long long parameters = 0, gradients = 0, optimizer = 0;
+    for (const at::Tensor& p : trainer.model().parameters()) {
+      parameters += bytes_of(p);
+      gradients += bytes_of(p.grad());
+    }
+    for (torch::optim::Optimizer* o : trainer.optimizers())
+      for (const auto& [key, state] : o->state())
+        if (const auto* adamw = dynamic_cast<const torch::optim::AdamWParamState*>(state.get()))
+          optimizer += bytes_of(adamw->exp_avg()) + bytes_of(adamw->exp_avg_sq()) + bytes_of(adamw->max_exp_avg_sq());
+        else if (const auto* adam = dynamic_cast<const torch::optim::AdamParamState*>(state.get()))
+          optimizer += bytes_of(adam->exp_avg()) + bytes_of(adam->exp_avg_sq()) + bytes_of(adam->max_exp_avg_sq());
+    const std::string line =
+        fmt::format("FULGUR_MEMORY rank={} parameters={} gradients={} optimizer={} activations={}\n",
+                    trainer.cluster().global_rank, parameters, gradients, optimizer, activations_);
+    std::fputs(line.c_str(), stderr);
+  }
 
   void on_train_start(fulgur::TrainerContext& trainer) override {
     if (save_init_.empty() || !trainer.is_global_zero()) return;
@@ -62,7 +107,9 @@ class StepProbe final : public fulgur::CallbackBase<StepProbe> {
 
  private:
   std::string save_init_;
+  bool memory_ = false;
   int64_t step_ = 0;
+  long long heap_at_start_ = 0, activations_ = 0;
 };
 
 }  // namespace

@@ -731,9 +731,15 @@ TEST_CASE("#38.1 gpt example under precision fp8: loss within 5% of bf16-mixed, 
   CHECK(zero3 == doctest::Approx(ddp).epsilon(1e-3));
 }
 
-TEST_CASE("gpt example: under model_parallel with tensor_parallel_size 2 it trains as one process") {
+TEST_CASE(
+    "gpt example: under model_parallel at tp 2 and dp x tp 2 x 2, with and without sequence parallelism, 20 AdamW "
+    "steps train as one process") {
   const TinyJob job;
-  // `fulgur fit` of 6 AdamW steps in float32, norm clipping at 1.0 included; the logged losses.
+  struct Fit {
+    std::vector<double> losses;  // train/loss of rank 0 at every step
+    fs::path checkpoint;         // its last.ckpt
+  };
+  // `fulgur fit` of 20 AdamW steps in float32, norm clipping at 1.0 included.
   auto fit = [&](const std::string& name, std::vector<std::string> overrides) {
     std::vector<std::string> args{FULGUR_TEST_FULGUR_BIN,
                                   "fit",
@@ -741,34 +747,95 @@ TEST_CASE("gpt example: under model_parallel with tensor_parallel_size 2 it trai
                                   job.toml.string(),
                                   "--trainer.default_root_dir=" + (job.dir / name).string(),
                                   "--trainer.precision=32-true",
-                                  "--trainer.max_steps=6",
+                                  "--trainer.max_steps=20",
+                                  "--trainer.val_check_interval=20",
                                   "--trainer.log_every_n_steps=1"};
     args.insert(args.end(), overrides.begin(), overrides.end());
     const ProcessRun run = fulgur::test::run_process(args, {{"FULGUR_LOG_LEVEL", "info"}}, job.dir.path());
     INFO(run.output);
     REQUIRE(run.exit_code == 0);
-    std::vector<double> losses;
+    Fit result;
     auto csv = read_csv(find_file(job.dir / name, "metrics.csv"));
     for (const auto& cell : csv["train/loss"])
-      if (!cell.empty()) losses.push_back(std::stod(cell));
-    REQUIRE(losses.size() == 6);
-    return losses;
+      if (!cell.empty()) result.losses.push_back(std::stod(cell));
+    REQUIRE(result.losses.size() == 20);
+    // Each run's last.ckpt apart, so the next one's is last.ckpt too and not last-v1.ckpt.
+    result.checkpoint = job.dir / ("ckpt_" + name);
+    fs::rename(job.dir / "ckpt", result.checkpoint);
+    result.checkpoint /= "last.ckpt";
+    return result;
   };
-  const auto single = fit("single", {});
-  fs::remove_all(job.dir / "ckpt");  // the split run's last.ckpt in its place, not last-v1.ckpt
-  // Heads, MLP and projections split across 2 Gloo ranks (each reads the same batches).
-  const auto split = fit("tp2", {"--trainer.strategy=model_parallel", "--trainer.devices=2",
-                                 "--strategy.tensor_parallel_size=2", "--strategy.timeout=60"});
-  for (size_t i = 0; i < single.size(); ++i) {
-    INFO("step " << i << ": " << single[i] << " vs " << split[i]);
-    CHECK(std::abs(single[i] - split[i]) <= 1e-5);
+  // The largest difference between the split run's whole tensors (q, k and v: rows of qkv) and
+  // one process's.
+  auto weight_difference = [](const fs::path& split, const fs::path& single) {
+    const auto whole = fulgur::read_checkpoint_file(single.string()).toGenericDict().at("state_dict").toGenericDict();
+    const auto parts = fulgur::dcp::Reader(split.string()).read_all().toGenericDict().at("state_dict").toGenericDict();
+    REQUIRE(parts.size() == whole.size() + 2 * 2 * 2);  // qkv's weight and bias: 3 tensors each, 2 blocks
+    double worst = 0;
+    for (const auto& entry : parts) {
+      std::string name = entry.key().toStringRef();
+      int64_t part = -1;
+      for (const auto& [which, index] :
+           std::vector<std::pair<std::string, int64_t>>{{".attn.q.", 0}, {".attn.k.", 1}, {".attn.v.", 2}})
+        if (const size_t at = name.find(which); at != std::string::npos) {
+          name.replace(at, which.size(), ".attn.qkv.");
+          part = index;
+        }
+      CAPTURE(name);
+      at::Tensor reference = whole.at(name).toTensor();
+      if (part >= 0) reference = reference.chunk(3, 0)[part];
+      const at::Tensor got = entry.value().toTensor();
+      REQUIRE(got.sizes() == reference.sizes());
+      worst = std::max(worst, (got.to(at::kDouble) - reference.to(at::kDouble)).abs().max().item<double>());
+    }
+    return worst;
+  };
+  const Fit single = fit("single", {});
+  CHECK(single.losses.back() < single.losses.front());
+  const std::vector<std::string> model_parallel{"--trainer.strategy=model_parallel",
+                                                "--strategy.tensor_parallel_size=2", "--strategy.timeout=60"};
+  struct Case {
+    std::string name;
+    int devices;
+    bool sequence_parallel;
+  };
+  std::string table;
+  for (const Case& c :
+       std::vector<Case>{{"tp2", 2, false}, {"tp2_sp", 2, true}, {"dp2_tp2", 4, false}, {"dp2_tp2_sp", 4, true}}) {
+    CAPTURE(c.name);
+    std::vector<std::string> overrides = model_parallel;
+    overrides.push_back("--trainer.devices=" + std::to_string(c.devices));
+    if (c.sequence_parallel) overrides.push_back("--model.sequence_parallel=true");
+    // dp x tp = 2 x 2: each replica reads half of one process's batch of 16 rows.
+    if (c.devices == 4) overrides.push_back("--data.batch_size=8");
+    const Fit split = fit(c.name, overrides);
+    const double weights = weight_difference(split.checkpoint, single.checkpoint);
+    double losses = 0;
+    if (c.devices == 2)  // every rank sees the whole batch: rank 0's loss is one process's
+      for (size_t i = 0; i < single.losses.size(); ++i)
+        losses = std::max(losses, std::abs(single.losses[i] - split.losses[i]));
+    table += fmt::format("{}: max |weight - one process's| {:.2e}, max |train/loss - one process's| {:.2e}\n", c.name,
+                         weights, losses);
+    CHECK(weights <= 1e-5);
+    CHECK(losses <= 1e-5);
+    if (c.name == "tp2") {
+      // Its last.ckpt holds the split layers as whole tensors, each rank having written its shard.
+      const fulgur::dcp::Reader checkpoint(split.checkpoint.string());
+      CHECK(checkpoint.shape("state_dict.blocks.0.attn.q.weight") == std::vector<int64_t>{32, 32});
+      CHECK(checkpoint.shape("state_dict.blocks.1.fc.weight") == std::vector<int64_t>{128, 32});
+      CHECK(checkpoint.shape("state_dict.blocks.1.proj.weight") == std::vector<int64_t>{32, 128});
+      CHECK(checkpoint.shape("optimizer_states.0.state.0.exp_avg").size() >= 1);
+      CHECK(fs::exists(split.checkpoint / "__1_0.distcp"));
+    }
   }
-  CHECK(single.back() < single.front());
-  // Its last.ckpt holds the split layers as whole tensors, each rank having written its shard.
-  const fulgur::dcp::Reader checkpoint((job.dir / "ckpt" / "last.ckpt").string());
-  CHECK(checkpoint.shape("state_dict.blocks.0.attn.q.weight") == std::vector<int64_t>{32, 32});
-  CHECK(checkpoint.shape("state_dict.blocks.1.fc.weight") == std::vector<int64_t>{128, 32});
-  CHECK(checkpoint.shape("state_dict.blocks.1.proj.weight") == std::vector<int64_t>{32, 128});
-  CHECK(checkpoint.shape("optimizer_states.0.state.0.exp_avg").size() >= 1);
-  CHECK(fs::exists(job.dir / "ckpt" / "last.ckpt" / "__1_0.distcp"));
+  MESSAGE(table);
+  // A sequence that does not divide among the ranks is padded, up to block_size: one that cannot be
+  // is refused with the fix.
+  const ProcessRun odd = run_gpt(
+      job.dir.path(), "fit", job.toml,
+      {"--trainer.strategy=model_parallel", "--strategy.tensor_parallel_size=2", "--trainer.devices=2",
+       "--strategy.timeout=60", "--model.sequence_parallel=true", "--model.block_size=31", "--data.block_size=31",
+       "--trainer.max_steps=1", "--trainer.default_root_dir=" + (job.dir / "odd").string()});
+  CHECK(odd.exit_code != 0);
+  FULGUR_CHECK_CONTAINS(odd.output, "a sequence of 31 tokens, padded to 32, is longer than block_size = 31");
 }

@@ -54,13 +54,14 @@ inline constexpr const char* kFortunesPackageHint =
 using HyperParam = OptionSpec;
 
 // clang-format off
-inline constexpr std::array<HyperParam, 19> kGptModelHyperParams{{
+inline constexpr std::array<HyperParam, 20> kGptModelHyperParams{{
   {OptionType::integer,    "block_size",     "Context length in tokens (positions the model knows); >= [data] block_size", "64"},
   {OptionType::integer,    "n_layer",        "Transformer blocks", "4"},
   {OptionType::integer,    "n_head",         "Attention heads per block; must divide n_embd", "4"},
   {OptionType::integer,    "n_embd",         "Width of the residual stream", "64"},
   {OptionType::floating,   "dropout",        "Dropout on embeddings, attention weights and residual branches, in [0, 1)", "0.0"},
   {OptionType::boolean,    "activation_checkpointing", "Recompute each transformer block's activations in backward instead of keeping them; the blocks run through fulgur::run_block either way, the units fsdp zero_stage = 3 shards", "false"},
+  {OptionType::boolean,    "sequence_parallel", "Under model_parallel with tensor_parallel_size > 1: split the activations between the blocks (LayerNorms, residual stream) along the sequence across the tensor-parallel ranks (Megatron's sequence parallelism: an all-gather and a reduce-scatter per attention and MLP instead of an all-reduce); the sequence length must divide by tensor_parallel_size", "false"},
   {OptionType::string,     "optimizer",      "\"adamw\"; \"muon\" (fulgur::optim::Muon on the blocks' Linear weights with match_rms_adamw, so AdamW's lr fits; AdamW on embeddings, biases, LayerNorms); \"lion\" (give it a 3-10x smaller lr)", "\"adamw\""},
   {OptionType::floating,   "lr",             "Peak learning rate of AdamW (reached after warmup_steps)", "3e-3"},
   {OptionType::floating,   "min_lr",         "Learning rate at the end of the cosine decay and after it", "3e-4"},

@@ -26,10 +26,44 @@ namespace tp = fulgur::nn;
 namespace {
 
 // A tensor-parallel group and this rank's place in it (model_parallel's mesh.group("tp")).
+// With sequence_parallel the activations between the blocks are split along the sequence (dim 1 of
+// [batch, sequence, channels]) across the group.
 struct TensorParallel {
   std::shared_ptr<Communicator> group;
   int64_t rank = 0, size = 1;
+  bool sequence_parallel = false;
 };
+
+constexpr int64_t kSequenceDim = 1;  // activations are [batch, sequence, channels]
+
+// The whole input of the column-parallel layers that follow: replicated already (the identity, an
+// all-reduce of its gradient in backward) or, under sequence parallelism, all-gathered along the
+// sequence (a reduce-scatter in backward). The gathered tensor is a transposed view of the
+// gather's buffer: made contiguous once here, or each Linear would save a contiguous copy of its
+// own next to the buffer.
+at::Tensor enter_tensor_parallel(const at::Tensor& x, const TensorParallel& tp) {
+  if (!tp.sequence_parallel) return tp::copy_to_tensor_parallel(x, tp.group.get());
+  return tp::gather_from_sequence_parallel(x, tp.group.get(), kSequenceDim).contiguous();
+}
+
+// Options of a split Linear: under sequence parallelism a row-parallel layer reduce-scatters its
+// output along the sequence. (The column-parallel layers' weights are applied to the input that
+// enter_tensor_parallel made whole once for all of them, not through their forward.)
+tp::ParallelLinearOptions parallel_options(int64_t in, int64_t out, const TensorParallel& tp) {
+  return tp::ParallelLinearOptions(in, out)
+      .group(tp.group)
+      .sequence_parallel(tp.sequence_parallel)
+      .sequence_dim(kSequenceDim);
+}
+
+// A LayerNorm whose gain and bias are replicated across the group: under sequence parallelism each
+// rank normalizes its part of the sequence, and replicated_parameter sums the partial gradients.
+at::Tensor layer_norm(nn::LayerNorm& norm, const at::Tensor& x, const TensorParallel& tp) {
+  if (!tp.sequence_parallel) return norm->forward(x);
+  Communicator* group = tp.group.get();
+  return torch::layer_norm(x, norm->options.normalized_shape(), tp::replicated_parameter(norm->weight, group),
+                           tp::replicated_parameter(norm->bias, group), norm->options.eps());
+}
 
 // `to` (a split layer's parameter) takes `from` (this rank's part of the whole layer's).
 void assign(at::Tensor& to, const at::Tensor& from) {
@@ -54,7 +88,7 @@ class KeepDefaultGenerator {
 // Column-parallel copy of rows [first, first + count) of a whole Linear (chunk `rank` of them).
 tp::ColumnParallelLinear column_of(const fulgur::nn::Linear& whole, int64_t first, int64_t count,
                                    const TensorParallel& tp) {
-  tp::ColumnParallelLinear layer(tp::ParallelLinearOptions(whole->weight.size(1), count).group(tp.group));
+  tp::ColumnParallelLinear layer(parallel_options(whole->weight.size(1), count, tp));
   assign(layer->weight, whole->weight.narrow(0, first, count).chunk(tp.size, 0)[tp.rank]);
   assign(layer->bias, whole->bias.narrow(0, first, count).chunk(tp.size, 0)[tp.rank]);
   return layer;
@@ -62,7 +96,7 @@ tp::ColumnParallelLinear column_of(const fulgur::nn::Linear& whole, int64_t firs
 
 // Row-parallel copy of a whole Linear: chunk `rank` of its input columns, the whole bias.
 tp::RowParallelLinear row_of(const fulgur::nn::Linear& whole, const TensorParallel& tp) {
-  tp::RowParallelLinear layer(tp::ParallelLinearOptions(whole->weight.size(1), whole->weight.size(0)).group(tp.group));
+  tp::RowParallelLinear layer(parallel_options(whole->weight.size(1), whole->weight.size(0), tp));
   assign(layer->weight, whole->weight.chunk(tp.size, 1)[tp.rank]);
   assign(layer->bias, whole->bias);
   return layer;
@@ -94,17 +128,26 @@ class CausalSelfAttentionImpl : public nn::Module {
     v = register_module("v", column_of(whole_qkv, 2 * C, C, tp));
     proj_tp = register_module("proj", row_of(whole_proj, tp));
     local_heads_ = n_head_ / tp.size;
+    tp_ = tp;
   }
 
   at::Tensor forward(const at::Tensor& x) {
-    const int64_t B = x.size(0), T = x.size(1), C = x.size(2);
+    const int64_t B = x.size(0), C = x.size(2);
     if (q) {  // split: this rank's heads
-      const int64_t head = C / n_head_;
-      auto heads = [&](const at::Tensor& t) { return t.view({B, T, local_heads_, head}).transpose(1, 2); };
-      at::Tensor y = at::scaled_dot_product_attention(heads(q(x)), heads(k(x)), heads(v(x)), /*attn_mask=*/{},
+      // One entry into the tensor-parallel region for q, k and v rather than one in each
+      // column-parallel layer: an all-reduce of their summed input gradient in backward, or, under
+      // sequence parallelism, an all-gather of the sequence (a reduce-scatter in backward).
+      const at::Tensor whole = enter_tensor_parallel(x, tp_);
+      const int64_t T = whole.size(1), head = C / n_head_;
+      auto heads = [&](const tp::ColumnParallelLinear& part) {
+        return at::linear(whole, part->weight, part->bias).view({B, T, local_heads_, head}).transpose(1, 2);
+      };
+      at::Tensor y = at::scaled_dot_product_attention(heads(q), heads(k), heads(v), /*attn_mask=*/{},
                                                       is_training() ? dropout_ : 0.0, /*is_causal=*/true);
+      // Row-parallel: the all-reduce (or reduce-scatter along the sequence) of the heads' outputs.
       return resid_drop->forward(proj_tp->forward(y.transpose(1, 2).reshape({B, T, local_heads_ * head})));
     }
+    const int64_t T = x.size(1);
     // [B, T, 3C] -> three [B, heads, T, C / heads]
     std::vector<at::Tensor> parts =
         qkv->forward(x).view({B, T, 3, n_head_, C / n_head_}).permute({2, 0, 3, 1, 4}).unbind(0);
@@ -125,6 +168,7 @@ class CausalSelfAttentionImpl : public nn::Module {
   int64_t n_head_;
   int64_t local_heads_ = 0;
   double dropout_;
+  TensorParallel tp_;  // split only
 };
 TORCH_MODULE(CausalSelfAttention);
 
@@ -153,12 +197,17 @@ class BlockImpl : public nn::Module {
     proj = nullptr;
     fc_tp = register_module("fc", column_of(whole_fc, 0, whole_fc->weight.size(0), tp));
     proj_tp = register_module("proj", row_of(whole_proj, tp));
+    tp_ = tp;
   }
 
+  // Under sequence parallelism x is this rank's part of the sequence, and so is the output.
   at::Tensor forward(at::Tensor x) {
-    x = x + attn->forward(ln1->forward(x));
-    const at::Tensor h = ln2->forward(x);
-    if (fc_tp) return x + drop->forward(proj_tp->forward(torch::gelu(fc_tp->forward(h), "tanh")));
+    x = x + attn->forward(layer_norm(ln1, x, tp_));
+    const at::Tensor h = layer_norm(ln2, x, tp_);
+    if (fc_tp) {  // column-parallel fc from the whole input, row-parallel proj
+      const at::Tensor up = at::linear(enter_tensor_parallel(h, tp_), fc_tp->weight, fc_tp->bias);
+      return x + drop->forward(proj_tp->forward(torch::gelu(up, "tanh")));
+    }
     return x + drop->forward(proj->forward(torch::gelu(fc->forward(h), "tanh")));
   }
 
@@ -168,6 +217,9 @@ class BlockImpl : public nn::Module {
   tp::ColumnParallelLinear fc_tp{nullptr};  // split only
   tp::RowParallelLinear proj_tp{nullptr};   // split only
   nn::Dropout drop{nullptr};
+
+ private:
+  TensorParallel tp_;  // split only
 };
 TORCH_MODULE(Block);
 
@@ -235,6 +287,7 @@ void GptModel::set_device_mesh(const DeviceMesh& mesh) {
   tp.group = mesh.group("tp");
   tp.rank = mesh.local_rank("tp");
   tp.size = mesh.size("tp");
+  tp.sequence_parallel = tp.size > 1 && hparams.get_bool("sequence_parallel");
   const int64_t n_head = hparams.get_int("n_head");
   if (tp.size > 1 && n_head % tp.size != 0)
     bad(hparams, fmt::format("n_head = {} must be a multiple of tensor_parallel_size = {} (each rank computes "
@@ -298,16 +351,37 @@ void GptModel::check_length(int64_t length) const {
                             hparams.owner(), length, block_size_));
 }
 
-at::Tensor GptModel::forward(const at::Tensor& tokens) {
-  check_length(tokens.size(1));
+at::Tensor GptModel::forward(const at::Tensor& given) {
+  check_length(given.size(1));
   Layers& l = *layers_;
   if (!l.tok_emb) throw Error(ErrorKind::runtime, "GptModel::forward before configure_model(), which makes the layers");
+  Communicator* group = l.tp.group.get();
+  // Sequence parallelism splits the sequence into tensor_parallel_size equal parts: a shorter one
+  // (a prompt while sampling) gets padding on the right, which causal attention keeps out of the
+  // real positions' outputs; its logits are dropped at the end.
+  const int64_t length = given.size(1);
+  at::Tensor tokens = given;
+  if (l.tp.sequence_parallel && length % l.tp.size != 0) {
+    const int64_t padded = (length + l.tp.size - 1) / l.tp.size * l.tp.size;
+    if (padded > block_size_)
+      throw Error(ErrorKind::config,
+                  fmt::format("{}: sequence_parallel splits each sequence across the {} tensor-parallel ranks, and "
+                              "a sequence of {} tokens, padded to {}, is longer than block_size = {}: set [model] "
+                              "block_size to a multiple of tensor_parallel_size, or sequence_parallel = false",
+                              hparams.owner(), l.tp.size, length, padded, block_size_));
+    tokens = at::constant_pad_nd(given, {0, padded - length}, 0);
+  }
   const at::Tensor positions = torch::arange(tokens.size(1), tokens.options().dtype(torch::kLong));
   at::Tensor x = l.drop->forward(l.tok_emb->forward(tokens) + l.pos_emb->forward(positions));
+  // Replicated embeddings -> this rank's part of the sequence (an all-gather in backward).
+  if (l.tp.sequence_parallel) x = tp::scatter_to_sequence_parallel(x, group, kSequenceDim);
   // Each transformer block is a fulgur block: a unit that fsdp's ZeRO-3 gathers around its use,
   // and, with activation_checkpointing, recomputed in backward. Alone it is a plain call.
   const auto options = fulgur::BlockOptions().checkpoint_activations(checkpoint_activations_);
   for (Block& block : l.blocks) x = fulgur::run_block(block, x, options);
+  // The whole sequence again for the final LayerNorm and the tied head; backward keeps this rank's
+  // part of the gradient, which every rank computes whole.
+  if (l.tp.sequence_parallel) x = tp::gather_from_tensor_parallel(x, group, kSequenceDim).narrow(1, 0, length);
   // Weight tying: the output layer is the token embedding (fewer parameters, and a better
   // language model at this size); no separate lm_head parameter exists.
   return at::linear(l.ln_f->forward(x), l.tok_emb->weight);
