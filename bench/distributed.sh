@@ -10,6 +10,7 @@
 #   bench/distributed.sh                          all sides, 3 interleaved runs, 30 steps (~5 min on 2 cores)
 #   bench/distributed.sh --runs 1 --steps 8       smoke run
 #   bench/distributed.sh --sides fulgur-ddp,lightning-ddp --json /tmp/d.json
+#   bench/distributed.sh --sides fulgur-single,fulgur-ddp,fulgur-z2,fulgur-z3 --overlap   hidden share
 #
 # Builds `fulgur`, the GPT plugins and bench_step_probe in $FULGUR_BUILD_DIR (default build/);
 # FULGUR_JOBS caps the build's parallelism (default 2). Other arguments go to distributed.py (--help).

@@ -388,6 +388,22 @@ TEST_CASE("ddp: parameters without gradients need find_unused_parameters") {
   CHECK_FALSE(contains(accumulating->result.output, "marked as ready twice"));
 }
 
+TEST_CASE("ddp: bucket_cap_mb is validated, and another bucket size reaches the same weights") {
+  std::string toml = worker_config("ddp", "2", 8, 4);
+  auto refused = run_worker(with_strategy_option(toml, "bucket_cap_mb = 0"));
+  CHECK(refused->result.status != 0);
+  CHECK_FALSE(refused->result.timed_out);
+  CHECK(contains(refused->result.output, "strategy 'ddp': bucket_cap_mb must be at least 1"));
+  // The buckets decide only when each all-reduce starts (bench/distributed.sh --overlap measures
+  // how much of it backward hides), not what it sums: the default and 1 MiB train alike.
+  auto default_size = run_worker(toml);
+  REQUIRE_SUCCESS(default_size);
+  auto small = run_worker(with_strategy_option(toml, "bucket_cap_mb = 1"));
+  REQUIRE_SUCCESS(small);
+  CHECK(max_difference(weights(*small, 0), weights(*small, 1)) == 0.0);
+  CHECK(max_difference(weights(*small, 0), weights(*default_size, 0)) == 0.0);
+}
+
 TEST_CASE("ddp: an early-stopping decision made on one rank stops every rank together") {
   // Rank 1 sees val/own_rank = 1 (past the threshold: stop), rank 0 sees 0 (go on). Unless the
   // decision is agreed, rank 0 would train on alone and wait forever in its next all-reduce.

@@ -16,6 +16,11 @@ its TCP traffic with writev, so in the steady state this is the bytes sent), pea
 faults of that rank. Step time: median of rank 0's step-to-step intervals after the first
 --warmup steps. Runs are interleaved (run r takes the sides in an order rotated by r); medians
 with min-max ranges.
+
+Communication hidden under compute: the collectives of each strategy alone (comm_time.py) next to
+what the ranks add to one process's step; with --overlap, one more run of each Fulgur side under
+the `pytorch` profiler plugin, whose traces give the share of each Gloo collective's in-flight
+time during which the training thread computed (overlap.py). --bucket-cap-mb sets ddp's buckets.
 """
 
 import argparse
@@ -50,11 +55,23 @@ STEP_RE = re.compile(r"^FULGUR_STEP rank=(\d+) step=(\d+) t=([\d.]+) loss=([-\d.
                      r"rss_kib=(\d+) minflt=(\d+) cpu=([\d.]+)", re.M)
 
 
-def toml_text(args, root, strategy, stage, devices, save_init=""):
+# --overlap: the `pytorch` profiler plugin records 4 steps after the warm-up (overlap.py reads them).
+PROFILER = """[profiler]
+name = "pytorch"
+dirpath = "{root}/trace"
+wait = {warmup}
+warmup = 1
+active = 4
+"""
+
+
+def toml_text(args, root, strategy, stage, devices, save_init="", profile=False):
     plugin_dir = os.path.join(args.build, "bench-plugins")
     strat = ""
     if strategy == "fsdp":
         strat = f"\n[strategy]\nzero_stage = {stage}\n"
+    elif strategy == "ddp" and args.bucket_cap_mb is not None:
+        strat = f"\n[strategy]\nbucket_cap_mb = {args.bucket_cap_mb}\n"
     return f"""[plugins]
 paths = ["{plugin_dir}"]
 
@@ -75,6 +92,7 @@ enable_model_summary = false
 seed = 42
 default_root_dir = "{root}"
 {strat}
+{PROFILER.format(root=root, warmup=args.warmup) if profile else ""}
 [model]
 name = "gpt"
 block_size = {args.block_size}
@@ -107,7 +125,7 @@ save_init = "{save_init}"
 """
 
 
-def command(args, side, root):
+def command(args, side, root, profile=False):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
                FULGUR_LOG_LEVEL=os.environ.get("FULGUR_LOG_LEVEL", "warn"))
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
@@ -120,7 +138,7 @@ def command(args, side, root):
         strategy, stage = FULGUR_SIDES[side]
         path = os.path.join(root, "bench.toml")
         with open(path, "w") as f:
-            f.write(toml_text(args, root, strategy, stage, args.ranks))
+            f.write(toml_text(args, root, strategy, stage, args.ranks, profile=profile))
         return [args.fulgur, "fit", "--config", path], env
     if side == "fulgur-single":
         path = os.path.join(root, "bench.toml")
@@ -218,6 +236,11 @@ def main():
     p.add_argument("--corpus", default="/usr/share/games/fortunes")
     p.add_argument("--max-bytes", type=int, default=0)
     p.add_argument("--timeout", type=float, default=600)
+    p.add_argument("--bucket-cap-mb", type=int, help="Fulgur ddp's bucket_cap_mb (default: the strategy's, 25)")
+    p.add_argument("--no-comm", action="store_true", help="skip timing the collectives alone (hidden share)")
+    p.add_argument("--overlap", action="store_true",
+                   help="one more run of each Fulgur side under the LibTorch profiler (signal vote off): the share "
+                        "of its collectives' time hidden under compute (overlap.py)")
     p.add_argument("--json", help="also write the raw results here (bench/scaling_model.py --calibration reads it)")
     p.add_argument("--keep", action="store_true", help="keep the run directories")
     args = p.parse_args()
@@ -246,6 +269,7 @@ def main():
             sys.exit(f"distributed: the single-process Fulgur run failed: {single['error']}\n  {single['cmd']}")
         args.tokens = next(os.path.join(d, "train.bin") for d, _, files in os.walk(args.cache) if "train.bin" in files)
         params = sum(_numel(args.init))
+        comm = {} if args.no_comm else comm_alone(args, params)
         for r in range(args.runs):
             for s in sides[r % len(sides):] + sides[:r % len(sides)]:
                 if s in errors:
@@ -260,6 +284,11 @@ def main():
                 print(f"distributed:   {res['step_ms']:.1f} ms/step, first step after {res['first_step_s']:.1f} s, "
                       f"{res['ranks'][0]['bytes_per_step'] / 1e6:.2f} MB sent/step, "
                       f"{max(v['rss_mib'] for v in res['ranks'].values()):.0f} MiB", file=sys.stderr, flush=True)
+        overlap = {}
+        for s in sides if args.overlap else []:
+            if s.removesuffix(NOVOTE) in FULGUR_SIDES and s not in errors and not s.endswith(NOVOTE):
+                print(f"distributed: {s} under the profiler (hidden share)", file=sys.stderr, flush=True)
+                overlap[s] = profiled_overlap(args, s, os.path.join(root, f"{s}-trace"))
     finally:
         if not args.keep:
             shutil.rmtree(root, ignore_errors=True)
@@ -269,8 +298,49 @@ def main():
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": {k: v for k, v in vars(args).items() if isinstance(v, (int, float, str))},
-                       "params": params, "single": single, "results": results, "errors": errors}, f, indent=1)
-    report(args, sides, results, errors, single, params, load_before, load_after, time.monotonic() - started)
+                       "params": params, "single": single, "comm_ms": comm, "overlap": overlap, "results": results, "errors": errors}, f, indent=1)
+    report(args, sides, results, errors, single, params, load_before, load_after, time.monotonic() - started, comm, overlap)
+
+
+# Side -> the comm_time.py kind whose collectives it issues per step.
+COMM_KIND = {"fulgur-ddp": "ddp", "lightning-ddp": "ddp", "fulgur-z1": "z1", "fulgur-z2": "z2",
+             "lightning-fsdp-grad-op": "z2", "fulgur-z3": "z3", "lightning-fsdp-full": "z3"}
+
+
+def comm_alone(args, params):
+    """ms per step of each strategy's collectives alone on args.ranks Gloo ranks (comm_time.py)."""
+    print("distributed: timing the collectives alone (comm_time.py)", file=sys.stderr, flush=True)
+    cmd = [sys.executable, os.path.join(HERE, "comm_time.py"), "--params", str(params), "--ranks", str(args.ranks),
+           "--blocks", str(args.n_layer), "--bucket-cap-mb", str(args.bucket_cap_mb or 25)]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.timeout)
+    if p.returncode != 0:
+        print(f"distributed: comm_time.py failed, no hidden share: {p.stderr[-500:]}", file=sys.stderr)
+        return {}
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def profiled_overlap(args, side, root):
+    """Hidden share of one profiled run of a Fulgur side, per rank (overlap.py), or {"error": ...}."""
+    import overlap as ov
+    os.makedirs(root, exist_ok=True)
+    cmd, env = command(args, side, root, profile=True)
+    env["FULGUR_SIGNAL_VOTE_EVERY"] = "0"  # only the gradient and parameter collectives
+    with open(os.path.join(root, "out.txt"), "w") as out:
+        p = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, cwd=root,
+                           timeout=args.timeout)
+    traces = sorted(os.path.join(root, "trace", f) for f in os.listdir(os.path.join(root, "trace"))
+                    if f.endswith(".pt.trace.json")) if os.path.isdir(os.path.join(root, "trace")) else []
+    if p.returncode != 0 or len(traces) != args.ranks:
+        return {"error": f"exit {p.returncode}, {len(traces)} trace(s)"}
+    return {"ranks": [ov.analyse(t) for t in traces]}
+
+
+def hidden_share(step_ms, single_ms, comm_ms):
+    """1 − exposed / communication, exposed = step time − one process's compute-only step time."""
+    return 1.0 - (step_ms - single_ms) / comm_ms
 
 
 def _numel(path):
@@ -285,7 +355,7 @@ def _numel(path):
             yield count
 
 
-def report(args, sides, results, errors, single, params, load_before, load_after, seconds):
+def report(args, sides, results, errors, single, params, load_before, load_after, seconds, comm=None, overlap=None):
     n = args.ranks
     print(f"\n## GPT example on {n} Gloo ranks: Fulgur vs Lightning 2.6.6\n")
     print(f"Ψ = {params / 1e6:.3f} M parameters (n_layer {args.n_layer}, n_embd {args.n_embd}, block {args.block_size}), "
@@ -345,6 +415,34 @@ def report(args, sides, results, errors, single, params, load_before, load_after
         print(f"| {LABELS[f]} ÷ {LABELS[l]} | {fmt_range(ratio('step_ms'), 2)} | {fmt_range(ratio('cpu_ms'), 2)} | "
               f"{fmt_range(rss, 2)} | "
               f"{fmt_range(ratio('first_step_s'), 2)} |")
+    hid = [s for s in sides if results.get(s) and (comm or {}).get(COMM_KIND.get(s.removesuffix(NOVOTE)))]
+    if hid:
+        print("\n| communication hidden under compute | collectives alone ms/step | step − 1 process ms | hidden |")
+        print("|---|---|---|---|")
+        for s in hid:
+            c = comm[COMM_KIND[s.removesuffix(NOVOTE)]]
+            shares = [hidden_share(r["step_ms"], single_ms, c) for r in results[s]]
+            print(f"| {LABELS[s]} | {c:.2f} | "
+                  f"{fmt_range([r['step_ms'] - single_ms for r in results[s]], 1)} | {fmt_range(shares, 0, 100)} % |")
+        print("\nHidden = 1 − (step time − one process's compute-only step time) ÷ (the same collectives alone, "
+              "bench/python/comm_time.py, on the same ranks); 100 % = communication costs nothing, 0 % = fully "
+              "exposed, below 0 = the ranks also slow each other's compute (sharing the cores).")
+    if overlap:
+        print("\n| hidden under compute, from the profiler's intervals (overlap.py) | hidden per rank | "
+              "collectives per step | their in-flight ms/step per rank | backward ms/step per rank |")
+        print("|---|---|---|---|---|")
+        for s, o in overlap.items():
+            if "error" in o:
+                print(f"| {LABELS[s]} | failed: {o['error']} | | | |")
+                continue
+            rk = o["ranks"]
+            per_rank = lambda key, fmt: " / ".join(fmt.format(r[key]) for r in rk)
+            print(f"| {LABELS[s]} | {per_rank('hidden', '{:.0%}')} | "
+                  f"{rk[0]['collectives'] / max(rk[0]['steps'], 1):.0f} | "
+                  f"{per_rank('comm_ms', '{:.1f}')} | {per_rank('backward_ms', '{:.1f}')} |")
+        print("\nHidden = the part of each Gloo collective's in-flight interval (its worker thread, start to done) "
+              "during which the training thread ran an ATen operator, summed over 4 recorded steps ÷ the summed "
+              "intervals; signal vote off. In-flight time includes waiting for the slower rank.")
     votes = [s for s in sides if s.endswith(NOVOTE) and results.get(s) and results.get(s[: -len(NOVOTE)])]
     if votes:
         print("\n| signal vote (one asynchronous 8-byte max-all-reduce per batch) | step time with ÷ without | "
