@@ -816,7 +816,11 @@ TEST_CASE(
         losses = std::max(losses, std::abs(single.losses[i] - split.losses[i]));
     table += fmt::format("{}: max |weight - one process's| {:.2e}, max |train/loss - one process's| {:.2e}\n", c.name,
                          weights, losses);
-    CHECK(weights <= 1e-5);
+    // Summation order alone (the split products, the all-reduces) moves the weights after 20 AdamW
+    // steps by 7e-6 to 2.2e-5 (measured alone and under the suite): Adam divides by the gradient's
+    // root mean square, so an ulp of difference in a tiny gradient becomes a visible step. A real
+    // fault is orders larger: LayerNorm gradients not summed under SP give 3.7e-2.
+    CHECK(weights <= 5e-5);
     CHECK(losses <= 1e-5);
     if (c.name == "tp2") {
       // Its last.ckpt holds the split layers as whole tensors, each rank having written its shard.
