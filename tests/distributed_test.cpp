@@ -1595,6 +1595,64 @@ TEST_CASE("elastic: 3 ranks, one killed mid-epoch, go on at 2 and grow back to 3
   CHECK(std::abs(elastic_loss - whole_loss) < 0.1 * whole_loss);
 }
 
+TEST_CASE("elastic: a SLURM job requeued with fewer tasks resumes from its last checkpoint, each row once") {
+  // The tasks start as srun starts them: together, each with SLURM_NTASKS, SLURM_PROCID and the
+  // job's variables (no launcher, no MASTER_PORT: Fulgur derives it from the job id). 3 tasks train
+  // to step 4 of epoch 0; the job is requeued (SLURM_RESTART_COUNT = 1) with 2 tasks, finds the
+  // last checkpoint by itself and deals out the rest of the epoch.
+  TempDir dir;
+  const std::string checkpoints = checkpoint_every(4) + "save_last = true\n";
+  fulgur::test::write_bytes(dir / "first.toml",
+                            with_max_epochs(worker_config("ddp", "auto", 4, 4, 1, true), 1) + checkpoints);
+  fulgur::test::write_bytes(dir / "second.toml",
+                            with_max_epochs(worker_config("ddp", "auto", 4, 100, 1, true), 1) + checkpoints);
+  const std::string job_id = std::to_string(700000 + ::getpid() % 50000);
+  auto srun = [&](int tasks, const std::string& name, const std::string& restarts) {
+    const fs::path out = dir / name;
+    fs::create_directories(out);
+    auto env = clean_env();
+    env["FULGUR_TEST_RECORD_SAMPLES"] = "1";
+    env["SLURM_NTASKS"] = std::to_string(tasks);
+    env["SLURM_TASKS_PER_NODE"] = std::to_string(tasks);
+    env["SLURM_NODEID"] = "0";
+    env["SLURM_JOB_NODELIST"] = "localhost";
+    env["SLURM_JOB_ID"] = job_id;
+    env["SLURM_JOB_NAME"] = "train";
+    if (!restarts.empty()) env["SLURM_RESTART_COUNT"] = restarts;
+    const std::string tasks_script = fmt::format(
+        "s=0; pids=; i=0; while [ $i -lt {} ]; do SLURM_PROCID=$i SLURM_LOCALID=$i \"$0\" \"$@\" & pids=\"$pids $!\"; "
+        "i=$((i + 1)); done; for p in $pids; do wait $p || s=1; done; exit $s",
+        tasks);
+    return std::make_pair(run_process({"/bin/sh", "-c", tasks_script, FULGUR_TEST_DDP_WORKER,
+                                       (dir / (name + ".toml")).string(), out.string()},
+                                      env, dir / (name + ".log")),
+                          out);
+  };
+  auto samples = [](const fs::path& out, int ranks) {
+    std::multiset<int64_t> seen;
+    for (int r = 0; r < ranks; ++r) {
+      std::ifstream in(out / fmt::format("samples_rank{}.txt", r));
+      int64_t epoch, step, index;
+      while (in >> epoch >> step >> index)
+        if (epoch == 0) seen.insert(index);
+    }
+    return seen;
+  };
+  const auto [first, first_out] = srun(3, "first", "");
+  REQUIRE_MESSAGE(first.status == 0, first.output);
+  REQUIRE_MESSAGE(fs::exists(dir / "ckpts" / "step=4.ckpt"), first.output);
+  const auto [second, second_out] = srun(2, "second", "1");
+  REQUIRE_MESSAGE(second.status == 0, second.output);
+  CHECK(contains(second.output, "SLURM_RESTART_COUNT = 1: this job was restarted"));
+  CHECK(contains(second.output,
+                 "resumed at step 4 of epoch 0 with 2 processes (was 3); 48 samples of this epoch remain"));
+  std::multiset<int64_t> seen = samples(first_out, 3);
+  const std::multiset<int64_t> after = samples(second_out, 2);
+  CHECK(after.size() == 48);
+  seen.insert(after.begin(), after.end());
+  CHECK(seen == every_row_once());
+}
+
 TEST_CASE("elastic: num_nodes = 0 takes as many nodes as the launcher started (torchrun --nnodes=MIN:MAX)") {
   // torchrun --standalone starts one node of 2 processes: num_nodes = 2 is refused, 0 accepts it.
   auto fixed = run_worker(with_trainer_line(worker_config("ddp", "auto", 8, 2), "num_nodes = 2"), {}, clean_env(),
