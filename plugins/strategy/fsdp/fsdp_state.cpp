@@ -1,5 +1,7 @@
 #include "fsdp_state.h"
 
+#include "../common/optimizer_state_map.h"
+
 #include <fulgur/error.h>
 #include <fulgur/log.h>
 #include <fulgur/state_dict.h>
@@ -19,42 +21,13 @@ namespace {
 
 // `state` in torch.optim's layout with every per-element tensor of a parameter's state (each but
 // "step") replaced by fn(parameter, index, name, tensor): gathered, cut or kept; nullopt leaves it
-// out. A new dict, the input is left alone. Keys are visited in the same order on every rank, so
-// the collectives inside `fn` pair up.
+// out (optimizer_state::map_parameter_states walks the layout).
 template <class Fn>
 c10::IValue map_parameter_states(const c10::IValue& state, const std::vector<ShardedParameter*>& order, Fn&& fn) {
-  if (!state.isGenericDict()) return state;
-  const auto whole = state.toGenericDict();
-  auto out = c10::impl::GenericDict(whole.keyType(), whole.valueType());
-  for (const auto& entry : whole) {
-    if (!(entry.key().isString() && entry.key().toStringRef() == "state") || !entry.value().isGenericDict()) {
-      out.insert(entry.key(), entry.value());
-      continue;
-    }
-    const auto per_parameter = entry.value().toGenericDict();
-    auto mapped = c10::impl::GenericDict(per_parameter.keyType(), per_parameter.valueType());
-    for (const auto& item : per_parameter) {
-      const int64_t index = item.key().isInt() ? item.key().toInt() : -1;
-      if (index < 0 || index >= static_cast<int64_t>(order.size()) || !item.value().isGenericDict()) {
-        mapped.insert(item.key(), item.value());
-        continue;
-      }
-      const auto tensors = item.value().toGenericDict();
-      auto converted = c10::impl::GenericDict(tensors.keyType(), tensors.valueType());
-      for (const auto& t : tensors) {
-        const std::string name = t.key().isString() ? t.key().toStringRef() : std::string();
-        if (!t.value().isTensor() || name == "step") {
-          converted.insert(t.key(), t.value());
-          continue;
-        }
-        if (std::optional<at::Tensor> result = fn(*order[index], index, name, t.value().toTensor()))
-          converted.insert(t.key(), *result);
-      }
-      mapped.insert(item.key(), converted);
-    }
-    out.insert(entry.key(), mapped);
-  }
-  return out;
+  return optimizer_state::map_parameter_states(state, static_cast<int64_t>(order.size()),
+                                               [&](int64_t index, const std::string& name, const at::Tensor& tensor) {
+                                                 return fn(*order[static_cast<size_t>(index)], index, name, tensor);
+                                               });
 }
 
 // Where this rank's rows of `p` sit in the whole tensor; nullopt when it holds none of them or

@@ -1,5 +1,7 @@
 #include "tp_checkpoint.h"
 
+#include "../common/optimizer_state_map.h"
+
 #include <fulgur/error.h>
 #include <fulgur/nn/tensor_parallel.h>
 
@@ -61,44 +63,18 @@ at::Tensor cut(const at::Tensor& whole, const Piece* piece) {
 }
 
 // `state` in torch.optim's layout with every per-parameter tensor but "step" replaced by
-// fn(piece, index, name, tensor) (nullopt leaves it out). A new dict.
+// fn(parameter, piece, index, name, tensor) (nullopt leaves it out); 0-dim tensors are kept. A new
+// dict (optimizer_state::map_parameter_states walks the layout).
 template <class Fn>
 c10::IValue map_parameter_states(const c10::IValue& state, const std::vector<at::Tensor>& order, const Pieces& pieces,
                                  Fn&& fn) {
-  if (!state.isGenericDict()) return state;
-  const auto whole = state.toGenericDict();
-  auto out = c10::impl::GenericDict(whole.keyType(), whole.valueType());
-  for (const auto& entry : whole) {
-    if (!(entry.key().isString() && entry.key().toStringRef() == "state") || !entry.value().isGenericDict()) {
-      out.insert(entry.key(), entry.value());
-      continue;
-    }
-    const auto per_parameter = entry.value().toGenericDict();
-    auto mapped = c10::impl::GenericDict(per_parameter.keyType(), per_parameter.valueType());
-    for (const auto& item : per_parameter) {
-      const int64_t index = item.key().isInt() ? item.key().toInt() : -1;
-      if (index < 0 || index >= static_cast<int64_t>(order.size()) || !item.value().isGenericDict()) {
-        mapped.insert(item.key(), item.value());
-        continue;
-      }
-      const at::Tensor& parameter = order[static_cast<size_t>(index)];
-      const auto tensors = item.value().toGenericDict();
-      auto converted = c10::impl::GenericDict(tensors.keyType(), tensors.valueType());
-      for (const auto& t : tensors) {
-        const std::string name = t.key().isString() ? t.key().toStringRef() : std::string();
-        if (!t.value().isTensor() || name == "step" || t.value().toTensor().dim() == 0) {
-          converted.insert(t.key(), t.value());
-          continue;
-        }
-        if (std::optional<at::Tensor> result =
-                fn(parameter, piece_of(pieces, parameter), index, name, t.value().toTensor()))
-          converted.insert(t.key(), *result);
-      }
-      mapped.insert(item.key(), converted);
-    }
-    out.insert(entry.key(), mapped);
-  }
-  return out;
+  return optimizer_state::map_parameter_states(
+      state, static_cast<int64_t>(order.size()),
+      [&](int64_t index, const std::string& name, const at::Tensor& tensor) -> std::optional<at::Tensor> {
+        if (tensor.dim() == 0) return tensor;
+        const at::Tensor& parameter = order[static_cast<size_t>(index)];
+        return fn(parameter, piece_of(pieces, parameter), index, name, tensor);
+      });
 }
 
 // "optimizer_states.<optimizer>.state.<index>.<name>" -> (optimizer, index); nullopt otherwise.
