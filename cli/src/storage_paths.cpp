@@ -2,11 +2,10 @@
 
 #include <fulgur/error.h>
 #include <fulgur/registry/registry.h>
+#include <fulgur/registry/storage_loader.h>
 #include <fulgur/storage.h>
 
-#include <dlfcn.h>
 #include <stdlib.h>
-#include <sys/stat.h>
 
 #include <fmt/format.h>
 #include <cerrno>
@@ -21,27 +20,11 @@ namespace {
 
 namespace fs = std::filesystem;
 
-// The first URL of a scheme loads libfulgur-storage-<scheme>.so from the plugin search path (as
-// the core does for fulgur fit; world-writable libraries are refused there as here).
+// The first URL of a scheme loads libfulgur-storage-<scheme>.so from the plugin search path, as
+// for fulgur fit (world-writable libraries refused).
 void install_storage_loader() {
   static const bool installed = [] {
-    std::vector<fs::path> directories;
-    for (const SearchDirectory& d : plugin_search_path(SearchPathOptions{})) directories.push_back(d.path);
-    set_storage_loader([directories](std::string_view scheme) {
-      for (const fs::path& directory : directories) {
-        const fs::path file = directory / fmt::format("libfulgur-storage-{}.so", scheme);
-        struct stat info {};
-        if (::stat(file.c_str(), &info) != 0) continue;
-        if (info.st_mode & S_IWOTH)
-          throw Error(ErrorKind::plugin_rejected,
-                      fmt::format("storage library {} is writable by everyone, so it is not loaded; chmod o-w it",
-                                  file.string()));
-        if (::dlopen(file.c_str(), RTLD_NOW | RTLD_LOCAL) == nullptr)
-          throw Error(ErrorKind::plugin_rejected, fmt::format("cannot load storage library {} for {}:// URLs: {}",
-                                                              file.string(), scheme, ::dlerror()));
-        return;
-      }
-    });
+    fulgur::install_storage_loader(plugin_search_path(SearchPathOptions{}), /*allow_writable=*/false);
     return true;
   }();
   (void)installed;

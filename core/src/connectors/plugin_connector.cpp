@@ -4,15 +4,13 @@
 #include <fulgur/builtin_plugins.h>
 #include <fulgur/data_module.h>
 #include <fulgur/error.h>
+#include <fulgur/registry/storage_loader.h>
 #include <fulgur/storage.h>
 
 #include <fmt/format.h>
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
-
-#include <dlfcn.h>
-#include <sys/stat.h>
 
 #include "../resolved_trainer_config.h"
 #include "plugin_connector.h"
@@ -25,29 +23,6 @@ PluginIdentity identity_of(const PluginRegistry& registry, PluginKind kind, cons
   return PluginIdentity{std::string(to_string(kind)), name, registry.resolve(kind, name).file.string()};
 }
 
-// Object storage (fulgur/storage.h): the first URL of a scheme loads libfulgur-storage-<scheme>.so
-// from the plugin search path, which registers that scheme. The scheme comes from the user's URL;
-// the core names no storage.
-void install_storage_loader(const PluginRegistry& registry, bool allow_writable) {
-  std::vector<std::filesystem::path> directories;
-  for (const SearchDirectory& d : registry.search_path()) directories.push_back(d.path);
-  set_storage_loader([directories, allow_writable](std::string_view scheme) {
-    for (const std::filesystem::path& directory : directories) {
-      const std::filesystem::path file = directory / fmt::format("libfulgur-storage-{}.so", scheme);
-      struct stat info {};
-      if (::stat(file.c_str(), &info) != 0) continue;
-      if ((info.st_mode & S_IWOTH) && !allow_writable)
-        throw Error(ErrorKind::plugin_rejected,
-                    fmt::format("storage library {} is writable by everyone, so it is not loaded; chmod o-w it",
-                                file.string()));
-      if (::dlopen(file.c_str(), RTLD_NOW | RTLD_LOCAL) == nullptr)
-        throw Error(ErrorKind::plugin_rejected, fmt::format("cannot load storage library {} for {}:// URLs: {}",
-                                                            file.string(), scheme, ::dlerror()));
-      return;
-    }
-  });
-}
-
 std::unique_ptr<PluginRegistry> make_registry(const Config& config) {
   SearchPathOptions search;
   search.config_paths = config.plugin_paths;
@@ -56,7 +31,9 @@ std::unique_ptr<PluginRegistry> make_registry(const Config& config) {
   auto registry = std::make_unique<PluginRegistry>(plugin_search_path(search), registry_options);
   for (const auto& p : registry->problems())
     if (p.is_plugin_error) spdlog::warn("plugin {}: {}", p.file.string(), p.reason);
-  install_storage_loader(*registry, config.allow_writable_plugins);
+  // Object storage: the first URL of a scheme loads its library from the same search path; the
+  // scheme comes from the user's URL, so the core names no storage.
+  install_storage_loader(registry->search_path(), config.allow_writable_plugins);
   return registry;
 }
 
