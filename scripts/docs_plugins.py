@@ -26,6 +26,7 @@ KIND_TITLES = {
     "callback": "Callbacks",
     "model": "Models",
     "datamodule": "Data modules",
+    "storage": "Storage",
 }
 # Where each kind is selected in the TOML.
 KIND_TOML = {
@@ -37,6 +38,7 @@ KIND_TOML = {
     "callback": '[[callbacks]] name = "{name}"',
     "model": '[model] name = "{name}"',
     "datamodule": '[data] name = "{name}"',
+    "storage": "{name}://bucket/key (a URL wherever a path goes)",
 }
 # The table that holds a plugin's options.
 KIND_TABLE = {
@@ -48,6 +50,7 @@ KIND_TABLE = {
     "callback": "its `[[callbacks]]` entry",
     "model": "`[model]`",
     "datamodule": "`[data]`",
+    "storage": "`[storage]`, whose `name` selects it",
 }
 
 

@@ -4,7 +4,9 @@
 // object read back with boto3, a client that shares no code with ours. Skipped (CTest: Skipped)
 // where moto_server is missing, which scripts/setup.sh prevents.
 #include <fulgur/error.h>
+#include <fulgur/registry/storage_loader.h>
 #include <fulgur/storage.h>
+#include <fulgur/testing/plugin_kit.h>
 
 #include <doctest/doctest.h>
 #include <fmt/format.h>
@@ -31,6 +33,7 @@
 namespace {
 
 namespace fs = std::filesystem;
+namespace kit = fulgur::testing;
 using fulgur::test::contains;
 using fulgur::test::ProcessRun;
 using fulgur::test::TempDir;
@@ -305,9 +308,12 @@ TEST_CASE("s3 storage: objects above the part size go up as a multipart upload, 
   for (const auto& [name, value] : server.env())
     value.empty() ? ::unsetenv(name.c_str()) : ::setenv(name.c_str(), value.c_str(), 1);
   ::setenv("FULGUR_S3_PART_SIZE", "5242880", 1);
-  // The storage library, loaded as the core's loader loads it (it registers "s3").
-  REQUIRE_MESSAGE(::dlopen(FULGUR_TEST_S3_STORAGE_LIBRARY, RTLD_NOW | RTLD_LOCAL) != nullptr, ::dlerror());
-  fulgur::Storage& storage = fulgur::storage_for("s3://ckpts/x");
+  // The storage plugin, created as the core's loader creates it, with its defaults (which take
+  // the part size from FULGUR_S3_PART_SIZE).
+  const std::shared_ptr<fulgur::Storage> plugin =
+      kit::create_plugin<fulgur::Storage>(fulgur::PluginKind::storage, "s3");
+  ::unsetenv("FULGUR_S3_PART_SIZE");
+  fulgur::Storage& storage = *plugin;
 
   std::string big(12 << 20, '\0');
   std::mt19937_64 random(7);
@@ -343,7 +349,8 @@ TEST_CASE("storage: local paths and URLs are told apart, and an unknown scheme n
   CHECK(!fulgur::is_storage_url("relative/dir"));
   CHECK(fulgur::join_storage_path("s3://b/run/", "last.ckpt") == "s3://b/run/last.ckpt");
   const fulgur::Error error = fulgur::test::error_from([] { fulgur::storage_for("nosuch://bucket/key"); });
-  FULGUR_CHECK_CONTAINS(error.what(), "libfulgur-storage-nosuch.so");
+  FULGUR_CHECK_CONTAINS(error.what(), "nosuch");
+  FULGUR_CHECK_CONTAINS(error.what(), "FULGUR_PLUGIN_PATH");
   TempDir dir;
   fulgur::Storage& local = fulgur::local_storage();
   local.write((dir / "a.bin").string(), "0123456789");
@@ -578,4 +585,202 @@ TEST_CASE("s3 storage: fsdp on 2 ranks saves sharded checkpoints to s3://, resum
                                     state.at("state_dict").toGenericDict().size()));
   server.client({"get", "whole/last.ckpt", (dir / "whole.ckpt").string()});
   CHECK(fulgur::test::job::same_weights(dir / "whole.ckpt", dir / "ref-ckpt" / "last.ckpt"));
+}
+
+// ---- Storage plugins (SDK 1.5): a plugin kind named after its URL scheme, configured by [storage] ----
+
+namespace {
+
+// This process's AWS variables unset (an earlier test in it may have set them).
+void clear_aws_environment() {
+  for (const char* name : {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL",
+                           "AWS_ENDPOINT_URL_S3", "AWS_PROFILE", "AWS_SHARED_CREDENTIALS_FILE", "FULGUR_S3_PART_SIZE"})
+    ::unsetenv(name);
+}
+
+// The third-party example's mirror:// storage plugin, alone in a directory of its own (the
+// fixture directory also holds plugins that are broken on purpose).
+fs::path mirror_plugin_directory(const TempDir& dir) {
+  const fs::path plugins = dir / "plugins";
+  fs::create_directories(plugins);
+  fs::copy_file(fulgur::test::fixture("libfulgur-fixture-mirror-storage.so"), plugins / "libfulgur-mirror.so");
+  return plugins;
+}
+
+// fit_toml's run with its checkpoints at `dirpath`, the mirror plugin on the search path and the
+// given [storage] table.
+std::string mirror_toml(const TempDir& dir, int max_epochs, const std::string& ckpt_path, const std::string& storage) {
+  return fmt::format("[plugins]\npaths = [\"{}\"]\n\n{}\n{}", (dir / "plugins").string(),
+                     fit_toml(dir.path(), max_epochs, "mirror://bucket/run", ckpt_path), storage);
+}
+
+}  // namespace
+
+TEST_CASE("storage plugins: the kit's conformance check passes on local files, mirror:// and s3:// (moto)") {
+  TempDir dir;
+  kit::check_storage_conformance(std::shared_ptr<fulgur::Storage>(&fulgur::local_storage(), [](fulgur::Storage*) {}),
+                                 (dir / "local").string() + "/");
+  const fs::path plugins = mirror_plugin_directory(dir);
+  kit::check_storage_conformance(
+      kit::create_plugin<fulgur::Storage>(fulgur::PluginKind::storage, "mirror", {{"root", (dir / "store").string()}},
+                                          {plugins.string()}),
+      "mirror://bucket/");
+  CHECK(fs::is_directory(dir / "store" / "bucket" / "kit"));  // it wrote below its root, then cleaned up
+
+  // A broken storage fails the check, saying what: a storage whose remove() does nothing.
+  struct ForgetfulStorage final : fulgur::Storage {
+    explicit ForgetfulStorage(fulgur::Storage& inner) : inner(inner) {}
+    void write(const std::string& u, std::string_view b) override { inner.write(u, b); }
+    std::string read(const std::string& u) override { return inner.read(u); }
+    std::string read_range(const std::string& u, uint64_t o, uint64_t n) override { return inner.read_range(u, o, n); }
+    std::vector<fulgur::StorageObject> list(const std::string& p) override { return inner.list(p); }
+    bool remove(const std::string&) override { return true; }
+    std::optional<fulgur::StorageObject> stat(const std::string& u) override { return inner.stat(u); }
+    fulgur::Storage& inner;
+  };
+  try {
+    kit::check_storage_conformance(std::make_shared<ForgetfulStorage>(fulgur::local_storage()),
+                                   (dir / "broken").string() + "/");
+    FAIL("a storage whose remove() does nothing passed the conformance check");
+  } catch (const std::runtime_error& e) {
+    FULGUR_CHECK_CONTAINS(e.what(), "remove() of a missing object answers false");
+  }
+
+  if (moto_missing()) return;
+  MotoServer server(dir);
+  // No credentials in this process's environment (an earlier test may have set some): they come
+  // from the plugin's options.
+  clear_aws_environment();
+  const std::map<std::string, std::string> env = server.profile_env("kit");
+  kit::check_storage_conformance(
+      kit::create_plugin<fulgur::Storage>(fulgur::PluginKind::storage, "s3",
+                                          {{"endpoint", server.url()},
+                                           {"credentials_file", env.at("AWS_SHARED_CREDENTIALS_FILE")},
+                                           {"profile", std::string("kit")}}),
+      "s3://ckpts/conformance/");
+}
+
+TEST_CASE("storage plugins: fulgur fit keeps checkpoints on a third-party mirror:// storage and resumes from it") {
+  TempDir dir;
+  mirror_plugin_directory(dir);
+  const std::string storage = "\n[storage]\nname = \"mirror\"\nroot = \"store\"\n";
+  const ProcessRun first = fit(dir, "first.toml", mirror_toml(dir, 1, "", storage), {{"FULGUR_PLUGIN_PATH", ""}});
+  REQUIRE_MESSAGE(first.exit_code == 0, first.output);
+  // `root` is a path option: relative to the TOML's directory.
+  CHECK(fs::exists(dir / "store" / "bucket" / "run" / "last.ckpt"));
+  CHECK(fs::exists(dir / "store" / "bucket" / "run" / "epoch=0-step=4.ckpt"));
+  CHECK(!fs::exists(dir / "store" / "bucket" / "run" / "epoch=0-step=2.ckpt"));  // top-k deleted through it
+
+  // "last" is found by listing mirror://bucket/run; the run goes on from step 4.
+  const ProcessRun resumed = fit(dir, "resumed.toml", mirror_toml(dir, 2, "last", storage),
+                                 {{"FULGUR_PLUGIN_PATH", ""}, {"FULGUR_LOG_LEVEL", "info"}});
+  REQUIRE_MESSAGE(resumed.exit_code == 0, resumed.output);
+  FULGUR_CHECK_CONTAINS(resumed.output, "Restored training state from mirror://bucket/run/last.ckpt");
+  CHECK(fulgur::test::job::checkpoint_dict(dir / "store" / "bucket" / "run" / "last.ckpt").at("global_step").toInt() ==
+        8);
+  // The saved config records the [storage] table, so a rerun from it reaches the same store.
+  const fs::path saved = dir / "runs" / "lightning_logs" / "version_1" / "config.toml";
+  REQUIRE(fs::exists(saved));
+  FULGUR_CHECK_CONTAINS(fulgur::test::read_bytes(saved), "[storage]\nname = \"mirror\"");
+
+  // Mistakes in the table are named before anything trains: a misspelt key, a missing required
+  // one, a plugin that does not exist, and a URL whose scheme no plugin serves.
+  const ProcessRun typo =
+      fit(dir, "typo.toml", mirror_toml(dir, 1, "", "\n[storage]\nname = \"mirror\"\nrot = \"s\"\n"),
+          {{"FULGUR_PLUGIN_PATH", ""}});
+  CHECK(typo.exit_code != 0);
+  FULGUR_CHECK_CONTAINS(typo.output, "unknown key 'rot' for storage 'mirror'; did you mean 'root'?");
+  const ProcessRun missing = fit(dir, "missing.toml", mirror_toml(dir, 1, "", "\n[storage]\nname = \"mirror\"\n"),
+                                 {{"FULGUR_PLUGIN_PATH", ""}});
+  CHECK(missing.exit_code != 0);
+  FULGUR_CHECK_CONTAINS(missing.output, "root");
+  const ProcessRun unknown = fit(dir, "unknown.toml", mirror_toml(dir, 1, "", "\n[storage]\nname = \"mirorr\"\n"),
+                                 {{"FULGUR_PLUGIN_PATH", ""}});
+  CHECK(unknown.exit_code != 0);
+  FULGUR_CHECK_CONTAINS(unknown.output, "did you mean 'mirror'");
+  std::string other = mirror_toml(dir, 1, "", "");
+  other.replace(other.find("mirror://bucket/run"), 19, "gcs://bucket/run");
+  const ProcessRun scheme = fit(dir, "scheme.toml", other, {{"FULGUR_PLUGIN_PATH", ""}});
+  CHECK(scheme.exit_code != 0);
+  FULGUR_CHECK_CONTAINS(scheme.output, "no storage plugin serves gcs:// URLs");
+  FULGUR_CHECK_CONTAINS(scheme.output, "mirror://");  // the storage plugins that do exist
+}
+
+TEST_CASE("storage plugins: a pre-1.5 storage library (FULGUR_STORAGE_BACKEND, no note) still loads by file name") {
+  TempDir dir;
+  const fs::path plugins = dir / "plugins";
+  fs::create_directories(plugins);
+  fs::copy_file(fulgur::test::fixture("libfulgur-fixture-legacy-storage.so"), plugins / "libfulgur-storage-legacy.so");
+  fulgur::install_storage_loader({{plugins, "test"}}, /*allow_writable=*/false);
+  fulgur::Storage& legacy = fulgur::storage_for("legacy://bucket/key");
+  legacy.write("legacy://bucket/key", "kept");
+  CHECK(legacy.read("legacy://bucket/key") == "kept");
+  CHECK(&fulgur::storage_for("legacy://bucket/other") == &legacy);  // one instance per scheme
+}
+
+TEST_CASE("s3 storage: the [storage] table configures endpoint, credentials and part size over the environment") {
+  if (moto_missing()) return;
+  TempDir dir;
+  MotoServer server(dir);
+  const std::map<std::string, std::string> profile = server.profile_env("kit");
+  clear_aws_environment();  // for the plugins this process creates below
+  // The environment has no endpoint and no key: everything comes from [storage].
+  std::map<std::string, std::string> env = server.env();
+  env["AWS_ENDPOINT_URL"] = "";
+  env["AWS_ACCESS_KEY_ID"] = "";
+  env["AWS_SECRET_ACCESS_KEY"] = "";
+  env["AWS_SHARED_CREDENTIALS_FILE"] = "/nonexistent/credentials";
+  const std::string storage =
+      fmt::format("\n[storage]\nname = \"s3\"\nendpoint = \"{}/\"\ncredentials_file = \"{}\"\nprofile = \"kit\"\n",
+                  server.url(), profile.at("AWS_SHARED_CREDENTIALS_FILE"));
+  const ProcessRun run =
+      fit(dir, "configured.toml", fit_toml(dir.path(), 1, "s3://ckpts/configured", "") + storage, env);
+  REQUIRE_MESSAGE(run.exit_code == 0, run.output);
+  CHECK(server.keys("configured/") ==
+        std::vector<std::string>{"configured/epoch=0-step=4.ckpt", "configured/last.ckpt"});
+  // Without the table, the same environment reaches AWS itself and finds no credentials file.
+  const ProcessRun bare = fit(dir, "bare.toml", fit_toml(dir.path(), 1, "s3://ckpts/bare", ""), env);
+  CHECK(bare.exit_code != 0);
+  FULGUR_CHECK_CONTAINS(bare.output, "s3: no credentials");
+
+  // part_size_mb: 6 MiB in parts of 5 MiB is a 2-part upload (S3's ETag ends in "-2").
+  const auto s3 = [&](std::vector<std::pair<std::string, fulgur::OptionValue>> options) {
+    options.emplace_back("endpoint", server.url());
+    options.emplace_back("credentials_file", profile.at("AWS_SHARED_CREDENTIALS_FILE"));
+    options.emplace_back("profile", std::string("kit"));
+    return kit::create_plugin<fulgur::Storage>(fulgur::PluginKind::storage, "s3", options);
+  };
+  s3({{"part_size_mb", int64_t{5}}})->write("s3://ckpts/parts/six.bin", std::string(6 << 20, 'x'));
+  FULGUR_CHECK_CONTAINS(server.client({"etag", "parts/six.bin"}), "-2\"");
+  s3({})->write("s3://ckpts/parts/one.bin", std::string(6 << 20, 'x'));  // default 64 MiB: one PUT
+  const std::string single = server.client({"etag", "parts/one.bin"});
+  CHECK(single.substr(0, single.find('\n')).find('-') == std::string::npos);  // a multipart ETag ends in -<parts>
+
+  // max_retries = 0 against a port nobody listens on: one attempt, then the error says so.
+  const auto unreachable =
+      kit::create_plugin<fulgur::Storage>(fulgur::PluginKind::storage, "s3",
+                                          {{"endpoint", fmt::format("http://127.0.0.1:{}", free_port())},
+                                           {"max_retries", int64_t{0}},
+                                           {"credentials_file", profile.at("AWS_SHARED_CREDENTIALS_FILE")},
+                                           {"profile", std::string("kit")}});
+  FULGUR_CHECK_CONTAINS(fulgur::test::error_from([&] { unreachable->read("s3://ckpts/x"); }).what(), "after 0 retries");
+
+  // Values the plugin refuses, each with what is accepted.
+  const auto refused = [&](const std::string& key, fulgur::OptionValue value) {
+    try {
+      s3({{key, std::move(value)}});
+    } catch (const std::exception& e) {
+      return std::string(e.what());
+    }
+    return std::string("accepted");
+  };
+  FULGUR_CHECK_CONTAINS(fulgur::test::error_from([&] {
+                          kit::create_plugin<fulgur::Storage>(fulgur::PluginKind::storage, "s3",
+                                                              {{"endpoint", std::string("127.0.0.1:9000")}});
+                        }).what(),
+                        "is not a URL: write http://host:port");
+  FULGUR_CHECK_CONTAINS(refused("part_size_mb", int64_t{3}), "S3 parts are 5 to 5120 MiB");
+  FULGUR_CHECK_CONTAINS(refused("max_retries", int64_t{500}), "at most 100");
+  FULGUR_CHECK_CONTAINS(refused("connect_timeout_s", int64_t{0}), "at least 1 second");
+  FULGUR_CHECK_CONTAINS(refused("stall_timeout_s", int64_t{0}), "at least 1 second");
 }

@@ -141,4 +141,20 @@ loss=$(awk '$1 == "val/loss" { print $2 }' <<<"$out")
 [ -n "$loss" ] || fail "fulgur validate printed no val/loss:"$'\n'"$out"
 awk -v l="$loss" 'BEGIN { exit !(l < 0.01) }' || fail "the line was not learned: val/loss $loss"
 echo "ok: fulgur fit + validate of an out-of-tree model plugin (val/loss $loss)"
+
+# An out-of-tree storage plugin (SDK 1.5): the installed kit's conformance check, then the installed
+# `fulgur fit` keeping its checkpoints on mirror:// URLs configured by [storage], and resuming.
+expect_output "the storage plugin passes the installed kit's conformance check" "ok: storage conformance" \
+  env FULGUR_LOG_LEVEL=warn "$example_build/mirror_storage_test"
+mirror_toml=$work/mirror.toml
+sed -e 's/^max_epochs = 40$/max_epochs = 2/' -e 's/^default_root_dir = .*/default_root_dir = "mirror_runs"/' \
+  "$example/line_model.toml" >"$mirror_toml"
+printf 'dirpath = "mirror://bucket/line"\n\n[storage]\nname = "mirror"\nroot = "store"\n' >>"$mirror_toml"
+expect_output "plugins list shows the storage plugin" "storage      mirror" "$fulgur" plugins list --config "$mirror_toml"
+"$fulgur" fit --config "$mirror_toml" >"$work/mirror-fit.log" 2>&1 || fail "fit to mirror:// failed; see $work/mirror-fit.log"
+[ -f "$work/store/bucket/line/last.ckpt" ] || fail "no last.ckpt under $work/store/bucket/line"
+expect_output "fit resumes from a mirror:// checkpoint" "Restored training state from mirror://bucket/line/last.ckpt" \
+  env FULGUR_LOG_LEVEL=info "$fulgur" fit --config "$mirror_toml" --trainer.max_epochs=3 \
+  --trainer.ckpt_path=mirror://bucket/line/last.ckpt
+echo "ok: fulgur fit keeps checkpoints on an out-of-tree storage plugin and resumes from them"
 echo "PASS"

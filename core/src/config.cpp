@@ -35,6 +35,7 @@ std::string SourceLocation::str() const {
 std::vector<PluginSelection*> Config::selections() {
   std::vector<PluginSelection*> out{&accelerator, &strategy, &precision};
   if (profiler) out.push_back(&*profiler);
+  if (storage) out.push_back(&*storage);
   for (auto& l : loggers) out.push_back(&l);
   for (auto& c : callbacks) out.push_back(&c);
   if (!model_plugin.name.empty()) out.push_back(&model_plugin);
@@ -166,7 +167,8 @@ const std::vector<OptionSchema>& trainer_option_schema() {
 namespace {
 
 constexpr std::string_view kKnownTables[] = {"plugins", "trainer",   "accelerator", "strategy", "precision", "profiler",
-                                             "loggers", "callbacks", "model",       "data",     "logging",   "links"};
+                                             "loggers", "callbacks", "model",       "data",     "logging",   "links",
+                                             "storage"};
 
 SourceLocation location_of(const toml::node& node, const std::string& fallback_file) {
   SourceLocation loc;
@@ -569,6 +571,8 @@ Config config_from_root(std::shared_ptr<toml::table> root, const fs::path& origi
   };
   if (const toml::node* node = root->get("profiler"))
     config.profiler = named_table(*table_or_fail(*node, "profiler", file), *node, PluginKind::profiler, "[profiler]");
+  if (const toml::node* node = root->get("storage"))
+    config.storage = named_table(*table_or_fail(*node, "storage", file), *node, PluginKind::storage, "[storage]");
   // [[loggers]]: `logger` selects the plugin, so `name` is free for the logger's own option (the
   // csv / tensorboard experiment name, Lightning's CSVLogger(name=...)). A table without `logger`
   // is the old spelling, where `name` selected the plugin; it keeps working.
@@ -757,9 +761,9 @@ void apply_override(toml::table& root, const std::string& text) {
     root.insert_or_assign(parts[0], std::move(*parsed.get("v")));
     return;
   }
-  // --model=NAME / --data=NAME / --profiler=NAME select the plugin of that table.
+  // --model=NAME / --data=NAME / --profiler=NAME / --storage=NAME select the plugin of that table.
   if (parts.size() == 1) {
-    if (parts[0] != "model" && parts[0] != "data" && parts[0] != "profiler")
+    if (parts[0] != "model" && parts[0] != "data" && parts[0] != "profiler" && parts[0] != "storage")
       throw Error(ErrorKind::config, fmt::format("{}: give a key, --{}.KEY=VALUE", flag, parts[0]));
     parts.push_back("name");
   }
@@ -1033,6 +1037,10 @@ std::string to_toml(const Config& config) {
   if (config.profiler) {
     out += fmt::format("\n[profiler]\nname = {}\n", toml_string(config.profiler->name));
     write_options(out, config.profiler->options);
+  }
+  if (config.storage) {
+    out += fmt::format("\n[storage]\nname = {}\n", toml_string(config.storage->name));
+    write_options(out, config.storage->options);
   }
   auto user = [&](const char* table, const PluginSelection& sel, const Options& values) {
     if (sel.name.empty() && values.values().empty()) return;

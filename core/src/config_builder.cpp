@@ -98,6 +98,11 @@ ConfigBuilder& ConfigBuilder::precision(std::string name, Options options) {
   config_.precision = selection(PluginKind::precision, canonical_precision(name), std::move(options));
   return *this;
 }
+ConfigBuilder& ConfigBuilder::storage(std::string name, Options options) {
+  config_.storage = selection(PluginKind::storage, std::move(name), std::move(options));
+  return *this;
+}
+
 ConfigBuilder& ConfigBuilder::profiler(std::string name, Options options) {
   config_.profiler = selection(PluginKind::profiler, std::move(name), std::move(options));
   return *this;

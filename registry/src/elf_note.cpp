@@ -349,14 +349,16 @@ std::string_view to_string(PluginKind kind) {
       return "model";
     case PluginKind::datamodule:
       return "datamodule";
+    case PluginKind::storage:
+      return "storage";
   }
   return "unknown";
 }
 
-bool is_valid_plugin_kind(uint32_t kind) { return kind >= FULGUR_KIND_ACCELERATOR && kind <= FULGUR_KIND_DATAMODULE; }
+bool is_valid_plugin_kind(uint32_t kind) { return kind >= FULGUR_KIND_ACCELERATOR && kind <= FULGUR_KIND_STORAGE; }
 
 std::optional<PluginKind> parse_plugin_kind(std::string_view text) {
-  for (uint32_t k = FULGUR_KIND_ACCELERATOR; k <= FULGUR_KIND_DATAMODULE; ++k)
+  for (uint32_t k = FULGUR_KIND_ACCELERATOR; k <= FULGUR_KIND_STORAGE; ++k)
     if (to_string(static_cast<PluginKind>(k)) == text) return static_cast<PluginKind>(k);
   return std::nullopt;
 }

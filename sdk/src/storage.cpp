@@ -164,9 +164,9 @@ Storage& storage_for(std::string_view path) {
   auto factory = r.factories.find(scheme);
   if (factory == r.factories.end())
     throw Error(ErrorKind::config,
-                fmt::format("'{}': no storage handles '{}://' URLs; the storage library for it "
-                            "(libfulgur-storage-{}.so) is not in the plugin search path. Use a local path, or add "
-                            "the directory holding that library with [plugins] paths or FULGUR_PLUGIN_PATH",
+                fmt::format("'{}': no storage handles '{}://' URLs; the storage plugin '{}' is not in the plugin "
+                            "search path (or this program installed no storage loader). Use a local path, or add "
+                            "the directory holding that plugin with [plugins] paths or FULGUR_PLUGIN_PATH",
                             path, scheme, scheme));
   std::shared_ptr<Storage> storage = factory->second();
   Storage& out = *storage;

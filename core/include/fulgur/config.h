@@ -83,6 +83,9 @@ struct Config {
   PluginSelection strategy;
   PluginSelection precision;
   std::optional<PluginSelection> profiler;
+  // [storage]: the storage plugin whose options the table sets (its name is the URL scheme it
+  // serves); a URL of another scheme gets that scheme's plugin with its defaults.
+  std::optional<PluginSelection> storage;
   std::vector<PluginSelection> loggers;
   // `loggers = []` (or --loggers=[]): no logger, not even the default one (Lightning's logger=[]).
   bool no_loggers = false;

@@ -33,6 +33,8 @@ class ConfigBuilder {
   ConfigBuilder& strategy(std::string name, Options options = {});
   ConfigBuilder& precision(std::string name, Options options = {});
   ConfigBuilder& profiler(std::string name, Options options = {});
+  /// [storage]: the storage plugin `name` (the URL scheme it serves) with `options`.
+  ConfigBuilder& storage(std::string name, Options options = {});
   ConfigBuilder& logger(std::string name, Options options = {});
   ConfigBuilder& callback(std::string name, Options options = {});
   ConfigBuilder& plugin_path(std::filesystem::path directory);

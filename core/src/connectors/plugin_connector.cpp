@@ -31,9 +31,6 @@ std::unique_ptr<PluginRegistry> make_registry(const Config& config) {
   auto registry = std::make_unique<PluginRegistry>(plugin_search_path(search), registry_options);
   for (const auto& p : registry->problems())
     if (p.is_plugin_error) spdlog::warn("plugin {}: {}", p.file.string(), p.reason);
-  // Object storage: the first URL of a scheme loads its library from the same search path; the
-  // scheme comes from the user's URL, so the core names no storage.
-  install_storage_loader(registry->search_path(), config.allow_writable_plugins);
   return registry;
 }
 
@@ -79,6 +76,19 @@ PluginSet connect_plugins(Config& config, bool fast_dev_run) {
   const bool barebones = config.trainer.get_bool("barebones");
   // Every table is checked against its plugin's schema before any plugin code runs.
   validate_plugins(config, registry);
+
+  // Object storage: the first URL of a scheme creates the storage plugin of that name from the same
+  // search path (the scheme comes from the user's URL, so the core names no storage). The one that
+  // [storage] configures is created now, so that a bad value fails before any training.
+  std::optional<ConfiguredStorage> storage;
+  if (config.storage) storage = ConfiguredStorage{config.storage->name, config.storage->options};
+  try {
+    install_storage_loader(registry.search_path(), config.allow_writable_plugins, storage);
+  } catch (const Error& e) {
+    if (!config.storage) throw;
+    throw Error(e.kind(),
+                fmt::format("{}: storage '{}': {}", config.storage->where.str(), config.storage->name, e.what()));
+  }
 
   set.accelerator = plugin_cast<Accelerator>(
       registry.create(PluginKind::accelerator, config.accelerator.name, config.accelerator.options));

@@ -36,7 +36,7 @@ extern "C" {
 /** Minor version of the C++ SDK: what was added without changing a vtable or a layout (new
  * extension interfaces, new free functions, new option types). A host refuses a plugin built
  * against a newer minor than its own, naming both versions. */
-#define FULGUR_SDK_VERSION_MINOR 4
+#define FULGUR_SDK_VERSION_MINOR 5
 /** The SDK version as stored in fulgur_abi_tag::sdk_version: (major << 16) | minor. */
 #define FULGUR_SDK_VERSION ((FULGUR_SDK_VERSION_MAJOR << 16) | FULGUR_SDK_VERSION_MINOR)
 /** Major of fulgur_abi_tag::sdk_version (0 for a plugin built before SDK 1.0). */
@@ -69,7 +69,11 @@ typedef enum fulgur_kind {
    * needs no user main(). Their C++ interfaces (fulgur::Module, fulgur::DataModule) are the
    * core's user API: such a plugin links Fulgur::core. */
   FULGUR_KIND_MODEL = 7,
-  FULGUR_KIND_DATAMODULE = 8 /**< fulgur::DataModule (ABI minor 1, as FULGUR_KIND_MODEL) */
+  FULGUR_KIND_DATAMODULE = 8, /**< fulgur::DataModule (ABI minor 1, as FULGUR_KIND_MODEL) */
+  /** fulgur::Storage (SDK 1.5): serves the URLs of one scheme, the plugin's name ("s3" for
+   * s3://...). Selected by the URL a path gives, configured by the [storage] table. A host of SDK
+   * 1.4 or older refuses the plugin by its SDK minor before it reads this kind. */
+  FULGUR_KIND_STORAGE = 9
 } fulgur_kind;
 
 /** Type of one option (TOML value) a plugin accepts; the host checks the TOML against it before

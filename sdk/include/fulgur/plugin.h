@@ -1,5 +1,5 @@
 /// @file
-/// The one header a plugin author includes: the six interfaces, Options, logging, errors, and
+/// The one header a plugin author includes: the six interfaces, Storage, Options, logging, errors, and
 /// FULGUR_PLUGIN, which describes a plugin class to the host (the C descriptor the library's entry
 /// point returns, the same facts as an ELF note, and a factory that never throws across the C
 /// door).
@@ -17,6 +17,7 @@
 #include <fulgur/plugin_options.h>
 #include <fulgur/precision.h>
 #include <fulgur/profiler.h>
+#include <fulgur/storage.h>
 #include <fulgur/strategy.h>
 #include <fulgur/trainer_context.h>
 
@@ -57,21 +58,25 @@ constexpr uint32_t kind_of() {
     return FULGUR_KIND_MODEL;
   else if constexpr (std::is_base_of_v<DataModule, T>)
     return FULGUR_KIND_DATAMODULE;
+  else if constexpr (std::is_base_of_v<Storage, T>)
+    return FULGUR_KIND_STORAGE;
   else
     static_assert(sizeof(T) == 0,
-                  "a Fulgur plugin class must derive from one of the six interfaces, fulgur::Module or "
-                  "fulgur::DataModule");
+                  "a Fulgur plugin class must derive from one of the six interfaces, fulgur::Storage, "
+                  "fulgur::Module or fulgur::DataModule");
 }
 
-/// The interface T implements (what its factory returns for the six kinds).
+/// The interface T implements (what its factory returns for the six kinds and storage).
 template <class T>
 using interface_of = std::conditional_t<
     std::is_base_of_v<Accelerator, T>, Accelerator,
-    std::conditional_t<std::is_base_of_v<Strategy, T>, Strategy,
-                       std::conditional_t<std::is_base_of_v<Precision, T>, Precision,
-                                          std::conditional_t<std::is_base_of_v<Logger, T>, Logger,
-                                                             std::conditional_t<std::is_base_of_v<Profiler, T>,
-                                                                                Profiler, Callback>>>>>;
+    std::conditional_t<
+        std::is_base_of_v<Strategy, T>, Strategy,
+        std::conditional_t<std::is_base_of_v<Precision, T>, Precision,
+                           std::conditional_t<std::is_base_of_v<Logger, T>, Logger,
+                                              std::conditional_t<std::is_base_of_v<Profiler, T>, Profiler,
+                                                                 std::conditional_t<std::is_base_of_v<Storage, T>,
+                                                                                    Storage, Callback>>>>>>;
 
 /// What T's factory returns as void*: its interface; model and datamodule plugins hand out the
 /// core's user API types.
@@ -305,7 +310,7 @@ namespace {
 /// Describes plugin class `Class` to the host: FULGUR_PLUGIN(Class, "name", "version",
 /// "description", FULGUR_OPTION(...)...). Write it once per plugin class, at namespace scope in one
 /// source file of the plugin library (a library may hold several plugins). `Class` derives from one
-/// of the six interfaces (or fulgur::Module / fulgur::DataModule) and is constructible from
+/// of the six interfaces (or fulgur::Storage, fulgur::Module, fulgur::DataModule) and is constructible from
 /// `const fulgur::Options&` (its validated TOML table) or by default; its constructor may throw
 /// (fulgur::Error, with a message that says what to fix), its destructor must not (it runs inside
 /// the noexcept `destroy`). `name` is what the TOML selects ([a-z0-9_.-], unique per kind). The

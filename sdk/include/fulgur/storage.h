@@ -2,8 +2,20 @@
 /// Where checkpoints live: a local directory or an object store, behind one small interface (the
 /// role of Lightning's CheckpointIO over fsspec). A path is either a local path or a URL
 /// `<scheme>://<bucket>/<key>`; storage_for() finds the Storage for it. `local` (POSIX files,
-/// atomic temp + fsync + rename) is built in; other schemes (`s3`) come from storage libraries
-/// that register themselves with register_storage() when loaded (FULGUR_STORAGE_BACKEND).
+/// atomic temp + fsync + rename) is built in; other schemes (`s3`) come from storage plugins.
+///
+/// A storage plugin (SDK 1.5) is a class derived from Storage, described with FULGUR_PLUGIN like
+/// every other plugin; its name is the URL scheme it serves, its options are the keys of the
+/// config's `[storage]` table (`[storage] name = "s3"` selects whose options they are), and it
+/// carries the ELF note and ABI checks of every plugin:
+///
+///   class MirrorStorage final : public fulgur::Storage { ... };
+///   FULGUR_PLUGIN(MirrorStorage, "mirror", "1.0.0", "mirror://bucket/key under a local root",
+///                 FULGUR_OPTION(path, root, "Directory that holds the buckets", nullptr))
+///
+/// The host creates it on the first URL of its scheme (options from `[storage]` when that names
+/// it, else the schema's defaults) and hands it to register_storage(). Libraries written before
+/// 1.5 with FULGUR_STORAGE_BACKEND (libfulgur-storage-SCHEME.so, no options, no note) still load.
 ///
 /// write_checkpoint_file, read_checkpoint_file, checkpoint_completed_ns and atomic_write_text
 /// (fulgur/checkpoint_io.h) accept such URLs, so every plugin that writes checkpoints through them
@@ -86,7 +98,9 @@ FULGUR_SDK_API std::string join_storage_path(std::string_view base, std::string_
 }  // namespace fulgur
 
 /// Registers `Class` (default-constructible, derived from fulgur::Storage) for URLs of `Scheme`
-/// when the library holding this line is loaded. Write it once, at namespace scope.
+/// when the library holding this line is loaded. Write it once, at namespace scope. The pre-1.5
+/// way, kept for libraries built with it: such a library has no ELF note, so no options and no ABI
+/// check before it runs. New storage libraries use FULGUR_PLUGIN (see the file comment).
 #define FULGUR_STORAGE_BACKEND(Class, Scheme)                                                           \
   namespace {                                                                                           \
   [[gnu::used]] const bool fulgur_storage_registered_##Class = [] {                                     \

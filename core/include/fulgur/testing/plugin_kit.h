@@ -8,7 +8,7 @@
 //   fulgur::testing::check_callback_conformance(guard.get());   // throws std::runtime_error
 //
 // The checks throw std::runtime_error saying what failed, so any test framework can use them; one
-// per plugin kind (check_callback/logger/strategy/accelerator/precision/profiler_conformance).
+// per plugin kind (check_callback/logger/strategy/accelerator/precision/profiler/storage_conformance).
 #pragma once
 
 #include <fulgur/accelerator.h>
@@ -20,6 +20,7 @@
 #include <fulgur/precision.h>
 #include <fulgur/profiler.h>
 #include <fulgur/registry/registry.h>
+#include <fulgur/storage.h>
 #include <fulgur/strategy.h>
 #include <fulgur/testing.h>
 #include <fulgur/trainer.h>
@@ -331,6 +332,61 @@ inline void check_profiler_conformance(const std::shared_ptr<Profiler>& profiler
   const std::string summary = profiler->summary();
   profiler->teardown(Stage::fit);
   detail::expect(!summary.empty(), "summary() has something to show after 8 profiled steps");
+}
+
+// A storage plugin (SDK 1.5): fulgur::Storage's contract on real objects below `prefix` (a local
+// directory, or a URL of the plugin's scheme; it should hold nothing below "kit/" yet; a URL
+// storage must accept a key whose "folders" were never written, as object stores do): a write
+// reads back whole and by range (inside, and across the end: fewer bytes), replaces atomically,
+// shows in stat() and in list() of its "directory" (a sibling that only shares the characters does
+// not), and every URL list() returns reads back; 3 MiB of non-text bytes survive a round trip;
+// remove() answers true then false; a missing object is absent from stat() and its read throws
+// fulgur::Error. Everything it wrote is removed again.
+inline void check_storage_conformance(const std::shared_ptr<Storage>& storage, const std::string& prefix) {
+  Storage& s = *storage;
+  const std::string dir = join_storage_path(prefix, "kit/");
+  const std::string a = dir + "a.bin";
+  const std::string nested = dir + "sub/c.bin";
+  const std::string sibling = join_storage_path(prefix, "kitten.bin");
+  const std::string big = dir + "big.bin";
+  // Local files need their directory; an object store makes a key's "folders" as it writes it.
+  if (!is_storage_url(prefix)) std::filesystem::create_directories(dir + "sub");
+  s.write(a, "0123456789");
+  s.write(nested, "x");
+  s.write(sibling, "sibling");
+  detail::expect(s.read(a) == "0123456789", "read() returns what write() stored");
+  detail::expect(s.read_range(a, 3, 4) == "3456", "read_range(3, 4) returns bytes 3..6");
+  detail::expect(s.read_range(a, 8, 10) == "89", "read_range across the end returns the bytes up to the end");
+  const std::optional<StorageObject> info = s.stat(a);
+  detail::expect(info && info->size == 10, "stat() of a 10-byte object says 10 bytes");
+  detail::expect(info && info->modified_ns > 0, "stat() gives the time the object was completed");
+  detail::expect(s.exists(a) && s.exists(nested), "exists() after write()");
+  std::vector<std::string> listed;
+  for (const StorageObject& o : s.list(dir)) listed.push_back(o.url);
+  std::sort(listed.begin(), listed.end());
+  detail::expect(listed == std::vector<std::string>{a, nested},
+                 "list(\"" + dir + "\") returns exactly the two objects below it, nested ones included, as URLs");
+  for (const std::string& url : listed) (void)s.read(url);
+  s.write(a, "new");
+  detail::expect(s.read(a) == "new" && s.stat(a)->size == 3, "a second write() replaces the object");
+  std::string bytes(3u << 20, '\0');
+  for (size_t i = 0; i < bytes.size(); ++i) bytes[i] = static_cast<char>((i * 2654435761u) >> 13);
+  s.write(big, bytes);
+  detail::expect(s.read(big) == bytes, "3 MiB of binary bytes read back unchanged");
+  detail::expect(s.read_range(big, (2u << 20) + 5, 7) == bytes.substr((2u << 20) + 5, 7),
+                 "read_range deep inside a large object");
+  detail::expect(s.remove(a), "remove() of an existing object answers true");
+  detail::expect(!s.remove(a), "remove() of a missing object answers false");
+  detail::expect(!s.stat(a) && !s.exists(a), "a removed object is gone from stat()");
+  bool threw = false;
+  try {
+    (void)s.read(a);
+  } catch (const Error&) {
+    threw = true;
+  }
+  detail::expect(threw, "read() of a missing object throws fulgur::Error");
+  for (const std::string& url : {nested, sibling, big}) s.remove(url);
+  detail::expect(s.list(dir).empty(), "list() is empty once everything below it is removed");
 }
 
 }  // namespace fulgur::testing

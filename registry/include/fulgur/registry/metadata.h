@@ -22,6 +22,7 @@ enum class PluginKind : uint32_t {
   callback = FULGUR_KIND_CALLBACK,
   model = FULGUR_KIND_MODEL,
   datamodule = FULGUR_KIND_DATAMODULE,
+  storage = FULGUR_KIND_STORAGE,
 };
 
 std::string_view to_string(PluginKind kind);
