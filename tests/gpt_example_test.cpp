@@ -732,12 +732,13 @@ TEST_CASE("#38.1 gpt example under precision fp8: loss within 5% of bf16-mixed, 
 }
 
 TEST_CASE(
-    "gpt example: under model_parallel at tp 2 and dp x tp 2 x 2, with and without sequence parallelism, 20 AdamW "
-    "steps train as one process") {
+    "gpt example: under model_parallel at tp 2 and dp x tp 2 x 2, with and without sequence parallelism and ZeRO "
+    "over dp, 20 AdamW steps train as one process") {
   const TinyJob job;
   struct Fit {
-    std::vector<double> losses;  // train/loss of rank 0 at every step
-    fs::path checkpoint;         // its last.ckpt
+    std::vector<double> losses;    // train/loss of rank 0 at every step
+    fs::path checkpoint;           // its last.ckpt
+    int64_t optimizer_bytes = -1;  // rank 0's optimizer state, from the strategy's log line
   };
   // `fulgur fit` of 20 AdamW steps in float32, norm clipping at 1.0 included.
   auto fit = [&](const std::string& name, std::vector<std::string> overrides) {
@@ -755,6 +756,12 @@ TEST_CASE(
     INFO(run.output);
     REQUIRE(run.exit_code == 0);
     Fit result;
+    const std::string marker = "strategy 'model_parallel': rank 0 (";
+    if (const size_t at = run.output.find(marker); at != std::string::npos) {
+      const size_t keeps = run.output.find(" keeps ", at);
+      REQUIRE(keeps != std::string::npos);
+      result.optimizer_bytes = std::stoll(run.output.substr(keeps + 7));
+    }
     auto csv = read_csv(find_file(job.dir / name, "metrics.csv"));
     for (const auto& cell : csv["train/loss"])
       if (!cell.empty()) result.losses.push_back(std::stod(cell));
@@ -798,17 +805,26 @@ TEST_CASE(
     std::string name;
     int devices;
     bool sequence_parallel;
+    int zero_stage = 0;  // sharding over dp
   };
   std::string table;
-  for (const Case& c :
-       std::vector<Case>{{"tp2", 2, false}, {"tp2_sp", 2, true}, {"dp2_tp2", 4, false}, {"dp2_tp2_sp", 4, true}}) {
+  std::map<std::string, int64_t> optimizer_bytes;
+  for (const Case& c : std::vector<Case>{{"tp2", 2, false},
+                                         {"tp2_sp", 2, true},
+                                         {"dp2_tp2", 4, false},
+                                         {"dp2_tp2_sp", 4, true},
+                                         {"dp2_tp2_zero2", 4, false, 2},
+                                         {"dp2_tp2_sp_zero1", 4, true, 1},
+                                         {"dp2_tp2_zero3", 4, false, 3}}) {
     CAPTURE(c.name);
     std::vector<std::string> overrides = model_parallel;
     overrides.push_back("--trainer.devices=" + std::to_string(c.devices));
     if (c.sequence_parallel) overrides.push_back("--model.sequence_parallel=true");
+    if (c.zero_stage > 0) overrides.push_back("--strategy.zero_stage=" + std::to_string(c.zero_stage));
     // dp x tp = 2 x 2: each replica reads half of one process's batch of 16 rows.
     if (c.devices == 4) overrides.push_back("--data.batch_size=8");
     const Fit split = fit(c.name, overrides);
+    optimizer_bytes[c.name] = split.optimizer_bytes;
     const double weights = weight_difference(split.checkpoint, single.checkpoint);
     double losses = 0;
     if (c.devices == 2)  // every rank sees the whole batch: rank 0's loss is one process's
@@ -833,6 +849,14 @@ TEST_CASE(
     }
   }
   MESSAGE(table);
+  // Sharding over dp halves each rank's optimizer state (every sharded dimension is even here).
+  CHECK(optimizer_bytes["dp2_tp2"] > 0);
+  CHECK(optimizer_bytes["dp2_tp2"] == optimizer_bytes["tp2"]);
+  CHECK(optimizer_bytes["dp2_tp2_zero2"] * 2 == optimizer_bytes["dp2_tp2"]);
+  CHECK(optimizer_bytes["dp2_tp2_sp_zero1"] * 2 == optimizer_bytes["dp2_tp2_sp"]);
+  CHECK(optimizer_bytes["dp2_tp2_zero3"] * 2 == optimizer_bytes["dp2_tp2"]);
+  MESSAGE("rank 0's optimizer state: dp 2 x tp 2 " << optimizer_bytes["dp2_tp2"] << " bytes, with zero_stage 2 "
+                                                   << optimizer_bytes["dp2_tp2_zero2"]);
   // A sequence that does not divide among the ranks is padded, up to block_size: one that cannot be
   // is refused with the fix.
   const ProcessRun odd = run_gpt(
