@@ -11,6 +11,7 @@
 
 #include <doctest/doctest.h>
 #include <fmt/format.h>
+#include <signal.h>
 #include <sys/stat.h>
 #include <torch/torch.h>
 
@@ -973,4 +974,53 @@ TEST_CASE("gpt example: dropout under model_parallel at tp 2 draws each rank's h
   // equal too.
   CHECK(with > 1e-3);
   CHECK(with_sp > 1e-3);
+}
+
+TEST_CASE("gpt example: dp 2 x tp 2 with zero_stage 3 killed mid-run resumes from \"last\" bit for bit") {
+  const TinyJob job;
+  const fs::path plugins = job.dir / "plugins";
+  fs::create_directories(plugins);
+  fulgur::test::copy_library(fulgur::test::fixture("libfulgur-fixture-kill-at-step.so"),
+                             plugins / "libfulgur-fixture-kill-at-step.so");
+  std::stringstream base;
+  base << std::ifstream(job.toml).rdbuf();
+  // 10 AdamW steps of the GPT's blocks sharded over dp and gathered per block, split over tp; a
+  // last.ckpt every 4 steps (tiny_toml's model_checkpoint is its last table).
+  auto fit = [&](const std::string& name, const std::string& extra, bool must_succeed) {
+    const fs::path toml = job.dir / (name + ".toml");
+    std::ofstream(toml) << base.str() << "every_n_train_steps = 4\n" << extra;
+    const ProcessRun run = fulgur::test::run_process(
+        {FULGUR_TEST_FULGUR_BIN, "fit", "--config", toml.string(), "--trainer.strategy=model_parallel",
+         "--strategy.tensor_parallel_size=2", "--strategy.zero_stage=3", "--strategy.timeout=60", "--trainer.devices=4",
+         "--data.batch_size=8", "--trainer.precision=32-true", "--trainer.max_steps=10", "--trainer.ckpt_path=last",
+         "--trainer.default_root_dir=" + (job.dir / name).string()},
+        {{"FULGUR_LOG_LEVEL", "info"}, {"FULGUR_PLUGIN_PATH", plugins.string()}, {"OMP_NUM_THREADS", "1"}},
+        job.dir.path());
+    if (must_succeed) {
+      INFO(run.output);
+      REQUIRE(run.exit_code == 0);
+    }
+    return run;
+  };
+  fit("reference", "", true);
+  const fs::path reference = job.dir / "ckpt_reference";
+  fs::rename(job.dir / "ckpt", reference);
+  // Every rank SIGKILLs itself after step 6: last.ckpt holds step 4.
+  const std::string kill = fmt::format("[[callbacks]]\nname = \"fixture_kill_at_step\"\nstep = 6\nmarker = \"{}\"\n",
+                                       (job.dir / "killed").string());
+  const ProcessRun killed = fit("work", kill, false);
+  INFO(killed.output);
+  REQUIRE(killed.exit_code == -SIGKILL);
+  const ProcessRun resumed = fit("work", kill, true);
+  CHECK(fulgur::test::contains(resumed.output, "global step 4"));
+  const fulgur::dcp::Reader a((reference / "last.ckpt").string()), b((job.dir / "ckpt" / "last.ckpt").string());
+  int64_t compared = 0;
+  for (const std::string& key : a.keys()) {
+    if (!(key.starts_with("state_dict.") || key.starts_with("optimizer_states.")) || !a.is_tensor(key)) continue;
+    INFO(key);
+    REQUIRE(b.contains(key));
+    CHECK(at::equal(a.read(key), b.read(key)));
+    ++compared;
+  }
+  CHECK(compared > 50);  // 2 blocks' split and replicated weights, embeddings, and their AdamW state
 }
