@@ -312,6 +312,16 @@ TEST_CASE("model_parallel: a mesh that does not fit the job is a clear error") {
                                "has 2 processes"));
 }
 
+TEST_CASE("model_parallel: a zero_stage out of range is a clear error") {
+  fulgur::test::ProcessRun run;
+  fit_tp_mlp("name = \"model_parallel\"\ntensor_parallel_size = 2\nzero_stage = 4\ntimeout = 60.0", 2,
+             "enable_checkpointing = false", &run);
+  CHECK(run.exit_code != 0);
+  CHECK(fulgur::test::contains(run.output,
+                               "zero_stage = 4 is not one of 0 (no sharding over dp), 1 (optimizer "
+                               "state), 2 (and gradients) or 3 (and parameters)"));
+}
+
 namespace {
 
 constexpr const char* kTp2 = "name = \"model_parallel\"\ntensor_parallel_size = 2\ntimeout = 60.0";
@@ -509,13 +519,16 @@ TEST_CASE(
   const fs::path plugins = tp_plugins(dir);
   // (dp, tp) = (1, 2) trains as one process, (2, 2) as two ddp replicas: their whole checkpoints
   // are what Python must find in the split ones.
-  // The optimizer state sharded over dp (zero_stage 2) is written in the same layout.
+  // The optimizer state (zero_stage 2), and the parameters too (3), sharded over dp: the same layout.
   for (const auto& [split_strategy, devices, whole_strategy, whole_devices] :
        {std::tuple<std::string, int, std::string, int>{kTp2, 2, "name = \"single_device\"", 1},
         {kTp2Dp2, 4, "name = \"ddp\"\ntimeout = 60.0", 2},
-        {kTp2Dp2Zero2, 4, "name = \"ddp\"\ntimeout = 60.0", 2}}) {
+        {kTp2Dp2Zero2, 4, "name = \"ddp\"\ntimeout = 60.0", 2},
+        {kTp2Dp2Zero3, 4, "name = \"ddp\"\ntimeout = 60.0", 2}}) {
     INFO(split_strategy);
-    const std::string tag = fmt::format("{}_{}", devices, split_strategy == kTp2Dp2Zero2 ? "zero2" : "plain");
+    const std::string tag =
+        fmt::format("{}_{}", devices,
+                    split_strategy == kTp2Dp2Zero2 ? "zero2" : (split_strategy == kTp2Dp2Zero3 ? "zero3" : "plain"));
     const fs::path split = dir / ("split" + tag), whole = dir / ("whole" + tag);
     fit_checkpointed(split, plugins, split_strategy, devices, 1);
     fit_checkpointed(whole, plugins, whole_strategy, whole_devices, 1);

@@ -61,7 +61,8 @@ class ModelParallelStrategy final : public fulgur::process_group::ProcessGroupSt
                  (integer, zero_stage,
                   "Sharding across the dp dimension, as the fsdp strategy's zero_stage: 0: none (every dp rank keeps "
                   "the whole optimizer state, gradients all-reduced); 1: optimizer state sharded over dp "
-                  "(gradients all-reduced); 2: also gradients (reduce-scattered over dp)",
+                  "(gradients all-reduced); 2: also gradients (reduce-scattered over dp); 3: also parameters "
+                  "(gathered over dp around each fulgur::run_block block, freed after it)",
                   0));
   explicit ModelParallelStrategy(const Options& options)
       : ProcessGroupStrategy("model_parallel", options.given()),
@@ -448,4 +449,4 @@ class ModelParallelStrategy final : public fulgur::process_group::ProcessGroupSt
 
 FULGUR_PLUGIN(ModelParallelStrategy, "model_parallel", "0.1.0",
               "Tensor parallelism inside data parallelism on a (dp, tp) device mesh: layers split with "
-              "fulgur/nn/tensor_parallel.h, gradients averaged over dp")
+              "fulgur/nn/tensor_parallel.h, gradients averaged over dp or dp sharded ZeRO-style (zero_stage)")
