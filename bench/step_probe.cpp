@@ -28,6 +28,7 @@
 #include <chrono>
 #include <cstdio>
 #include <fstream>
+#include <set>
 #include <string>
 
 namespace {
@@ -71,10 +72,24 @@ class StepProbe final : public fulgur::CallbackBase<StepProbe> {
   void on_before_optimizer_step(fulgur::TrainerContext& trainer, torch::optim::Optimizer&) override {
     if (!memory_ || step_ != 1) return;
     long long parameters = 0, gradients = 0, optimizer = 0;
+    // Parameters by the storage they hold: a sharding strategy's optimizers step this rank's rows,
+    // views of the parameters (ZeRO-1/2, counted once) or tensors of their own while the whole
+    // parameters' storage is freed between uses (ZeRO-3); the rows' gradients are the ones kept.
+    std::set<const void*> model_parameters, model_storages;
     for (const at::Tensor& p : trainer.model().parameters()) {
-      parameters += bytes_of(p);
+      if (p.has_storage() && p.storage().nbytes() > 0) parameters += bytes_of(p);  // 0: freed
       gradients += bytes_of(p.grad());
+      model_parameters.insert(p.unsafeGetTensorImpl());
+      if (p.has_storage()) model_storages.insert(p.storage().unsafeGetStorageImpl());
     }
+    for (torch::optim::Optimizer* o : trainer.optimizers())
+      for (const auto& group : o->param_groups())
+        for (const at::Tensor& p : group.params()) {
+          if (model_parameters.contains(p.unsafeGetTensorImpl())) continue;
+          if (!(p.has_storage() && model_storages.contains(p.storage().unsafeGetStorageImpl())))
+            parameters += bytes_of(p);  // rows of their own, not a view of a parameter
+          gradients += bytes_of(p.grad());
+        }
     for (torch::optim::Optimizer* o : trainer.optimizers())
       for (const auto& [key, state] : o->state())
         if (const auto* adamw = dynamic_cast<const torch::optim::AdamWParamState*>(state.get()))

@@ -11,6 +11,7 @@
 
 #include <doctest/doctest.h>
 #include <fmt/format.h>
+#include <signal.h>
 #include <sys/stat.h>
 #include <torch/torch.h>
 
@@ -732,12 +733,13 @@ TEST_CASE("#38.1 gpt example under precision fp8: loss within 5% of bf16-mixed, 
 }
 
 TEST_CASE(
-    "gpt example: under model_parallel at tp 2 and dp x tp 2 x 2, with and without sequence parallelism, 20 AdamW "
-    "steps train as one process") {
+    "gpt example: under model_parallel at tp 2 and dp x tp 2 x 2, with and without sequence parallelism and ZeRO "
+    "over dp, 20 AdamW steps train as one process") {
   const TinyJob job;
   struct Fit {
-    std::vector<double> losses;  // train/loss of rank 0 at every step
-    fs::path checkpoint;         // its last.ckpt
+    std::vector<double> losses;    // train/loss of rank 0 at every step
+    fs::path checkpoint;           // its last.ckpt
+    int64_t optimizer_bytes = -1;  // rank 0's optimizer state, from the strategy's log line
   };
   // `fulgur fit` of 20 AdamW steps in float32, norm clipping at 1.0 included.
   auto fit = [&](const std::string& name, std::vector<std::string> overrides) {
@@ -755,6 +757,12 @@ TEST_CASE(
     INFO(run.output);
     REQUIRE(run.exit_code == 0);
     Fit result;
+    const std::string marker = "strategy 'model_parallel': rank 0 (";
+    if (const size_t at = run.output.find(marker); at != std::string::npos) {
+      const size_t keeps = run.output.find(" keeps ", at);
+      REQUIRE(keeps != std::string::npos);
+      result.optimizer_bytes = std::stoll(run.output.substr(keeps + 7));
+    }
     auto csv = read_csv(find_file(job.dir / name, "metrics.csv"));
     for (const auto& cell : csv["train/loss"])
       if (!cell.empty()) result.losses.push_back(std::stod(cell));
@@ -798,17 +806,26 @@ TEST_CASE(
     std::string name;
     int devices;
     bool sequence_parallel;
+    int zero_stage = 0;  // sharding over dp
   };
   std::string table;
-  for (const Case& c :
-       std::vector<Case>{{"tp2", 2, false}, {"tp2_sp", 2, true}, {"dp2_tp2", 4, false}, {"dp2_tp2_sp", 4, true}}) {
+  std::map<std::string, int64_t> optimizer_bytes;
+  for (const Case& c : std::vector<Case>{{"tp2", 2, false},
+                                         {"tp2_sp", 2, true},
+                                         {"dp2_tp2", 4, false},
+                                         {"dp2_tp2_sp", 4, true},
+                                         {"dp2_tp2_zero2", 4, false, 2},
+                                         {"dp2_tp2_sp_zero1", 4, true, 1},
+                                         {"dp2_tp2_zero3", 4, false, 3}}) {
     CAPTURE(c.name);
     std::vector<std::string> overrides = model_parallel;
     overrides.push_back("--trainer.devices=" + std::to_string(c.devices));
     if (c.sequence_parallel) overrides.push_back("--model.sequence_parallel=true");
+    if (c.zero_stage > 0) overrides.push_back("--strategy.zero_stage=" + std::to_string(c.zero_stage));
     // dp x tp = 2 x 2: each replica reads half of one process's batch of 16 rows.
     if (c.devices == 4) overrides.push_back("--data.batch_size=8");
     const Fit split = fit(c.name, overrides);
+    optimizer_bytes[c.name] = split.optimizer_bytes;
     const double weights = weight_difference(split.checkpoint, single.checkpoint);
     double losses = 0;
     if (c.devices == 2)  // every rank sees the whole batch: rank 0's loss is one process's
@@ -833,6 +850,14 @@ TEST_CASE(
     }
   }
   MESSAGE(table);
+  // Sharding over dp halves each rank's optimizer state (every sharded dimension is even here).
+  CHECK(optimizer_bytes["dp2_tp2"] > 0);
+  CHECK(optimizer_bytes["dp2_tp2"] == optimizer_bytes["tp2"]);
+  CHECK(optimizer_bytes["dp2_tp2_zero2"] * 2 == optimizer_bytes["dp2_tp2"]);
+  CHECK(optimizer_bytes["dp2_tp2_sp_zero1"] * 2 == optimizer_bytes["dp2_tp2_sp"]);
+  CHECK(optimizer_bytes["dp2_tp2_zero3"] * 2 == optimizer_bytes["dp2_tp2"]);
+  MESSAGE("rank 0's optimizer state: dp 2 x tp 2 " << optimizer_bytes["dp2_tp2"] << " bytes, with zero_stage 2 "
+                                                   << optimizer_bytes["dp2_tp2_zero2"]);
   // A sequence that does not divide among the ranks is padded, up to block_size: one that cannot be
   // is refused with the fix.
   const ProcessRun odd = run_gpt(
@@ -842,4 +867,160 @@ TEST_CASE(
        "--trainer.max_steps=1", "--trainer.default_root_dir=" + (job.dir / "odd").string()});
   CHECK(odd.exit_code != 0);
   FULGUR_CHECK_CONTAINS(odd.output, "a sequence of 31 tokens, padded to 32, is longer than block_size = 31");
+}
+
+TEST_CASE(
+    "gpt example: under model_parallel at tp 2, activation checkpointing (with dropout) trains as without it and "
+    "bf16-mixed within 2% of float32") {
+  const TinyJob job;
+  // `fulgur fit` of 20 AdamW steps at tp 2 (norm clipping included); rank 0's train/loss per step.
+  auto fit = [&](const std::string& name, const std::vector<std::string>& overrides) {
+    std::vector<std::string> args{"--trainer.default_root_dir=" + (job.dir / name).string(),
+                                  "--trainer.strategy=model_parallel",
+                                  "--strategy.tensor_parallel_size=2",
+                                  "--strategy.timeout=60",
+                                  "--trainer.devices=2",
+                                  "--trainer.max_steps=20",
+                                  "--trainer.val_check_interval=20",
+                                  "--trainer.log_every_n_steps=1"};
+    args.insert(args.end(), overrides.begin(), overrides.end());
+    const ProcessRun run = run_gpt(job.dir.path(), "fit", job.toml, args);
+    INFO(run.output);
+    REQUIRE(run.exit_code == 0);
+    std::vector<double> losses;
+    auto csv = read_csv(find_file(job.dir / name, "metrics.csv"));
+    for (const auto& cell : csv["train/loss"])
+      if (!cell.empty()) losses.push_back(std::stod(cell));
+    REQUIRE(losses.size() == 20);
+    return losses;
+  };
+  const auto fp32 = fit("fp32", {"--trainer.precision=32-true"});
+  // Recomputing each block in backward (its all-reduces, or with sequence parallelism its
+  // all-gathers and reduce-scatters, included) gives the same gradients; with dropout, the
+  // recomputation draws the same masks, those of each rank's heads (its own stream) included.
+  for (const bool sequence_parallel : {false, true}) {
+    CAPTURE(sequence_parallel);
+    std::vector<std::string> overrides{"--trainer.precision=32-true", "--model.dropout=0.2"};
+    if (sequence_parallel) overrides.push_back("--model.sequence_parallel=true");
+    const std::string name = sequence_parallel ? "dropout_sp" : "dropout";
+    const auto plain = fit(name, overrides);
+    overrides.push_back("--model.activation_checkpointing=true");
+    const auto checkpointed = fit(name + "_ac", overrides);
+    double worst = 0;
+    for (size_t i = 0; i < plain.size(); ++i) worst = std::max(worst, std::abs(checkpointed[i] - plain[i]));
+    MESSAGE(name << ": max |train/loss - without activation checkpointing| " << worst);
+    CHECK(worst <= 1e-6);
+  }
+  // bf16-mixed: the products in bfloat16 (8 bits of mantissa), the weights and AdamW in float32.
+  const auto bf16 = fit("bf16", {"--trainer.precision=bf16-mixed"});
+  MESSAGE("train/loss at step 20 at tp 2: float32 " << fp32.back() << ", bf16-mixed " << bf16.back());
+  CHECK(bf16.back() < 0.9 * bf16.front());  // it trains
+  CHECK(std::abs(bf16.back() - fp32.back()) <= 0.02 * fp32.back());
+}
+
+TEST_CASE("gpt example: dropout under model_parallel at tp 2 draws each rank's heads their own masks") {
+  const TinyJob job;
+  const std::vector<std::string> tp2{"--trainer.strategy=model_parallel", "--strategy.tensor_parallel_size=2",
+                                     "--strategy.timeout=60", "--trainer.devices=2", "--trainer.precision=32-true"};
+  auto fit = [&](const std::string& name, std::vector<std::string> overrides) {
+    overrides.insert(overrides.end(), tp2.begin(), tp2.end());
+    overrides.push_back("--trainer.default_root_dir=" + (job.dir / name).string());
+    const ProcessRun run = run_gpt(job.dir.path(), "fit", job.toml, overrides);
+    INFO(run.output);
+    REQUIRE(run.exit_code == 0);
+    const fs::path checkpoint = job.dir / ("ckpt_" + name);
+    fs::rename(job.dir / "ckpt", checkpoint);
+    return checkpoint / "last.ckpt";
+  };
+  // One step, then a checkpoint whose two heads (one per rank) are the same in every block and
+  // AdamW's state zero: a model that treats both heads alike keeps them the same, bit for bit; one
+  // process's dropout, a mask per element of the whole [batch, heads, T, T] tensor, does not.
+  const fs::path first = fit("first", {"--trainer.max_steps=1"});
+  c10::IValue state = fulgur::dcp::Reader(first.string()).read_all();
+  constexpr int64_t kHead = 16;  // n_embd 32, n_head 2
+  {
+    torch::NoGradGuard no_grad;
+    const auto weights = state.toGenericDict().at("state_dict").toGenericDict();
+    for (int block = 0; block < 2; ++block) {
+      for (const char* part : {"q", "k", "v"})
+        for (const char* name : {"weight", "bias"}) {
+          const at::Tensor t = weights.at(fmt::format("blocks.{}.attn.{}.{}", block, part, name)).toTensor();
+          t.narrow(0, kHead, kHead).copy_(t.narrow(0, 0, kHead));
+        }
+      const at::Tensor proj = weights.at(fmt::format("blocks.{}.attn.proj.weight", block)).toTensor();
+      proj.narrow(1, kHead, kHead).copy_(proj.narrow(1, 0, kHead));
+    }
+    for (const auto& optimizer : state.toGenericDict().at("optimizer_states").toList())
+      for (const auto& parameter : optimizer.get().toGenericDict().at("state").toGenericDict())
+        for (const auto& tensor : parameter.value().toGenericDict())
+          if (tensor.value().isTensor() && tensor.value().toTensor().dim() > 0) tensor.value().toTensor().zero_();
+  }
+  const fs::path symmetric = job.dir / "symmetric";
+  fulgur::dcp::save(symmetric.string(), state, {}, nullptr);
+  // The largest difference between the two heads' q rows of block 0 after 10 more steps.
+  auto heads_apart = [&](const std::string& name, std::vector<std::string> overrides) {
+    overrides.push_back("--ckpt_path=" + symmetric.string());
+    overrides.push_back("--trainer.max_steps=11");
+    const at::Tensor q = fulgur::dcp::Reader(fit(name, overrides).string()).read("state_dict.blocks.0.attn.q.weight");
+    return (q.narrow(0, 0, kHead) - q.narrow(0, kHead, kHead)).abs().max().item<double>();
+  };
+  const double without = heads_apart("no_dropout", {"--model.dropout=0"});
+  const double with = heads_apart("dropout", {"--model.dropout=0.2"});
+  const double with_sp = heads_apart("dropout_sp", {"--model.dropout=0.2", "--model.sequence_parallel=true"});
+  MESSAGE("|head 0 - head 1| of q after 10 steps at tp 2: without dropout "
+          << without << ", with " << with << ", with sequence parallelism " << with_sp);
+  CHECK(without == 0);  // the symmetry holds exactly: nothing else tells the heads apart
+  // The same mask on both ranks (the default generator, in step across the group) would keep them
+  // equal too.
+  CHECK(with > 1e-3);
+  CHECK(with_sp > 1e-3);
+}
+
+TEST_CASE("gpt example: dp 2 x tp 2 with zero_stage 3 killed mid-run resumes from \"last\" bit for bit") {
+  const TinyJob job;
+  const fs::path plugins = job.dir / "plugins";
+  fs::create_directories(plugins);
+  fulgur::test::copy_library(fulgur::test::fixture("libfulgur-fixture-kill-at-step.so"),
+                             plugins / "libfulgur-fixture-kill-at-step.so");
+  std::stringstream base;
+  base << std::ifstream(job.toml).rdbuf();
+  // 10 AdamW steps of the GPT's blocks sharded over dp and gathered per block, split over tp; a
+  // last.ckpt every 4 steps (tiny_toml's model_checkpoint is its last table).
+  auto fit = [&](const std::string& name, const std::string& extra, bool must_succeed) {
+    const fs::path toml = job.dir / (name + ".toml");
+    std::ofstream(toml) << base.str() << "every_n_train_steps = 4\n" << extra;
+    const ProcessRun run = fulgur::test::run_process(
+        {FULGUR_TEST_FULGUR_BIN, "fit", "--config", toml.string(), "--trainer.strategy=model_parallel",
+         "--strategy.tensor_parallel_size=2", "--strategy.zero_stage=3", "--strategy.timeout=60", "--trainer.devices=4",
+         "--data.batch_size=8", "--trainer.precision=32-true", "--trainer.max_steps=10", "--trainer.ckpt_path=last",
+         "--trainer.default_root_dir=" + (job.dir / name).string()},
+        {{"FULGUR_LOG_LEVEL", "info"}, {"FULGUR_PLUGIN_PATH", plugins.string()}, {"OMP_NUM_THREADS", "1"}},
+        job.dir.path());
+    if (must_succeed) {
+      INFO(run.output);
+      REQUIRE(run.exit_code == 0);
+    }
+    return run;
+  };
+  fit("reference", "", true);
+  const fs::path reference = job.dir / "ckpt_reference";
+  fs::rename(job.dir / "ckpt", reference);
+  // Every rank SIGKILLs itself after step 6: last.ckpt holds step 4.
+  const std::string kill = fmt::format("[[callbacks]]\nname = \"fixture_kill_at_step\"\nstep = 6\nmarker = \"{}\"\n",
+                                       (job.dir / "killed").string());
+  const ProcessRun killed = fit("work", kill, false);
+  INFO(killed.output);
+  REQUIRE(killed.exit_code == -SIGKILL);
+  const ProcessRun resumed = fit("work", kill, true);
+  CHECK(fulgur::test::contains(resumed.output, "global step 4"));
+  const fulgur::dcp::Reader a((reference / "last.ckpt").string()), b((job.dir / "ckpt" / "last.ckpt").string());
+  int64_t compared = 0;
+  for (const std::string& key : a.keys()) {
+    if (!(key.starts_with("state_dict.") || key.starts_with("optimizer_states.")) || !a.is_tensor(key)) continue;
+    INFO(key);
+    REQUIRE(b.contains(key));
+    CHECK(at::equal(a.read(key), b.read(key)));
+    ++compared;
+  }
+  CHECK(compared > 50);  // 2 blocks' split and replicated weights, embeddings, and their AdamW state
 }

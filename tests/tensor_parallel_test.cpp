@@ -16,6 +16,7 @@
 #include <sstream>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <vector>
 
 #include <fulgur/checkpoint_io.h>
@@ -311,11 +312,27 @@ TEST_CASE("model_parallel: a mesh that does not fit the job is a clear error") {
                                "has 2 processes"));
 }
 
+TEST_CASE("model_parallel: a zero_stage out of range is a clear error") {
+  fulgur::test::ProcessRun run;
+  fit_tp_mlp("name = \"model_parallel\"\ntensor_parallel_size = 2\nzero_stage = 4\ntimeout = 60.0", 2,
+             "enable_checkpointing = false", &run);
+  CHECK(run.exit_code != 0);
+  CHECK(fulgur::test::contains(run.output,
+                               "zero_stage = 4 is not one of 0 (no sharding over dp), 1 (optimizer "
+                               "state), 2 (and gradients) or 3 (and parameters)"));
+}
+
 namespace {
 
 constexpr const char* kTp2 = "name = \"model_parallel\"\ntensor_parallel_size = 2\ntimeout = 60.0";
 constexpr const char* kTp2Dp2 =
     "name = \"model_parallel\"\ntensor_parallel_size = 2\ndata_parallel_size = 2\ntimeout = 60.0";
+// The same with the optimizer state and gradients sharded over dp (ZeRO-2 across, TP inside).
+constexpr const char* kTp2Dp2Zero2 =
+    "name = \"model_parallel\"\ntensor_parallel_size = 2\ndata_parallel_size = 2\nzero_stage = 2\ntimeout = 60.0";
+// And the parameters too (ZeRO-3 across: rows over dp, gathered around each block).
+constexpr const char* kTp2Dp2Zero3 =
+    "name = \"model_parallel\"\ntensor_parallel_size = 2\ndata_parallel_size = 2\nzero_stage = 3\ntimeout = 60.0";
 
 // A job for fit_checkpointed: its [trainer] lines (ckpt_path), model_checkpoint lines and other
 // callbacks.
@@ -393,12 +410,17 @@ void require_close(const std::vector<double>& a, const std::vector<double>& b, d
 
 }  // namespace
 
-TEST_CASE("model_parallel: tp 2 and dp 2 x tp 2 killed mid-epoch resume from \"last\" bit for bit") {
+TEST_CASE(
+    "model_parallel: tp 2, dp 2 x tp 2 and dp 2 x tp 2 with zero_stage 2 and 3 killed mid-epoch resume from \"last\" "
+    "bit for bit") {
   TempDir dir;
   const fs::path plugins = tp_plugins(dir);
-  for (const auto& [strategy, devices] : {std::pair<std::string, int>{kTp2, 2}, {kTp2Dp2, 4}}) {
-    INFO("devices " << devices);
-    const fs::path reference = dir / fmt::format("reference{}", devices), work = dir / fmt::format("work{}", devices);
+  for (const auto& [strategy, devices, name] : {std::tuple<std::string, int, std::string>{kTp2, 2, "tp2"},
+                                                {kTp2Dp2, 4, "dp2_tp2"},
+                                                {kTp2Dp2Zero2, 4, "dp2_tp2_zero2"},
+                                                {kTp2Dp2Zero3, 4, "dp2_tp2_zero3"}}) {
+    INFO(strategy);
+    const fs::path reference = dir / ("reference_" + name), work = dir / ("work_" + name);
     JobExtras extras{"ckpt_path = \"last\"", "every_n_train_steps = 4", ""};
     fit_checkpointed(reference, plugins, strategy, devices, 2, extras);
     // Every rank SIGKILLs itself after step 6: last.ckpt holds step 4, mid-epoch.
@@ -446,8 +468,44 @@ TEST_CASE("model_parallel: a tp 2 checkpoint loads under single_device and dp 2 
   require_close(resume("single_from_tp2", "name = \"single_device\"", 1, split), single_from_whole, 1e-5);
   require_close(resume("tp2_from_whole", kTp2, 2, whole), single_from_whole, 1e-5);
   // Two replicas of the split model train as ddp does.
-  require_close(resume("mesh_from_tp2", kTp2Dp2, 4, split),
-                resume("ddp_from_whole", "name = \"ddp\"\ntimeout = 60.0", 2, whole), 1e-5);
+  const auto ddp_from_whole = resume("ddp_from_whole", "name = \"ddp\"\ntimeout = 60.0", 2, whole);
+  require_close(resume("mesh_from_tp2", kTp2Dp2, 4, split), ddp_from_whole, 1e-5);
+  // Sharded over dp too: each rank reads its rows of the tp shard's optimizer state.
+  require_close(resume("mesh_zero2_from_tp2", kTp2Dp2Zero2, 4, split), ddp_from_whole, 1e-5);
+  require_close(resume("mesh_zero2_from_whole", kTp2Dp2Zero2, 4, whole), ddp_from_whole, 1e-5);
+}
+
+TEST_CASE("model_parallel: zero_stage 2 writes the dp 2 x tp 2 layout, read by one process and without it") {
+  TempDir dir;
+  const fs::path plugins = tp_plugins(dir);
+  fit_checkpointed(dir / "mesh", plugins, kTp2Dp2, 4, 1);
+  fit_checkpointed(dir / "zero2", plugins, kTp2Dp2Zero2, 4, 1);
+  const fs::path mesh = dir / "mesh" / "ckpt" / "last.ckpt", zero2 = dir / "zero2" / "ckpt" / "last.ckpt";
+  // The same tensors under the same keys as without sharding over dp (the reductions' order apart):
+  // the optimizer state each dp rank kept is its rows, where FSDP2 + TP puts them.
+  {
+    const fulgur::dcp::Reader a(mesh.string()), b(zero2.string());
+    int64_t compared = 0;
+    for (const std::string& key : a.keys()) {
+      if (!(key.starts_with("state_dict.") || key.starts_with("optimizer_states.")) || !a.is_tensor(key)) continue;
+      INFO(key);
+      REQUIRE(b.contains(key));
+      CHECK(torch::allclose(a.read(key), b.read(key), 0, 1e-5));
+      ++compared;
+    }
+    CHECK(compared >= 12);
+    CHECK(b.keys().size() == a.keys().size());
+  }
+  auto resume = [&](const std::string& name, const std::string& strategy, int devices, const fs::path& from) {
+    fit_checkpointed(dir / name, plugins, strategy, devices, 2, {fmt::format("ckpt_path = \"{}\"", from.string())});
+    return csv_column(dir / name, "train/loss");
+  };
+  // One process resumes from it as from the unsharded one.
+  const auto single_from_mesh = resume("single_from_mesh", "name = \"single_device\"", 1, mesh);
+  REQUIRE(single_from_mesh.size() == 10);
+  require_close(resume("single_from_zero2", "name = \"single_device\"", 1, zero2), single_from_mesh, 1e-5);
+  // And dp 2 x tp 2 without sharding over dp resumes from it as from its own.
+  require_close(resume("mesh_from_zero2", kTp2Dp2, 4, zero2), resume("mesh_from_mesh", kTp2Dp2, 4, mesh), 1e-5);
 }
 
 TEST_CASE(
@@ -461,14 +519,20 @@ TEST_CASE(
   const fs::path plugins = tp_plugins(dir);
   // (dp, tp) = (1, 2) trains as one process, (2, 2) as two ddp replicas: their whole checkpoints
   // are what Python must find in the split ones.
+  // The optimizer state (zero_stage 2), and the parameters too (3), sharded over dp: the same layout.
   for (const auto& [split_strategy, devices, whole_strategy, whole_devices] :
        {std::tuple<std::string, int, std::string, int>{kTp2, 2, "name = \"single_device\"", 1},
-        {kTp2Dp2, 4, "name = \"ddp\"\ntimeout = 60.0", 2}}) {
-    INFO("devices " << devices);
-    const fs::path split = dir / fmt::format("split{}", devices), whole = dir / fmt::format("whole{}", devices);
+        {kTp2Dp2, 4, "name = \"ddp\"\ntimeout = 60.0", 2},
+        {kTp2Dp2Zero2, 4, "name = \"ddp\"\ntimeout = 60.0", 2},
+        {kTp2Dp2Zero3, 4, "name = \"ddp\"\ntimeout = 60.0", 2}}) {
+    INFO(split_strategy);
+    const std::string tag =
+        fmt::format("{}_{}", devices,
+                    split_strategy == kTp2Dp2Zero2 ? "zero2" : (split_strategy == kTp2Dp2Zero3 ? "zero3" : "plain"));
+    const fs::path split = dir / ("split" + tag), whole = dir / ("whole" + tag);
     fit_checkpointed(split, plugins, split_strategy, devices, 1);
     fit_checkpointed(whole, plugins, whole_strategy, whole_devices, 1);
-    const fs::path python_dir = dir / fmt::format("python{}", devices), resaved = dir / "resaved";
+    const fs::path python_dir = dir / ("python" + tag), resaved = dir / "resaved";
     const auto [status, output] = fulgur::test::run_command(
         fmt::format("OMP_NUM_THREADS=1 {} {}/tests/python/tp_dcp_interop.py '{}' {} 2 '{}' '{}' {}", FULGUR_TEST_PYTHON,
                     FULGUR_TEST_SOURCE_DIR, (split / "ckpt" / "last.ckpt").string(), devices / 2,

@@ -20,7 +20,14 @@ of one activation between blocks, B the rows per replica, t = tp, d = dp):
                backward, each 2 (t-1)/t * 4E bytes with a ring; with SP an all-gather and a
                reduce-scatter per attention and MLP, forward and backward, each (t-1)/t * 4E, plus
                the sequence's all-gather into the head and the embedding gradient's all-gather;
-               plus on the dp group the gradients' all-reduce, 2 (d-1)/d * parameter bytes.
+               plus on the dp group the gradients' all-reduce, 2 (d-1)/d * parameter bytes; with
+               zero_stage 1 that all-reduce and the updated rows' all-gather, 3 (d-1)/d; with
+               zero_stage 2 and 3 a reduce-scatter and the all-gather, 2 (d-1)/d (stage 3's
+               per-block gathers again in backward add (d-1)/d of the blocks' bytes).
+  zero_stage = s over dp ([strategy] zero_stage): AdamW state / d and gradients / d (s >= 1; measured
+               after the step's reduction, which keeps this rank's rows only: stage 1 holds the whole
+               gradient until then); s = 3: parameters / d, plus the parameters outside the
+               blocks (embeddings, ln_f), which stay whole between steps.
 """
 import argparse
 import os
@@ -33,18 +40,22 @@ import tempfile
 STEP_RE = re.compile(r"^FULGUR_STEP rank=(\d+) step=(\d+) .*wchar=(-?\d+)")
 MEM_RE = re.compile(r"^FULGUR_MEMORY rank=(\d+) parameters=(\d+) gradients=(\d+) optimizer=(\d+) activations=(-?\d+)")
 
-CASES = [  # name, dp, tp, sequence_parallel
-    ("tp=1 (one process)", 1, 1, False),
-    ("tp=2", 1, 2, False),
-    ("tp=2, SP", 1, 2, True),
-    ("dp x tp = 2 x 2", 2, 2, False),
-    ("dp x tp = 2 x 2, SP", 2, 2, True),
+CASES = [  # name, dp, tp, sequence_parallel, zero_stage over dp
+    ("tp=1 (one process)", 1, 1, False, 0),
+    ("tp=2", 1, 2, False, 0),
+    ("tp=2, SP", 1, 2, True, 0),
+    ("dp x tp = 2 x 2", 2, 2, False, 0),
+    ("dp x tp = 2 x 2, SP", 2, 2, True, 0),
+    ("dp x tp = 2 x 2, zero_stage 1", 2, 2, False, 1),
+    ("dp x tp = 2 x 2, zero_stage 2", 2, 2, False, 2),
+    ("dp x tp = 2 x 2, SP, zero_stage 2", 2, 2, True, 2),
+    ("dp x tp = 2 x 2, zero_stage 3", 2, 2, False, 3),
 ]
 
 
-def toml_text(a, root, dp, tp, sp):
+def toml_text(a, root, dp, tp, sp, zero):
     strategy = "single_device" if dp * tp == 1 else "model_parallel"
-    strat = "" if dp * tp == 1 else f"\n[strategy]\ntensor_parallel_size = {tp}\ntimeout = 120\n"
+    strat = "" if dp * tp == 1 else f"\n[strategy]\ntensor_parallel_size = {tp}\nzero_stage = {zero}\ntimeout = 120\n"
     return f"""[plugins]
 paths = ["{os.path.join(a.build, 'bench-plugins')}"]
 
@@ -94,7 +105,7 @@ memory = true
 """
 
 
-def formulas(a, dp, tp, sp):
+def formulas(a, dp, tp, sp, zero=0):
     C, L, V, P = a.n_embd, a.n_layer, 256, a.block_size
     params = 4 * ((V + P) * C + 2 * C + L * (6 * C + (12 * C * C + 7 * C) // tp))
     E = a.batch_size * a.block_size * C
@@ -108,15 +119,17 @@ def formulas(a, dp, tp, sp):
         tp_bytes = L * 8 * (tp - 1) * S // tp + 2 * (tp - 1) * S // tp
     else:
         tp_bytes = L * 4 * 2 * (tp - 1) * S // tp
-    dp_bytes = 2 * (dp - 1) * params // dp
+    dp_bytes = (3 if zero == 1 else 2) * (dp - 1) * params // dp
+    if zero == 3:  # the blocks gathered again for backward
+        dp_bytes += (dp - 1) * (params - 4 * ((V + P) * C + 2 * C)) // dp
     return params, acts, tp_bytes + dp_bytes
 
 
-def run(a, name, dp, tp, sp):
+def run(a, name, dp, tp, sp, zero):
     with tempfile.TemporaryDirectory() as root:
         path = os.path.join(root, "tp.toml")
         with open(path, "w") as f:
-            f.write(toml_text(a, root, dp, tp, sp))
+            f.write(toml_text(a, root, dp, tp, sp, zero))
         env = dict(os.environ, OMP_NUM_THREADS="1", FULGUR_LOG_LEVEL="warn", FULGUR_SIGNAL_VOTE_EVERY="0")
         for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
             env.pop(k, None)
@@ -157,11 +170,15 @@ def main():
           f"(measured / formula); sent: the most any rank sent per step\n")
     print("| layout | parameters | gradients | AdamW state | activations | sent per step |")
     print("|---|---|---|---|---|---|")
-    for name, dp, tp, sp in CASES:
-        (params, grads, optim, acts), sent = run(a, name, dp, tp, sp)
-        f_params, f_acts, f_sent = formulas(a, dp, tp, sp)
-        print(f"| {name} | {kib(params)} / {kib(f_params)} | {kib(grads)} / {kib(f_params)} | "
-              f"{kib(optim)} / {kib(2 * f_params)} | {kib(acts)} / {kib(f_acts)} | {kib(sent)} / {kib(f_sent)} |",
+    for name, dp, tp, sp, zero in CASES:
+        (params, grads, optim, acts), sent = run(a, name, dp, tp, sp, zero)
+        f_params, f_acts, f_sent = formulas(a, dp, tp, sp, zero)
+        f_grads = f_params // dp if zero >= 1 else f_params
+        f_optim = 2 * f_params // dp if zero >= 1 else 2 * f_params
+        outside = 4 * ((256 + a.block_size) * a.n_embd + 2 * a.n_embd)  # embeddings and ln_f: whole
+        f_held = f_params // dp + outside if zero == 3 else f_params
+        print(f"| {name} | {kib(params)} / {kib(f_held)} | {kib(grads)} / {kib(f_grads)} | "
+              f"{kib(optim)} / {kib(f_optim)} | {kib(acts)} / {kib(f_acts)} | {kib(sent)} / {kib(f_sent)} |",
               flush=True)
 
 

@@ -16,6 +16,7 @@
 
 #include <cmath>
 #include <cstdio>
+#include <limits>
 
 namespace fulgur::examples {
 
@@ -63,6 +64,22 @@ at::Tensor layer_norm(nn::LayerNorm& norm, const at::Tensor& x, const TensorPara
   Communicator* group = tp.group.get();
   return torch::layer_norm(x, norm->options.normalized_shape(), tp::replicated_parameter(norm->weight, group),
                            tp::replicated_parameter(norm->bias, group), norm->options.eps());
+}
+
+// Dropout under tensor parallelism (Megatron's RNG tracker, fulgur::nn::TensorParallelRng): in a
+// sharded region (this rank's heads; under sequence parallelism its part of the sequence) each
+// rank draws its own mask, as one process's dropout over the whole tensor would; replicated
+// regions draw from the default generator, which stays in step on every rank of the group. The
+// sharded stream's seed is drawn from the default generator on entry (the same on every rank): an
+// activation-checkpointing recomputation starts from the same state and so draws the same masks.
+template <class Fn>
+at::Tensor in_sharded_region(const TensorParallel& tp, bool draws, const at::Tensor& like, Fn&& fn) {
+  if (tp.size == 1 || !draws) return fn();
+  const auto seed = static_cast<uint64_t>(
+      at::randint(std::numeric_limits<int64_t>::max(), {1}, at::TensorOptions().dtype(at::kLong)).item<int64_t>());
+  tp::TensorParallelRng rng(seed, tp.rank, like.device());
+  const auto sharded = rng.fork();
+  return fn();
 }
 
 // `to` (a split layer's parameter) takes `from` (this rank's part of the whole layer's).
@@ -142,10 +159,16 @@ class CausalSelfAttentionImpl : public nn::Module {
       auto heads = [&](const tp::ColumnParallelLinear& part) {
         return at::linear(whole, part->weight, part->bias).view({B, T, local_heads_, head}).transpose(1, 2);
       };
-      at::Tensor y = at::scaled_dot_product_attention(heads(q), heads(k), heads(v), /*attn_mask=*/{},
-                                                      is_training() ? dropout_ : 0.0, /*is_causal=*/true);
-      // Row-parallel: the all-reduce (or reduce-scatter along the sequence) of the heads' outputs.
-      return resid_drop->forward(proj_tp->forward(y.transpose(1, 2).reshape({B, T, local_heads_ * head})));
+      const bool drops = is_training() && dropout_ > 0;
+      // This rank's heads: a sharded region.
+      const at::Tensor y = in_sharded_region(tp_, drops, whole, [&] {
+        return at::scaled_dot_product_attention(heads(q), heads(k), heads(v), /*attn_mask=*/{}, drops ? dropout_ : 0.0,
+                                                /*is_causal=*/true);
+      });
+      // Row-parallel: the all-reduce (or reduce-scatter along the sequence) of the heads' outputs,
+      // replicated (or this rank's part of the sequence: sharded).
+      const at::Tensor out = proj_tp->forward(y.transpose(1, 2).reshape({B, T, local_heads_ * head}));
+      return in_sharded_region(tp_, drops && tp_.sequence_parallel, out, [&] { return resid_drop->forward(out); });
     }
     const int64_t T = x.size(1);
     // [B, T, 3C] -> three [B, heads, T, C / heads]
@@ -206,7 +229,10 @@ class BlockImpl : public nn::Module {
     const at::Tensor h = layer_norm(ln2, x, tp_);
     if (fc_tp) {  // column-parallel fc from the whole input, row-parallel proj
       const at::Tensor up = at::linear(enter_tensor_parallel(h, tp_), fc_tp->weight, fc_tp->bias);
-      return x + drop->forward(proj_tp->forward(torch::gelu(up, "tanh")));
+      const at::Tensor out = proj_tp->forward(torch::gelu(up, "tanh"));
+      // Replicated, or under sequence parallelism this rank's part of the sequence: sharded.
+      const bool drops = is_training() && drop->options.p() > 0 && tp_.sequence_parallel;
+      return x + in_sharded_region(tp_, drops, out, [&] { return drop->forward(out); });
     }
     return x + drop->forward(proj->forward(torch::gelu(fc->forward(h), "tanh")));
   }

@@ -3,13 +3,20 @@
 // model gets it before its configure_model (fulgur::DeviceMeshReceiver) and builds its layers on
 // mesh.group("tp") (fulgur/nn/tensor_parallel.h). Each dp replica reads its own slice of the data
 // (every tp rank of a replica the same), gradients are averaged over the dp group after backward,
-// and norm clipping counts each tensor-parallel shard once. With tensor_parallel_size > 1,
+// and norm clipping counts each tensor-parallel shard once. With zero_stage 1 or 2 the dp dimension
+// is sharded as the fsdp strategy shards its ranks (2D: TP inside, ZeRO across; the fsdp plugin's
+// Shards, sharded_parameter.h): each dp rank steps and keeps the optimizer state of its rows of
+// every tp-local parameter, gradients are all-reduced (1) or reduce-scattered (2) over dp, and the
+// updated rows are all-gathered after the step. With zero_stage 3 the parameters too are rows over
+// dp, gathered around each fulgur::run_block block (fsdp's Zero3Units). With tensor_parallel_size > 1,
 // checkpoints are torch.distributed.checkpoint directories in the chunk layout PyTorch writes for
 // FSDP2 + TP (tp_checkpoint.h): every rank writes its shard, nothing is gathered, and any (dp, tp)
 // layout, one process or Python reads them.
+#include <fulgur/blocks.h>
 #include <fulgur/communicator.h>
 #include <fulgur/device_mesh.h>
 #include <fulgur/distributed_checkpoint.h>
+#include <fulgur/log.h>
 #include <fulgur/model_parallel.h>
 #include <fulgur/nn/tensor_parallel.h>
 #include <fulgur/plugin.h>
@@ -17,29 +24,46 @@
 #include <fulgur/state_dict.h>
 
 #include <ATen/ops/cat.h>
+#include <ATen/ops/zeros.h>
 #include <fmt/format.h>
 #include <torch/nn/module.h>
+#include <torch/optim/adam.h>
+#include <torch/optim/adamw.h>
 #include <torch/optim/optimizer.h>
+#include <torch/optim/sgd.h>
+#include <torch/utils.h>
 
 #include <algorithm>
+#include <cmath>
+#include <limits>
 #include <map>
 #include <optional>
+#include <set>
 #include <string>
 #include <vector>
 
+#include "../common/optimizer_state_map.h"
 #include "../common/process_group_strategy.h"
+#include "../fsdp/sharded_parameter.h"
+#include "../fsdp/zero3_units.h"
 #include "tp_checkpoint.h"
 
 namespace {
 
-class ModelParallelStrategy final : public fulgur::process_group::ProcessGroupStrategy {
+class ModelParallelStrategy final : public fulgur::process_group::ProcessGroupStrategy, public fulgur::BlockHooks {
  public:
   FULGUR_OPTIONS(Options,
                  (string, backend, "Process group backend: \"auto\" (the accelerator's), \"gloo\", \"nccl\"", "auto"),
                  (floating, timeout,
                   "Seconds a collective or the rendezvous may wait for the other ranks before failing", 1800.0),
                  (integer, data_parallel_size, "Replicas of the model (0: the processes / tensor_parallel_size)", 0),
-                 (integer, tensor_parallel_size, "Ranks each layer is split across (the mesh's tp dimension)", 1));
+                 (integer, tensor_parallel_size, "Ranks each layer is split across (the mesh's tp dimension)", 1),
+                 (integer, zero_stage,
+                  "Sharding across the dp dimension, as the fsdp strategy's zero_stage: 0: none (every dp rank keeps "
+                  "the whole optimizer state, gradients all-reduced); 1: optimizer state sharded over dp "
+                  "(gradients all-reduced); 2: also gradients (reduce-scattered over dp); 3: also parameters "
+                  "(gathered over dp around each fulgur::run_block block, freed after it)",
+                  0));
   explicit ModelParallelStrategy(const Options& options)
       : ProcessGroupStrategy("model_parallel", options.given()),
         data_parallel_size_(options.data_parallel_size),
@@ -48,7 +72,14 @@ class ModelParallelStrategy final : public fulgur::process_group::ProcessGroupSt
       throw fulgur::Error(fulgur::ErrorKind::config,
                           "strategy 'model_parallel': tensor_parallel_size must be at least 1 and "
                           "data_parallel_size at least 0 (0: the processes / tensor_parallel_size)");
+    if (options.zero_stage < 0 || options.zero_stage > 3)
+      throw fulgur::Error(fulgur::ErrorKind::config,
+                          fmt::format("strategy 'model_parallel': zero_stage = {} is not one of 0 (no sharding over "
+                                      "dp), 1 (optimizer state), 2 (and gradients) or 3 (and parameters)",
+                                      options.zero_stage));
+    sharding_.zero_stage = options.zero_stage;
   }
+  ~ModelParallelStrategy() override { fulgur::remove_block_hooks(this); }
 
   void setup_environment(const fulgur::StrategyEnvironment& environment) override {
     ProcessGroupStrategy::setup_environment(environment);
@@ -64,6 +95,9 @@ class ModelParallelStrategy final : public fulgur::process_group::ProcessGroupSt
       mesh_ = fulgur::DeviceMesh::create(*communicator_, {dp, tensor_parallel_size_}, {"dp", "tp"});
     else
       mesh_ = fulgur::DeviceMesh::from_groups(0, {1, 1}, {"dp", "tp"}, {nullptr, nullptr});
+    auto dp_group = mesh_->group("dp");
+    dp_ = fulgur::fsdp::RankGroup{dp_group && dp_group->world_size() > 1 ? dp_group.get() : nullptr, mesh_->size("dp"),
+                                  mesh_->local_rank("dp"), device_};
   }
 
   void configure_model(torch::nn::Module& module, const fulgur::ModelBuild& build) override {
@@ -78,6 +112,10 @@ class ModelParallelStrategy final : public fulgur::process_group::ProcessGroupSt
   }
 
   void setup_module(torch::nn::Module& module) override {
+    // Stage 3 of an earlier stage (fit, then validate): whole again before anything reads them.
+    if (!shards_.ordered.empty() && sharding_.zero_stage == 3) units_.gather_group(shards_.ordered);
+    units_.clear();
+    shards_ = fulgur::fsdp::Shards{};
     module.to(device_);
     module_ = &module;
     pieces_ = fulgur::model_parallel::find_pieces(module, mesh_->local_rank("tp"));
@@ -88,10 +126,61 @@ class ModelParallelStrategy final : public fulgur::process_group::ProcessGroupSt
       for (auto& b : module.buffers()) state.push_back(b);
       dp->broadcast_coalesced(state, 0);
     }
+    if (sharding_.zero_stage != 3) return;
+    // Stage 3: every parameter's rows over dp in a tensor of their own; the blocks the Module runs
+    // through fulgur::run_block are the units whose parameters are gathered around their use (the
+    // fsdp plugin's Zero3Units), the rest stays whole, in the Module's order on every rank.
+    std::set<const fulgur::fsdp::ShardedParameter*> listed;
+    for (const auto& item : module.named_parameters()) {
+      fulgur::fsdp::ShardedParameter& sharded = shards_.of(item.value(), dp_, /*own_storage=*/true);
+      if (listed.insert(&sharded).second) shards_.ordered.push_back(&sharded);
+      shards_.named[item.key()] = &sharded;
+    }
+    fulgur::install_block_hooks(this);
+  }
+
+  void before_training_step(bool sync_gradients) override {
+    if (sharding_.zero_stage == 3) units_.before_training_step(sync_gradients);
+  }
+
+  // ---- blocks (stage 3): fulgur::BlockHooks ----
+  at::Tensor run_block(torch::nn::Module& block, const at::Tensor& input,
+                       const fulgur::BlockForward& forward) override {
+    return units_.run_block(block, input, forward);
+  }
+  void gather_full_parameters(torch::nn::Module&) override { units_.hold_full_parameters(); }
+  void release_full_parameters(torch::nn::Module&) override { units_.release_full_parameters(); }
+
+  // Stage 3: the whole tp-local parameters (gathered over dp, a collective) and copied, since their
+  // storage is freed again; the layout is made from them when they are written.
+  c10::IValue module_state_dict(torch::nn::Module& module) override {
+    if (sharding_.zero_stage != 3) return ProcessGroupStrategy::module_state_dict(module);
+    fulgur::FullParameters whole(module);
+    const c10::IValue state = ProcessGroupStrategy::module_state_dict(module);
+    if (!state.isGenericDict()) return state;
+    const auto entries = state.toGenericDict();
+    auto copied = c10::impl::GenericDict(entries.keyType(), entries.valueType());
+    for (const auto& entry : entries)
+      copied.insert(entry.key(),
+                    entry.value().isTensor() ? c10::IValue(entry.value().toTensor().clone()) : entry.value());
+    return copied;
   }
 
   void backward(const at::Tensor& loss, fulgur::Precision& precision, bool sync_gradients) override {
+    if (sharding_.zero_stage == 3) {
+      // Each block's gradients are reduce-scattered over dp as soon as its backward is done.
+      units_.begin_backward(sync_gradients);
+      precision.scale_loss(loss).backward();
+      units_.finish_backward();
+      return;
+    }
     precision.scale_loss(loss).backward();
+    if (zero()) {
+      // Each dp rank keeps its averaged rows of every gradient; micro-steps of an accumulation
+      // window add up locally, without communication.
+      if (sync_gradients && !shards_.ordered.empty()) shards_.reduce_gradients(sharding_, dp_);
+      return;
+    }
     auto dp = mesh_->group("dp");
     if (!sync_gradients || !dp || dp->world_size() == 1 || !module_) return;
     // One all-reduce of every gradient, flattened (the mean over the replicas' batches).
@@ -112,6 +201,10 @@ class ModelParallelStrategy final : public fulgur::process_group::ProcessGroupSt
 
   void clip_gradients(torch::optim::Optimizer& optimizer, fulgur::Precision& precision, double clip_value,
                       fulgur::GradClipAlgorithm algorithm) override {
+    if (zero() && algorithm == fulgur::GradClipAlgorithm::norm) {
+      clip_sharded_gradients(optimizer, clip_value);
+      return;
+    }
     if (algorithm != fulgur::GradClipAlgorithm::norm || !module_ || tensor_parallel_size_ == 1) {
       precision.clip_gradients(optimizer, clip_value, algorithm);  // elementwise, or nothing split
       return;
@@ -120,7 +213,14 @@ class ModelParallelStrategy final : public fulgur::process_group::ProcessGroupSt
   }
 
   bool optimizer_step(torch::optim::Optimizer& optimizer, fulgur::Precision& precision) override {
-    return precision.optimizer_step(optimizer);
+    if (zero()) agree_on_non_finite_gradients(optimizer);
+    const bool stepped = precision.optimizer_step(optimizer);
+    if (stepped && sharding_.zero_stage == 3)
+      units_.after_step();  // blocks gathered again at their next use, the rest now
+    else if (stepped && zero())
+      shards_.gather_parameters(dp_);  // every rank's updated rows, into the parameters
+    if (stepped && !reported_state_) report_optimizer_state(optimizer);
+    return stepped;
   }
 
   // Tensor-parallel ranks of one replica read the same batches.
@@ -130,7 +230,48 @@ class ModelParallelStrategy final : public fulgur::process_group::ProcessGroupSt
   void setup_optimizers(std::vector<std::shared_ptr<torch::optim::Optimizer>>& optimizers) override {
     ProcessGroupStrategy::setup_optimizers(optimizers);
     optimizers_.clear();
-    for (auto& optimizer : optimizers) optimizers_.push_back(optimizer.get());
+    orders_.clear();
+    if (sharding_.zero_stage != 3) shards_ = fulgur::fsdp::Shards{};
+    shards_.optimizers.clear();
+    shards_.by_optimizer.clear();
+    reported_state_ = false;
+    for (auto& optimizer : optimizers) {
+      optimizers_.push_back(optimizer.get());
+      if (!zero()) {
+        orders_.push_back(fulgur::model_parallel::whole_order(*optimizer));
+        continue;
+      }
+      // Element-wise optimizers only: their update of a row depends on that row alone, so stepping
+      // rows equals stepping the whole (LBFGS, Muon and friends need the whole tensor).
+      if (!dynamic_cast<torch::optim::Adam*>(optimizer.get()) && !dynamic_cast<torch::optim::AdamW*>(optimizer.get()) &&
+          !dynamic_cast<torch::optim::SGD*>(optimizer.get()))
+        throw fulgur::Error(fulgur::ErrorKind::config,
+                            fmt::format("strategy 'model_parallel': zero_stage = {} steps each dp rank's rows of the "
+                                        "parameters, which only an element-wise optimizer (Adam, AdamW, SGD) can do; "
+                                        "use one of them, or zero_stage = 0",
+                                        sharding_.zero_stage));
+      // The optimizer steps this rank's rows of each (tp-local) parameter: a view of it, as under
+      // fsdp's stages 1 and 2; the collectives' layout follows the param groups, the same on every rank.
+      shards_.optimizers.push_back(optimizer.get());
+      std::vector<fulgur::fsdp::ShardedParameter*>& order = shards_.by_optimizer[optimizer.get()];
+      fulgur::model_parallel::StepOrder& steps = orders_.emplace_back();
+      for (auto& group : optimizer->param_groups())
+        for (at::Tensor& parameter : group.params()) {
+          const bool new_one = !shards_.by_tensor.contains(parameter.unsafeGetTensorImpl());
+          if (sharding_.zero_stage == 3 && new_one)
+            throw fulgur::Error(fulgur::ErrorKind::config,
+                                "strategy 'model_parallel': configure_optimizers passed a tensor that is not a "
+                                "parameter of the Module; with zero_stage = 3 the optimizers may hold only the "
+                                "Module's parameters");
+          fulgur::fsdp::ShardedParameter& sharded =
+              shards_.of(parameter, dp_, /*own_storage=*/sharding_.zero_stage == 3);
+          if (new_one) shards_.ordered.push_back(&sharded);
+          order.push_back(&sharded);
+          steps.push_back({sharded.full, sharded.begin, sharded.local_rows()});
+          parameter = sharded.stepped();
+        }
+    }
+    if (zero() && sharding_.zero_stage != 3) shards_.lay_out_flat_buffers();
   }
 
   // ---- checkpoints (tensor_parallel_size > 1): each rank's shards in DCP's FSDP2 + TP layout ----
@@ -164,7 +305,7 @@ class ModelParallelStrategy final : public fulgur::process_group::ProcessGroupSt
                                           "use Adam, AdamW or SGD with tensor_parallel_size > 1",
                                           path, i));
         optimizer_states.push_back(fulgur::model_parallel::sharded_optimizer_state(
-            (*parts.optimizer_states)[i], *optimizers_[i], static_cast<int64_t>(i), pieces_, coordinate(), placements));
+            (*parts.optimizer_states)[i], orders_[i], static_cast<int64_t>(i), pieces_, coordinate(), placements));
       }
     }
     fulgur::CheckpointParts layout = parts;
@@ -180,32 +321,112 @@ class ModelParallelStrategy final : public fulgur::process_group::ProcessGroupSt
       ProcessGroupStrategy::load_checkpoint(path, out);
       return;
     }
-    fulgur::split_checkpoint(fulgur::model_parallel::read_local(path, pieces_, optimizers_), out, path);
+    fulgur::split_checkpoint(fulgur::model_parallel::read_local(path, pieces_, orders_), out, path);
     if (out.optimizer_states)
       for (c10::IValue& optimizer : *out.optimizer_states) optimizer = fulgur::dcp::with_index_keys(optimizer);
   }
 
   void load_module_state_dict(torch::nn::Module& module, const c10::IValue& state, bool strict,
                               const std::string& origin) override {
+    if (sharding_.zero_stage != 3) {
+      ProcessGroupStrategy::load_module_state_dict(module, fulgur::model_parallel::local_module_state(state, pieces_),
+                                                   strict, origin);
+      return;
+    }
+    // Stage 3: into the whole parameters, whose rows go back to the shards.
+    fulgur::FullParameters whole(module);
     ProcessGroupStrategy::load_module_state_dict(module, fulgur::model_parallel::local_module_state(state, pieces_),
                                                  strict, origin);
+    torch::NoGradGuard no_grad;
+    for (fulgur::fsdp::ShardedParameter* p : shards_.ordered)
+      p->shard.copy_(p->rows_of(p->full_alias, p->begin, p->local_rows()).reshape(p->shard_shape()));
   }
 
   void load_optimizer_state_dict(torch::optim::Optimizer& optimizer, const c10::IValue& state,
                                  const std::string& origin) override {
+    const auto position = std::find(optimizers_.begin(), optimizers_.end(), &optimizer);
+    if (position == optimizers_.end())
+      throw fulgur::Error(fulgur::ErrorKind::runtime,
+                          "strategy 'model_parallel': an optimizer that setup_optimizers never saw");
     ProcessGroupStrategy::load_optimizer_state_dict(
-        optimizer, fulgur::model_parallel::local_optimizer_state(state, optimizer, pieces_), origin);
+        optimizer,
+        fulgur::model_parallel::local_optimizer_state(
+            state, orders_[static_cast<size_t>(position - optimizers_.begin())], pieces_),
+        origin);
   }
 
   void teardown() override {
     module_ = nullptr;
+    fulgur::remove_block_hooks(this);
     optimizers_.clear();
+    orders_.clear();
+    // Stage 3 keeps its shards (the only copy of the weights) for a later stage's setup_module.
+    if (sharding_.zero_stage != 3) shards_ = fulgur::fsdp::Shards{};
     pieces_ = {};
     ProcessGroupStrategy::teardown();
   }
 
  private:
-  bool split() const { return tensor_parallel_size_ > 1 && module_ != nullptr; }
+  // Whether checkpoints are DCP directories, each rank writing its part: under tensor parallelism,
+  // and under dp sharding (no rank holds all of the optimizer state).
+  bool split() const { return (tensor_parallel_size_ > 1 || zero()) && module_ != nullptr; }
+  bool zero() const { return sharding_.zero_stage > 0; }
+
+  // By norm under dp sharding: the norm of the whole gradient, each element once: split
+  // parameters' rows summed over dp and tp, replicated ones' over dp (tp rank 0's), in one
+  // all-reduce over every rank; scaled as clip_grad_norm_tensor_parallel does.
+  void clip_sharded_gradients(torch::optim::Optimizer& optimizer, double clip_value) {
+    if (clip_value <= 0) return;
+    const bool count_replicated = mesh_->local_rank("tp") == 0;
+    at::Tensor sum_of_squares = at::zeros({1}, at::TensorOptions().dtype(at::kDouble).device(device_));
+    for (fulgur::fsdp::ShardedParameter* p : shards_.of_optimizer(optimizer)) {
+      const at::Tensor& grad = p->stepped().grad();
+      if (!grad.defined() || grad.numel() == 0) continue;
+      const bool split = pieces_.by_tensor.contains(p->full.unsafeGetTensorImpl());
+      if (split || count_replicated) sum_of_squares += grad.detach().to(at::kDouble).pow(2).sum().to(device_);
+    }
+    if (communicator_) communicator_->all_reduce(sum_of_squares, fulgur::ReduceOp::sum);
+    const double coefficient = clip_value / (std::sqrt(sum_of_squares.item<double>()) + 1e-6);
+    if (coefficient >= 1) return;
+    torch::NoGradGuard no_grad;
+    for (fulgur::fsdp::ShardedParameter* p : shards_.of_optimizer(optimizer))
+      if (p->stepped().grad().defined()) p->stepped().mutable_grad().mul_(coefficient);
+  }
+
+  // A loss scaler skips a step with non-finite gradients; each rank sees only its rows of them, so
+  // the ranks agree first (a NaN planted on the others makes them skip too), as fsdp does.
+  void agree_on_non_finite_gradients(torch::optim::Optimizer& optimizer) {
+    if (!communicator_) return;
+    bool local = false;
+    at::Tensor* mark = nullptr;
+    for (fulgur::fsdp::ShardedParameter* p : shards_.of_optimizer(optimizer)) {
+      at::Tensor& grad = p->stepped().mutable_grad();
+      if (!grad.defined() || grad.numel() == 0) continue;
+      if (!mark) mark = &grad;
+      if (!grad.isfinite().all().item<bool>()) local = true;
+    }
+    if (!reduce_boolean_decision(local, /*all=*/false) || local || !mark) return;
+    mark->view(-1)[0] = std::numeric_limits<double>::quiet_NaN();
+  }
+
+  // Once, after the first step: the bytes of optimizer state this rank keeps (what dp sharding
+  // divides), at the default log level.
+  void report_optimizer_state(torch::optim::Optimizer& optimizer) {
+    reported_state_ = true;
+    int64_t bytes = 0;
+    const c10::IValue state = fulgur::optimizer_state_dict(optimizer);
+    fulgur::optimizer_state::map_parameter_states(
+        state, std::numeric_limits<int64_t>::max(),
+        [&](int64_t, const std::string&, const at::Tensor& t) -> std::optional<at::Tensor> {
+          if (t.dim() > 0) bytes += static_cast<int64_t>(t.nbytes());
+          return std::nullopt;
+        });
+    fulgur::log::info(
+        fmt::format("strategy 'model_parallel': rank {} (dp {} of {}, tp {} of {}) keeps {} bytes of optimizer state "
+                    "(zero_stage {})",
+                    cluster_.global_rank, mesh_->local_rank("dp"), mesh_->size("dp"), mesh_->local_rank("tp"),
+                    mesh_->size("tp"), bytes, sharding_.zero_stage));
+  }
   fulgur::model_parallel::Coordinate coordinate() const {
     return {mesh_->local_rank("dp"), mesh_->size("dp"), mesh_->local_rank("tp")};
   }
@@ -214,11 +435,18 @@ class ModelParallelStrategy final : public fulgur::process_group::ProcessGroupSt
   std::optional<fulgur::DeviceMesh> mesh_;
   torch::nn::Module* module_ = nullptr;
   std::vector<torch::optim::Optimizer*> optimizers_;
+  std::vector<fulgur::model_parallel::StepOrder> orders_;  // optimizers_' parameters, and the rows stepped
   fulgur::model_parallel::Pieces pieces_;
+  // Sharding over dp (zero_stage 1, 2): the rows each optimizer steps, and where they travel.
+  fulgur::fsdp::ShardingOptions sharding_;
+  fulgur::fsdp::RankGroup dp_;
+  fulgur::fsdp::Shards shards_;
+  fulgur::fsdp::Zero3Units units_{shards_, sharding_, dp_};  // stage 3: the blocks gathered around their use
+  bool reported_state_ = false;
 };
 
 }  // namespace
 
 FULGUR_PLUGIN(ModelParallelStrategy, "model_parallel", "0.1.0",
               "Tensor parallelism inside data parallelism on a (dp, tp) device mesh: layers split with "
-              "fulgur/nn/tensor_parallel.h, gradients averaged over dp")
+              "fulgur/nn/tensor_parallel.h, gradients averaged over dp or dp sharded ZeRO-style (zero_stage)")

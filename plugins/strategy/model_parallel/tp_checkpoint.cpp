@@ -21,14 +21,6 @@ Piece split_piece(const at::Tensor& local, std::vector<int64_t> global_shape, st
   return Piece{true, std::move(global_shape), std::move(offsets), local.sizes().vec()};
 }
 
-// The optimizer's parameters in the order torch.optim numbers its per-parameter state.
-std::vector<at::Tensor> ordered_parameters(torch::optim::Optimizer& optimizer) {
-  std::vector<at::Tensor> ordered;
-  for (auto& group : optimizer.param_groups())
-    for (const at::Tensor& p : group.params()) ordered.push_back(p);
-  return ordered;
-}
-
 const Piece* piece_of(const Pieces& pieces, const at::Tensor& parameter) {
   auto found = pieces.by_tensor.find(parameter.unsafeGetTensorImpl());
   return found == pieces.by_tensor.end() ? nullptr : &found->second;
@@ -63,17 +55,16 @@ at::Tensor cut(const at::Tensor& whole, const Piece* piece) {
 }
 
 // `state` in torch.optim's layout with every per-parameter tensor but "step" replaced by
-// fn(parameter, piece, index, name, tensor) (nullopt leaves it out); 0-dim tensors are kept. A new
+// fn(stepped, piece, index, name, tensor) (nullopt leaves it out); 0-dim tensors are kept. A new
 // dict (optimizer_state::map_parameter_states walks the layout).
 template <class Fn>
-c10::IValue map_parameter_states(const c10::IValue& state, const std::vector<at::Tensor>& order, const Pieces& pieces,
-                                 Fn&& fn) {
+c10::IValue map_parameter_states(const c10::IValue& state, const StepOrder& order, const Pieces& pieces, Fn&& fn) {
   return optimizer_state::map_parameter_states(
       state, static_cast<int64_t>(order.size()),
       [&](int64_t index, const std::string& name, const at::Tensor& tensor) -> std::optional<at::Tensor> {
         if (tensor.dim() == 0) return tensor;
-        const at::Tensor& parameter = order[static_cast<size_t>(index)];
-        return fn(parameter, piece_of(pieces, parameter), index, name, tensor);
+        const Stepped& stepped = order[static_cast<size_t>(index)];
+        return fn(stepped, piece_of(pieces, stepped.parameter), index, name, tensor);
       });
 }
 
@@ -95,6 +86,19 @@ std::optional<std::pair<size_t, size_t>> optimizer_state_key(std::string_view ke
 }
 
 }  // namespace
+
+std::vector<int64_t> Stepped::state_shape() const {
+  std::vector<int64_t> shape = parameter.sizes().vec();
+  if (rows() && !shape.empty()) shape[0] = count;
+  return shape;
+}
+
+StepOrder whole_order(torch::optim::Optimizer& optimizer) {
+  StepOrder order;
+  for (auto& group : optimizer.param_groups())
+    for (const at::Tensor& p : group.params()) order.push_back(Stepped{p});
+  return order;
+}
 
 Pieces find_pieces(torch::nn::Module& model, int64_t tp_rank) {
   Pieces pieces;
@@ -157,20 +161,31 @@ c10::IValue sharded_module_state(const c10::IValue& state, const Pieces& pieces,
   return out;
 }
 
-c10::IValue sharded_optimizer_state(const c10::IValue& local, torch::optim::Optimizer& optimizer,
-                                    int64_t optimizer_index, const Pieces& pieces, const Coordinate& at,
+c10::IValue sharded_optimizer_state(const c10::IValue& local, const StepOrder& order, int64_t optimizer_index,
+                                    const Pieces& pieces, const Coordinate& at,
                                     std::map<std::string, dcp::Chunk>& placements) {
   return map_parameter_states(
-      local, ordered_parameters(optimizer), pieces,
-      [&](const at::Tensor& parameter, const Piece* piece, int64_t index, const std::string& name,
+      local, order, pieces,
+      [&](const Stepped& stepped, const Piece* piece, int64_t index, const std::string& name,
           const at::Tensor& t) -> std::optional<at::Tensor> {
         // Not of the parameter's shape, so not per element: replicated, rank 0 writes it whole.
-        if (t.sizes() != parameter.sizes()) return t;
-        auto part = chunk_of(t, piece, at);
-        if (!part) return std::nullopt;
-        placements[fmt::format("optimizer_states.{}.state.{}.{}", optimizer_index, index, name)] =
-            std::move(part->second);
-        return part->first;
+        if (t.sizes().vec() != stepped.state_shape()) return t;
+        const std::string key = fmt::format("optimizer_states.{}.state.{}.{}", optimizer_index, index, name);
+        if (!stepped.rows()) {
+          auto part = chunk_of(t, piece, at);
+          if (!part) return std::nullopt;
+          placements[key] = std::move(part->second);
+          return part->first;
+        }
+        // Sharded over dp: this rank's rows already, the same rows chunk_of would cut.
+        const bool split = piece != nullptr && piece->split;
+        if ((!split && at.tp_rank != 0) || stepped.count == 0) return std::nullopt;
+        std::vector<int64_t> offsets = split ? piece->offsets : std::vector<int64_t>(t.dim(), 0);
+        offsets[0] += stepped.begin;
+        placements[key] = dcp::Chunk()
+                              .set_global_shape(split ? piece->global_shape : stepped.parameter.sizes().vec())
+                              .set_offsets(std::move(offsets));
+        return t;
       });
 }
 
@@ -189,29 +204,43 @@ c10::IValue local_module_state(const c10::IValue& state, const Pieces& pieces) {
   return out;
 }
 
-c10::IValue local_optimizer_state(const c10::IValue& state, torch::optim::Optimizer& optimizer, const Pieces& pieces) {
-  return map_parameter_states(state, ordered_parameters(optimizer), pieces,
-                              [](const at::Tensor&, const Piece* piece, int64_t, const std::string&,
-                                 const at::Tensor& t) -> std::optional<at::Tensor> { return cut(t, piece); });
+c10::IValue local_optimizer_state(const c10::IValue& state, const StepOrder& order, const Pieces& pieces) {
+  return map_parameter_states(state, order, pieces,
+                              [](const Stepped& stepped, const Piece* piece, int64_t, const std::string&,
+                                 const at::Tensor& t) -> std::optional<at::Tensor> {
+                                at::Tensor local = cut(t, piece);
+                                // Whole along dp (a checkpoint of any layout, read whole): this rank's rows.
+                                if (stepped.rows() && local.dim() > 0 && local.sizes() == stepped.parameter.sizes())
+                                  return local.narrow(0, stepped.begin, stepped.count).clone();
+                                return local;
+                              });
 }
 
-c10::IValue read_local(const std::string& path, const Pieces& pieces,
-                       const std::vector<torch::optim::Optimizer*>& optimizers) {
+c10::IValue read_local(const std::string& path, const Pieces& pieces, const std::vector<StepOrder>& orders) {
   const dcp::Reader reader(path);
-  std::vector<std::vector<at::Tensor>> orders;
-  for (torch::optim::Optimizer* optimizer : optimizers) orders.push_back(ordered_parameters(*optimizer));
   return reader.read_all([&](const std::string& key) -> at::Tensor {
     const Piece* piece = nullptr;
+    const Stepped* stepped = nullptr;
     if (key.starts_with("state_dict.")) {
       if (auto found = pieces.by_name.find(key.substr(std::string_view("state_dict.").size()));
           found != pieces.by_name.end())
         piece = found->second;
     } else if (auto at = optimizer_state_key(key);
                at && at->first < orders.size() && at->second < orders[at->first].size()) {
-      piece = piece_of(pieces, orders[at->first][at->second]);
+      stepped = &orders[at->first][at->second];
+      piece = piece_of(pieces, stepped->parameter);
+    }
+    const bool split = piece != nullptr && piece->split;
+    if (stepped != nullptr && stepped->rows() && stepped->count > 0 && stepped->parameter.dim() > 0) {
+      // Sharded over dp: only this rank's rows of its tp shard (or of the replicated tensor).
+      std::vector<int64_t> global = split ? piece->global_shape : stepped->parameter.sizes().vec();
+      if (reader.shape(key) != global) return {};
+      std::vector<int64_t> offsets = split ? piece->offsets : std::vector<int64_t>(global.size(), 0);
+      offsets[0] += stepped->begin;
+      return reader.read(key, offsets, stepped->state_shape());
     }
     // Not split, or not the whole tensor's shape (the loaders judge it): read whole.
-    if (piece == nullptr || !piece->split || reader.shape(key) != piece->global_shape) return {};
+    if (!split || reader.shape(key) != piece->global_shape) return {};
     return reader.read(key, piece->offsets, piece->local_shape);
   });
 }

@@ -60,22 +60,40 @@ struct Coordinate {
 c10::IValue sharded_module_state(const c10::IValue& state, const Pieces& pieces, const Coordinate& at,
                                  std::map<std::string, dcp::Chunk>& placements);
 
+/// One parameter of an optimizer, in torch.optim's order: the module's parameter (this rank's tp
+/// shard of it) and, when the dp dimension shards the optimizer (zero_stage >= 1), the rows
+/// [begin, begin + count) of it that this rank steps and keeps the state of (count < 0: all).
+struct Stepped {
+  at::Tensor parameter;
+  int64_t begin = 0;
+  int64_t count = -1;
+
+  bool rows() const { return count >= 0; }
+  /// The shape of this rank's per-element optimizer state of it.
+  std::vector<int64_t> state_shape() const;
+};
+/// An optimizer's parameters in torch.optim's order.
+using StepOrder = std::vector<Stepped>;
+
+/// The optimizer's parameters as they are (no dp sharding).
+StepOrder whole_order(torch::optim::Optimizer& optimizer);
+
 /// The same for one optimizer's state (torch.optim layout, `local` from fulgur::optimizer_state_dict):
-/// every per-parameter tensor of the parameter's shape is chunked like the parameter (placements
-/// added).
-c10::IValue sharded_optimizer_state(const c10::IValue& local, torch::optim::Optimizer& optimizer,
-                                    int64_t optimizer_index, const Pieces& pieces, const Coordinate& at,
+/// every per-parameter tensor is chunked like the parameter (placements added). Under dp sharding
+/// (`order` with rows) the tensors are this rank's rows already and are written as they are.
+c10::IValue sharded_optimizer_state(const c10::IValue& local, const StepOrder& order, int64_t optimizer_index,
+                                    const Pieces& pieces, const Coordinate& at,
                                     std::map<std::string, dcp::Chunk>& placements);
 
 /// A model state with every whole tensor of a split parameter cut to this rank's shard (tensors of
 /// the shard's shape pass as they are).
 c10::IValue local_module_state(const c10::IValue& state, const Pieces& pieces);
-/// The same for an optimizer's per-parameter state.
-c10::IValue local_optimizer_state(const c10::IValue& state, torch::optim::Optimizer& optimizer, const Pieces& pieces);
+/// The same for an optimizer's per-parameter state, then cut to this rank's rows under dp sharding.
+c10::IValue local_optimizer_state(const c10::IValue& state, const StepOrder& order, const Pieces& pieces);
 
 /// Reads a DCP checkpoint with only this rank's region of each split parameter and of its
-/// optimizer state (`optimizers` in checkpoint order, possibly empty); every other tensor whole.
-c10::IValue read_local(const std::string& path, const Pieces& pieces,
-                       const std::vector<torch::optim::Optimizer*>& optimizers);
+/// optimizer state (`orders`: the optimizers' in checkpoint order, possibly none; under dp
+/// sharding only this rank's rows of the state); every other tensor whole.
+c10::IValue read_local(const std::string& path, const Pieces& pieces, const std::vector<StepOrder>& orders);
 
 }  // namespace fulgur::model_parallel
