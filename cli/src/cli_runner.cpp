@@ -28,6 +28,7 @@
 #include <cstdio>
 #include <ctime>
 #include <filesystem>
+#include <map>
 #include <set>
 #include <string>
 #include <vector>
@@ -586,6 +587,16 @@ int run(const CliApp& app, const CliArgs& args) {
   // (and the stage's load) compares keys and shapes.
   if (ckpt_state && args.subcommand != "quantize" && detect_weights_format(ckpt) == WeightsFormat::safetensors)
     nn::prepare_quantized_layers(*user.model, read_safetensors_header(ckpt).metadata);
+  // A checkpoint trained with learned quantization scales (the qat callback's learnable_scales):
+  // the layers take those parameters before the check, whatever callbacks this run configures.
+  if (ckpt_state) {
+    std::map<std::string, at::Tensor> scales;
+    for (const auto& entry : *ckpt_state)
+      if (entry.value().isTensor() &&
+          (entry.key().toStringRef().ends_with("weight_scale") || entry.key().toStringRef().ends_with("input_scale")))
+        scales.emplace(entry.key().toStringRef(), entry.value().toTensor());
+    if (!scales.empty()) nn::prepare_learned_scales(*user.model, scales);
+  }
   if (ckpt_state)
     check_checkpoint_matches(*ckpt_state, ckpt, ckpt_flag, *user.model, model_name,
                              config.trainer.get_bool("strict_loading"));
