@@ -402,3 +402,42 @@ TEST_CASE("#38.2 qat callback: int8 activations per token / per tensor and LSQ s
   CHECK(bad_bool.exit_code != 0);
   FULGUR_CHECK_CONTAINS(bad_bool.output, "learnable_scales");
 }
+
+TEST_CASE("#38.3 Python serves fulgur quantize's int8 and int4 files with torchao's weight-only math") {
+  if (fashion_mnist_missing()) return;
+  if (!python_has("safetensors")) {
+    skip_test("the venv lacks safetensors: run scripts/setup.sh");
+    return;
+  }
+  TempDir dir;
+  const TrainedRun run = train_and_predict(dir, "fashion_mnist_mlp");
+  for (const std::string method : {"int8", "int4"}) {
+    CAPTURE(method);
+    const std::string file = method + ".safetensors";
+    std::vector<std::string> flags = {"--method=" + method, "--out=" + file};
+    if (method == "int4") flags.push_back("--group_size=32");
+    const ProcessRun quantized = quantize(dir, run.checkpoint.string(), flags);
+    REQUIRE_MESSAGE(quantized.exit_code == 0, quantized.output);
+    // fulgur predict on the quantized file, into its own directory.
+    std::string toml = read_bytes(dir / "run.toml");
+    const std::string root = (dir / "runs").string();
+    toml.replace(toml.find(root), root.size(), (dir / ("predict_" + method)).string());
+    write_bytes(dir / "predict.toml", toml);
+    const ProcessRun predict = run_process(
+        {FULGUR_TEST_FULGUR_BIN, "predict", "--config", "predict.toml", "--ckpt_path=" + file}, kEnv, dir.path());
+    REQUIRE_MESSAGE(predict.exit_code == 0, predict.output);
+    fs::path predictions;
+    for (const auto& entry : fs::recursive_directory_iterator(dir / ("predict_" + method)))
+      if (entry.path().filename() == "predictions.pt") predictions = entry.path();
+    REQUIRE(!predictions.empty());
+    const auto [status, output] = run_command(fmt::format(
+        "cd {} && {} quantized.py --model fashion_mnist_mlp --weights {} --predictions {} --data {} --tolerance 1e-5 "
+        "--fields",
+        kPythonDir.string(), FULGUR_TEST_PYTHON, (dir / file).string(), predictions.string(), kFashionMnist.string()));
+    INFO(output);
+    CHECK(status == 0);
+    FULGUR_CHECK_CONTAINS(output, "torchao weight-only math vs fulgur predict: max |diff| = ");
+    FULGUR_CHECK_CONTAINS(output,
+                          method == "int8" ? "\"zero_point_domain\": \"INT\"" : "\"zero_point_domain\": \"FLOAT\"");
+  }
+}
