@@ -345,11 +345,22 @@ TEST_CASE("#38.2 qat callback: int8 activations per token / per tensor and LSQ s
   FULGUR_CHECK_CONTAINS(token,
                         "training 2 layers for int4 storage (group size 32), int8 per_token activations, learned "
                         "scales (LSQ): fc1, fc2");
+  FULGUR_CHECK_CONTAINS(token,
+                        "`fulgur quantize --method=int4 --group_size=32 --activations=per_token` writes the same");
   const double token_fake = test_accuracy(dir, last_of("token"));  // weights and activations fake-quantized
+  // Served as trained: int4 weights, inputs quantized per token (a checkpoint does not say that).
   const ProcessRun token_file =
-      quantize(dir, last_of("token"), {"--method=int4", "--group_size=32", "--out=token.safetensors"});
+      quantize(dir, last_of("token"),
+               {"--method=int4", "--group_size=32", "--activations=per_token", "--out=token.safetensors"});
   REQUIRE_MESSAGE(token_file.exit_code == 0, token_file.output);
-  const double token_served = test_accuracy(dir, "token.safetensors");  // int4 weight-only
+  FULGUR_CHECK_CONTAINS(token_file.output, "inputs: int8 per_token");
+  CHECK(fulgur::read_safetensors_header((dir / "token.safetensors").string()).metadata.at("fulgur.activations") ==
+        "per_token");
+  const double token_served = test_accuracy(dir, "token.safetensors");
+  REQUIRE(
+      quantize(dir, last_of("token"), {"--method=int4", "--group_size=32", "--out=token_wo.safetensors"}).exit_code ==
+      0);
+  const double token_weight_only = test_accuracy(dir, "token_wo.safetensors");  // float inputs
 
   // int8 weights with learned scales (LSQ) and a learned per-tensor input scale.
   const std::string lsq = fit("lsq",
@@ -359,8 +370,10 @@ TEST_CASE("#38.2 qat callback: int8 activations per token / per tensor and LSQ s
       lsq, "training 2 layers for int8 storage, int8 per_tensor activations, learned scales (LSQ): fc1, fc2");
   const std::string lsq_last = last_of("lsq");
   const double lsq_fake = test_accuracy(dir, lsq_last);  // the CLI gives the layers the checkpoint's scales
+  // The learned input scales travel in the file (no flag needed) and the served layers apply them.
   const ProcessRun converted = quantize(dir, lsq_last, {"--method=int8", "--out=lsq.safetensors"});
   REQUIRE_MESSAGE(converted.exit_code == 0, converted.output);
+  FULGUR_CHECK_CONTAINS(converted.output, "inputs: int8 per_tensor (learned scales)");
   const double lsq_served = test_accuracy(dir, "lsq.safetensors");
   // The file stores the learned scales, not max |w| / 127 of the final weights.
   REQUIRE(
@@ -377,19 +390,27 @@ TEST_CASE("#38.2 qat callback: int8 activations per token / per tensor and LSQ s
   const ProcessRun other = quantize(dir, lsq_last, {"--method=int4", "--group_size=32", "--out=x.safetensors"});
   CHECK(other.exit_code != 0);
   FULGUR_CHECK_CONTAINS(other.output, "learned its scales for int8; quantize it to that, not to int4");
+  const ProcessRun token_flag = quantize(dir, lsq_last, {"--method=int8", "--activations=per_token"});
+  CHECK(token_flag.exit_code == 2);
+  FULGUR_CHECK_CONTAINS(token_flag.output, "learned per-tensor input scales");
+  const ProcessRun bad_flag = quantize(dir, lsq_last, {"--method=int8", "--activations=per_row"});
+  CHECK(bad_flag.exit_code == 2);
+  FULGUR_CHECK_CONTAINS(bad_flag.output, "--activations=per_row: expected \"none\", \"per_token\" or \"per_tensor\"");
 
   MESSAGE("test accuracy: float " << fp32 << ", int8 weight-only PTQ " << ptq8 << "; int4 LSQ + per-token activations "
                                   << token_fake << " fake-quantized, " << token_served
-                                  << " served int4; int8 LSQ + per-tensor activations " << lsq_fake
-                                  << " fake-quantized, " << lsq_served << " served int8");
+                                  << " served (int4, int8 inputs), " << token_weight_only
+                                  << " served weight-only; int8 LSQ + per-tensor activations " << lsq_fake
+                                  << " fake-quantized, " << lsq_served << " served (int8, int8 inputs)");
   CHECK(std::abs(ptq8 - fp32) <= 0.003);
   CHECK(std::abs(token_fake - fp32) <= 0.005);
   CHECK(std::abs(token_served - fp32) <= 0.005);
+  CHECK(std::abs(token_weight_only - fp32) <= 0.005);
   CHECK(std::abs(lsq_fake - fp32) <= 0.005);
-  // The served file is weight-only: its layers read float inputs, where training clipped them to
-  // the learned per-tensor range, so it is not the trained model (measured −0.6 points); the
-  // fake-quantized accuracy above is what an int8-activation runtime computes.
-  CHECK(std::abs(lsq_served - fp32) <= 0.01);
+  CHECK(std::abs(lsq_served - fp32) <= 0.005);
+  // Served as trained: the same values up to float summation order.
+  CHECK(std::abs(token_served - token_fake) <= 2e-4);
+  CHECK(std::abs(lsq_served - lsq_fake) <= 2e-4);
 
   // Bad values: one clear line each.
   write_bytes(dir / "bad.toml", config("bad", "\n[[callbacks]]\nname = \"qat\"\nactivations = \"per_row\"\n"));

@@ -220,3 +220,66 @@ TEST_CASE("#38.2 quantization-aware training options: bad names and combinations
   CHECK(layer->named_parameters().size() == 2);
   CHECK_FALSE(layer->qat_options().learnable_scales());
 }
+
+TEST_CASE("#38.2 a converted layer keeps its int8 inputs: per token, and learned per tensor through a file") {
+  struct Net : torch::nn::Module {
+    Net() { fc = register_module("fc", fulgur::nn::Linear(64, 16)); }
+    fulgur::nn::Linear fc{nullptr};
+  };
+  for (const auto activations : {ActivationQuantization::per_token, ActivationQuantization::per_tensor}) {
+    CAPTURE(fulgur::nn::to_string(activations));
+    torch::manual_seed(6);
+    Net trained;
+    const bool learned = activations == ActivationQuantization::per_tensor;
+    trained.fc->quantization_aware_training(QatOptions(FakeQuantizeOptions(WeightQuantization::int4).group_size(32))
+                                                .activations(activations)
+                                                .learnable_scales(learned));
+    const at::Tensor x = torch::randn({8, 64}) * 3;
+    torch::optim::SGD sgd(trained.parameters(), torch::optim::SGDOptions(0.05));
+    for (int step = 0; step < 3; ++step) {
+      sgd.zero_grad();
+      trained.fc->forward(x).pow(2).mean().backward();
+      sgd.step();
+    }
+    const at::Tensor expected = trained.fc->forward(x).detach();
+    CHECK(fulgur::nn::quantize_linear_weights(trained, QuantizeOptions(WeightQuantization::int4).group_size(32)) ==
+          std::vector<std::string>{"fc"});
+    // Served: the same int8 inputs, the stored int4 weight.
+    CHECK(torch::allclose(trained.fc->forward(x), expected, 1e-5, 1e-5));
+    CHECK((trained.fc->qat_options().activations() == activations));
+    CHECK(trained.named_buffers().contains("fc.input_scale") == learned);
+    // Through a file: the metadata `fulgur quantize` writes rebuilds the layer, input scales included.
+    std::map<std::string, std::string> metadata = {{"fulgur.quantization", "int4"},
+                                                   {"fulgur.group_size", "32"},
+                                                   {"fulgur.quantized_layers", "fc"},
+                                                   {"fulgur.activations", fulgur::nn::to_string(activations)}};
+    if (learned) metadata.emplace("fulgur.input_scales", "learned");
+    Net served;
+    CHECK(fulgur::nn::prepare_quantized_layers(served, metadata));
+    {
+      torch::NoGradGuard no_grad;
+      for (const auto& b : trained.named_buffers()) served.named_buffers()[b.key()].copy_(b.value());
+      served.named_parameters()["fc.bias"].copy_(trained.named_parameters()["fc.bias"]);
+    }
+    CHECK(served.named_buffers().size() == trained.named_buffers().size());
+    CHECK(torch::allclose(served.fc->forward(x), expected, 1e-5, 1e-5));
+    // Without the activations it is another model: the check above is not vacuous.
+    Net weight_only;
+    metadata.erase("fulgur.activations");
+    metadata.erase("fulgur.input_scales");
+    fulgur::nn::prepare_quantized_layers(weight_only, metadata);
+    {
+      torch::NoGradGuard no_grad;
+      for (const auto& b : weight_only.named_buffers()) b.value().copy_(trained.named_buffers()[b.key()]);
+      weight_only.named_parameters()["fc.bias"].copy_(trained.named_parameters()["fc.bias"]);
+    }
+    CHECK_FALSE(torch::allclose(weight_only.fc->forward(x), expected, 1e-5, 1e-5));
+  }
+  Net bad;
+  CHECK(contains(error_from([&] {
+                   fulgur::nn::prepare_quantized_layers(bad, {{"fulgur.quantization", "int8"},
+                                                              {"fulgur.quantized_layers", "fc"},
+                                                              {"fulgur.input_scales", "learned"}});
+                 }).what(),
+                 "must say \"fulgur.activations\" = \"per_tensor\""));
+}

@@ -75,6 +75,10 @@ def read_quantized(path: str):
     method = metadata.get("fulgur.quantization")
     if method not in ("int8", "int4"):
         raise SystemExit(f"{path}: not written by `fulgur quantize` (no fulgur.quantization = int8 | int4)")
+    if metadata.get("fulgur.activations", "none") != "none":
+        # torchao's Int8DynamicActivation* configs, not the weight-only ones this loader reproduces.
+        raise SystemExit(f"{path}: its layers quantize their inputs to int8 ({metadata['fulgur.activations']}); "
+                         "this loader serves weight-only files (`fulgur quantize` without --activations)")
     layers = [name for name in metadata.get("fulgur.quantized_layers", "").split(",") if name]
     return tensors, method, int(metadata.get("fulgur.group_size", "0")), layers
 

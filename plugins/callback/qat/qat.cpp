@@ -79,11 +79,16 @@ class QuantizationAwareTraining final : public fulgur::CallbackBase<Quantization
         nn::quantize_linear_weights(trainer.model(), nn::QuantizeOptions(method_).group_size(group_size_), layers_);
     if (trainer.is_global_zero())
       fulgur::log::info(fmt::format(
-          "{}: converted {} layer{} to {}{}; `fulgur quantize --method={}{}` writes the same "
+          "{}: converted {} layer{} to {}{}; `fulgur quantize --method={}{}{}` writes the same "
           "from any checkpoint",
           kOwner, done.size(), done.size() == 1 ? "" : "s", nn::to_string(method_), group_text(),
           nn::to_string(method_),
-          method_ == nn::WeightQuantization::int4 ? fmt::format(" --group_size={}", group_size_) : std::string()));
+          method_ == nn::WeightQuantization::int4 ? fmt::format(" --group_size={}", group_size_) : std::string(),
+          // Learned per-tensor input scales are in the checkpoint; dynamic ones are not.
+          activations_ != nn::ActivationQuantization::none &&
+                  !(learnable_scales_ && activations_ == nn::ActivationQuantization::per_tensor)
+              ? fmt::format(" --activations={}", nn::to_string(activations_))
+              : std::string()));
   }
 
  private:

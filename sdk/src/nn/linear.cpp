@@ -153,6 +153,18 @@ void LinearImpl::prepare_quantized(const QuantizeOptions& q) {
   const int64_t out = options.out_features(), in = options.in_features();
   const at::Device device = weight.device();
   const auto floats = at::TensorOptions().dtype(at::kFloat).device(device);
+  // The input's quantization stays with the served layer (torchao's converted 8da4w layers quantize
+  // their input too): learned per-tensor scales become buffers; the weight's learned scales go.
+  const ActivationQuantization activations = state_->activations;
+  const at::Tensor input_scale = state_->input_scale.defined() ? state_->input_scale.detach().clone() : at::Tensor();
+  const at::Tensor input_zero = state_->input_zero.defined() ? state_->input_zero.detach().clone() : at::Tensor();
+  drop_learned_scales();
+  state_->activations = activations;
+  if (input_scale.defined()) {
+    state_->input_scale = register_buffer("input_scale", input_scale);
+    state_->input_zero = register_buffer("input_zero", input_zero);
+    state_->input_ready = true;
+  }
   if (parameters_.contains("weight")) parameters_.erase("weight");
   if (q.method() == WeightQuantization::int8) {
     weight = register_buffer("weight", at::zeros({out, in}, at::TensorOptions().dtype(at::kChar).device(device)));
@@ -315,8 +327,7 @@ void LinearImpl::quantize_weight(const QuantizeOptions& q) {
   } else {
     quantized = quantize(weight.detach().to(at::kFloat), q.method(), q.group_size());
   }
-  drop_learned_scales();
-  prepare_quantized(q);
+  prepare_quantized(q);  // drops the learned weight scales: `quantized` holds them
   state_->fake = WeightQuantization::none;
   state_->float8 = Float8Options(Float8Scaling::none);  // a quantized layer serves; it does not train
   torch::NoGradGuard no_grad;
@@ -479,9 +490,10 @@ at::Tensor LinearImpl::forward(const at::Tensor& input) {
     const at::Tensor offset = (dequantize(q.values, q.scale, q.zero, s.fake_group_size) - w).to(weight.scalar_type());
     return at::linear(x, weight + offset, bias);
   }
-  // The weight-only kernels take a 2-D input of the scales' floating type.
+  // The weight-only kernels take a 2-D input of the scales' floating type (quantized-dequantized
+  // as in training when the layer was trained with int8 activations).
   const auto leading = input.sizes().slice(0, input.dim() - 1);
-  const at::Tensor x = input.reshape({-1, options.in_features()});
+  const at::Tensor x = fake_quantized_input(input).reshape({-1, options.in_features()});
   at::Tensor y;
   if (s.quantization == WeightQuantization::int8) {
     y = at::_weight_int8pack_mm(x, weight, s.scale.to(x.scalar_type()));
@@ -524,6 +536,8 @@ void LinearImpl::pretty_print(std::ostream& stream) const {
   if (state_->quantization == WeightQuantization::int8) stream << ", weight=int8";
   if (state_->quantization == WeightQuantization::int4) stream << ", weight=int4, group_size=" << state_->group_size;
   if (state_->float8.scaling() != Float8Scaling::none) stream << ", float8=" << to_string(state_->float8.scaling());
+  if (state_->activations != ActivationQuantization::none)
+    stream << ", activations=int8 " << to_string(state_->activations);
   stream << ")";
 }
 
@@ -646,6 +660,15 @@ bool prepare_quantized_layers(torch::nn::Module& module, const std::map<std::str
   const auto listed = metadata.find("fulgur.quantized_layers");
   if (listed == metadata.end())
     throw Error(ErrorKind::checkpoint, "quantized weights without \"fulgur.quantized_layers\" in their metadata");
+  ActivationQuantization activations = ActivationQuantization::none;
+  if (const auto a = metadata.find("fulgur.activations"); a != metadata.end())
+    activations = activation_quantization_from_string(a->second);
+  const auto inputs = metadata.find("fulgur.input_scales");
+  const bool learned_inputs = inputs != metadata.end() && inputs->second == "learned";
+  if (learned_inputs && activations != ActivationQuantization::per_tensor)
+    throw Error(ErrorKind::checkpoint,
+                "quantized weights with learned input scales must say \"fulgur.activations\" = "
+                "\"per_tensor\"");
   std::map<std::string, torch::nn::Module*> by_name;
   for (const auto& [key, layer] : layers_of(module)) by_name.emplace(key, layer);
   std::stringstream names(listed->second);
@@ -662,7 +685,15 @@ bool prepare_quantized_layers(torch::nn::Module& module, const std::map<std::str
                   fmt::format("the weights hold layer '{}' quantized ({}), but the model declares it as {}: declare it "
                               "as fulgur::nn::Linear (fulgur/nn/linear.h) to serve it quantized",
                               name, method->second, found->second->name()));
-    if (linear->quantization() == WeightQuantization::none) linear->prepare_quantized(options);
+    if (linear->quantization() != WeightQuantization::none) continue;
+    // Layers served with int8 inputs: "fulgur.activations", and "fulgur.input_scales" = "learned"
+    // when the file holds their per-tensor input_scale and input_zero.
+    if (activations != ActivationQuantization::none)
+      linear->quantization_aware_training(
+          QatOptions(FakeQuantizeOptions(options.method()).group_size(options.group_size()))
+              .activations(activations)
+              .learnable_scales(learned_inputs));
+    linear->prepare_quantized(options);
   }
   return true;
 }
