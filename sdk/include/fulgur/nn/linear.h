@@ -127,6 +127,11 @@ FULGUR_SDK_API ActivationQuantization activation_quantization_from_string(const 
 /// (the weight at the call; the first training batch for the input), so training starts where
 /// fixed-scale QAT does. quantize_weight then stores the weight with the learned scales. Per-token
 /// activation scales are computed per row and not learned.
+///
+/// A layer quantized after such training keeps quantizing its input as it trained (learned
+/// per-tensor scales become the buffers `input_scale`, `input_zero`), before the weight-only
+/// kernel; prepare_quantized_layers rebuilds that from a file's "fulgur.activations" and
+/// "fulgur.input_scales" = "learned" metadata (what `fulgur quantize` writes).
 struct QatOptions {
   /// Train for `weight` storage.
   /* implicit */ QatOptions(FakeQuantizeOptions weight) : weight_(weight) {}
