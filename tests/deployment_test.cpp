@@ -424,10 +424,10 @@ TEST_CASE("#38.2 qat callback: int8 activations per token / per tensor and LSQ s
   FULGUR_CHECK_CONTAINS(bad_bool.output, "learnable_scales");
 }
 
-TEST_CASE("#38.3 Python serves fulgur quantize's int8 and int4 files with torchao's weight-only math") {
+TEST_CASE("#38.3 Python serves fulgur quantize's int8 and int4 files in torchao's quantized tensors") {
   if (fashion_mnist_missing()) return;
-  if (!python_has("safetensors")) {
-    skip_test("the venv lacks safetensors: run scripts/setup.sh");
+  if (!python_has("safetensors, torchao.quantization")) {
+    skip_test("the venv lacks safetensors or torchao: run scripts/setup.sh");
     return;
   }
   TempDir dir;
@@ -457,8 +457,13 @@ TEST_CASE("#38.3 Python serves fulgur quantize's int8 and int4 files with torcha
         kPythonDir.string(), FULGUR_TEST_PYTHON, (dir / file).string(), predictions.string(), kFashionMnist.string()));
     INFO(output);
     CHECK(status == 0);
-    FULGUR_CHECK_CONTAINS(output, "torchao weight-only math vs fulgur predict: max |diff| = ");
+    // torchao's quantize_ made the weights (its tensor classes, their block sizes) and its forward
+    // served them: 784 inputs in groups of 32 are torchao blocks of 16.
+    FULGUR_CHECK_CONTAINS(output, "torchao 0.18.0 vs fulgur predict: max |diff| = ");
+    FULGUR_CHECK_CONTAINS(output, method == "int8"
+                                      ? "\"fc1\": {\"block_size\": [1, 784], \"qdata\": [\"torch.int8\", [256, 784]]"
+                                      : "\"fc1\": {\"block_size\": [1, 16], \"qdata\": [\"torch.int8\", [256, 784]]");
     FULGUR_CHECK_CONTAINS(output,
-                          method == "int8" ? "\"zero_point_domain\": \"INT\"" : "\"zero_point_domain\": \"FLOAT\"");
+                          method == "int8" ? "\"tensor\": \"Int8Tensor\"" : "\"tensor\": \"IntxUnpackedToInt8Tensor\"");
   }
 }

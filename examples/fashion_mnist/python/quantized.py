@@ -4,19 +4,28 @@
     python quantized.py --model fashion_mnist_mlp --weights int8.safetensors \\
         --predictions predictions.pt --data /usr/share/datasets/fashion-mnist
 
-torchao is not a dependency of Fulgur (scripts/requirements.txt does not pin it, and the venv
-does not have it), so this file is the reference loader: it reads Fulgur's unpacked tensors, names
-them as the fields of torchao's affine-quantized weight (`torchao_fields`), and computes each
-quantized layer as torchao's CPU weight-only kernels do:
+By default it builds the example net, calls torchao's own `quantize_` on each quantized layer with
+the matching config, and loads Fulgur's tensors into the fields of the quantized weight torchao
+made; the forward is then torchao's (torchao 0.18, pinned in scripts/requirements.txt):
 
-    Int8WeightOnlyConfig (per output channel, symmetric, zero point 0):
-        y = (x @ int_data.T) * scale + bias
-    Int4WeightOnlyConfig (tinygemm convention, zero_point_domain FLOAT, block_size (1, group)):
-        w = (int_data - 8) * scale + zero   per group of `group` inputs;   y = x @ w.T + bias
+    int8: Int8WeightOnlyConfig() -> Int8Tensor (per row, symmetric): qdata = weight,
+          scale = weight_scale; torchao computes y = (x @ qdata.T) * scale + bias.
+    int4: IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=PerGroup(block))
+          -> IntxUnpackedToInt8Tensor: qdata = weight - 8 (int8, -8..7), scale = weight_scale,
+          zero_point = -weight_zero / weight_scale (a float zero point, which the tensor accepts);
+          torchao computes w = (qdata - zero_point) * scale, i.e. (code - 8) * scale + zero.
+          block = gcd(group, in_features): torchao wants whole blocks, and Fulgur's last group may
+          be cut short (784 inputs in groups of 32), so each group's scale is repeated per block.
+
+    Int4WeightOnlyConfig itself has no CPU path in torchao 0.18: its plain and preshuffled layouts
+    need the CUDA-only mslk kernels, tile_packed_to_4d is tinygemm on CUDA (bfloat16 only), and
+    plain_int32 refuses the CPU. IntxWeightOnlyConfig is torchao's CPU int4 weight-only workflow.
+
+`--reference` computes the same layers with this file's own math (WeightOnlyLinear) instead.
 
 Fulgur's file keeps, per quantized layer `L` (metadata "fulgur.quantization", "fulgur.group_size",
 "fulgur.quantized_layers"):
-    L.weight        int8 [out, in] (int8) | uint8 0..15 [out, in] (int4)   -> int_data
+    L.weight        int8 [out, in] (int8) | uint8 0..15 [out, in] (int4)   -> qdata
     L.weight_scale  float32 [out] (int8)  | [out, in / group] (int4)       -> scale
     L.weight_zero   float32 [out, in / group] (int4 only)                  -> zero_point
 The other tensors (biases, unquantized layers) are the float model's, with their usual names.
@@ -24,6 +33,7 @@ The other tensors (biases, unquantized layers) are the float model's, with their
 
 import argparse
 import json
+import math
 import sys
 
 import torch
@@ -83,22 +93,17 @@ def read_quantized(path: str):
     return tensors, method, int(metadata.get("fulgur.group_size", "0")), layers
 
 
-def torchao_fields(path: str) -> dict:
-    """Per quantized layer, the fields of torchao's affine-quantized weight, from Fulgur's tensors."""
-    tensors, method, group_size, layers = read_quantized(path)
-    fields = {}
-    for layer in layers:
-        weight = tensors[f"{layer}.weight"]
-        scale = tensors[f"{layer}.weight_scale"]
-        if method == "int8":
-            fields[layer] = dict(int_data=weight, scale=scale, zero_point=torch.zeros_like(scale, dtype=torch.int64),
-                                 block_size=(1, weight.shape[1]), quant_min=-128, quant_max=127,
-                                 zero_point_domain="INT", layout="PlainLayout")
-        else:
-            fields[layer] = dict(int_data=weight, scale=scale, zero_point=tensors[f"{layer}.weight_zero"],
-                                 block_size=(1, group_size), quant_min=0, quant_max=15,
-                                 zero_point_domain="FLOAT", layout="TensorCoreTiledLayout / Int4CPULayout")
-    return fields
+def torchao_fields(model: str, path: str) -> dict:
+    """Per quantized layer, torchao's weight tensor: its class, block size and fields (dtype, shape)."""
+    described = {}
+    for name, module in torchao_quantized(model, path).named_modules():
+        weight = getattr(module, "weight", None)
+        if weight is None or type(weight) in (torch.Tensor, nn.Parameter):
+            continue
+        fields = {field: [str(getattr(weight, field).dtype), list(getattr(weight, field).shape)]
+                  for field in ("qdata", "scale", "zero_point") if getattr(weight, field, None) is not None}
+        described[name] = dict(tensor=type(weight).__name__, block_size=list(weight.block_size), **fields)
+    return described
 
 
 def load_quantized(model: str, path: str) -> nn.Module:
@@ -123,6 +128,60 @@ def load_quantized(model: str, path: str) -> nn.Module:
     return net.eval()
 
 
+def torchao_quantized(model: str, path: str) -> nn.Module:
+    """The example net quantized by torchao's quantize_, with Fulgur's tensors in torchao's weights."""
+    from torchao.quantization import Int8WeightOnlyConfig, IntxWeightOnlyConfig, quantize_
+    from torchao.quantization.granularity import PerGroup
+    from torchao.quantization.quantize_.workflows.int8.int8_tensor import Int8Tensor
+    from torchao.quantization.quantize_.workflows.intx.intx_unpacked_to_int8_tensor import IntxUnpackedToInt8Tensor
+
+    tensors, method, group_size, layers = read_quantized(path)
+    net = make_net(model)
+    floats, stored = dict(tensors), {}
+    for layer in layers:
+        q, scale, zero = (floats.pop(f"{layer}.weight"), floats.pop(f"{layer}.weight_scale"),
+                          floats.pop(f"{layer}.weight_zero", None))
+        stored[layer] = (q, scale, zero)
+        # Any float weight of the right shape: quantize_ makes the layout, Fulgur's values replace it.
+        floats[f"{layer}.weight"] = torch.zeros(q.shape)
+    net.load_state_dict(floats, strict=True)
+    for layer, (q, scale, zero) in stored.items():
+        inputs = q.shape[1]
+        if method == "int8":
+            config, kind = Int8WeightOnlyConfig(), Int8Tensor
+        else:
+            block = math.gcd(group_size, inputs)
+            config, kind = IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=PerGroup(block)), \
+                IntxUnpackedToInt8Tensor
+        quantize_(net, config, filter_fn=lambda module, fqn, layer=layer: fqn == layer)
+        weight = net.get_submodule(layer).weight
+        if type(weight) is not kind:
+            raise SystemExit(f"{path}: torchao made a {type(weight).__name__} for '{layer}', not a {kind.__name__}")
+        if method == "int8":
+            # Symmetric: the zero point torchao keeps for the weight is 0.
+            fields = dict(qdata=q, scale=scale.reshape(weight.scale.shape),
+                          zero_point=torch.zeros_like(weight.zero_point))
+        else:
+            per_group = group_size // block
+            blocks = inputs // block
+            expand = lambda t: t.repeat_interleave(per_group, dim=1)[:, :blocks].contiguous()
+            fields = dict(qdata=(q.to(torch.int16) - 8).to(torch.int8), scale=expand(scale),
+                          zero_point=expand(-zero / scale))
+        for name, value in fields.items():
+            old = getattr(weight, name)
+            if value.shape != old.shape or (name != "zero_point" and value.dtype != old.dtype):
+                raise SystemExit(f"{path}: '{layer}' {name} is {value.dtype} {list(value.shape)}, torchao's "
+                                 f"{old.dtype} {list(old.shape)}")
+            setattr(weight, name, value)
+    return net.eval()
+
+
+def _torchao_version() -> str:
+    import torchao
+
+    return torchao.__version__
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True, help="fashion_mnist_cnn or fashion_mnist_mlp")
@@ -131,20 +190,21 @@ def main() -> int:
     parser.add_argument("--data", help="the Fashion-MNIST directory (t10k-images-idx3-ubyte.gz)")
     parser.add_argument("--tolerance", type=float, default=1e-5, help="largest absolute difference accepted")
     parser.add_argument("--fields", action="store_true", help="print torchao's fields per layer as JSON")
+    parser.add_argument("--reference", action="store_true",
+                        help="compute the layers with this file's own math instead of torchao's")
     args = parser.parse_args()
     if args.fields:
-        described = {layer: {k: (list(v.shape) if torch.is_tensor(v) else v) for k, v in f.items()}
-                     for layer, f in torchao_fields(args.weights).items()}
-        print(json.dumps(described, sort_keys=True))
+        print(json.dumps(torchao_fields(args.model, args.weights), sort_keys=True))
     if not args.predictions:
         return 0
-    net = load_quantized(args.model, args.weights)
+    net = (load_quantized if args.reference else torchao_quantized)(args.model, args.weights)
     expected = torch.cat(torch.load(args.predictions, weights_only=True))
     with torch.inference_mode():
         served = net(read_test_images(args.data, expected.shape[0]))
     diff = (served - expected).abs().max().item()
     print(f"{expected.shape[0]} images, {args.model}, {args.weights}")
-    print(f"torchao weight-only math vs fulgur predict: max |diff| = {diff:.3g}")
+    served_by = "reference weight-only math" if args.reference else "torchao " + _torchao_version()
+    print(f"{served_by} vs fulgur predict: max |diff| = {diff:.3g}")
     if diff > args.tolerance:
         print(f"FAILED: above the tolerance {args.tolerance:g}", file=sys.stderr)
         return 1
