@@ -1,15 +1,22 @@
 // Quantization-aware training beyond the weight (SDK 1.5, #38 item 2): the input fake-quantized to
 // int8 per token or per tensor (torchao's asymmetric qparams), and LSQ's learnable scales, checked
 // against hand-computed values, gradients included; the learned scales are the stored ones.
+#include <fulgur/config.h>
+#include <fulgur/data.h>
 #include <fulgur/error.h>
+#include <fulgur/module.h>
 #include <fulgur/nn/linear.h>
+#include <fulgur/trainer.h>
 
 #include <torch/torch.h>
 
 #include <doctest/doctest.h>
 
+#include <fmt/format.h>
+
 #include <algorithm>
 #include <cmath>
+#include <filesystem>
 
 #include "test_support.h"
 
@@ -32,6 +39,46 @@ fulgur::nn::Linear identity(int64_t n, ActivationQuantization activations) {
   layer->bias.zero_();
   layer->quantization_aware_training(QatOptions(WeightQuantization::int8).activations(activations));
   return layer;
+}
+
+// y = x A + b through one fulgur::nn::Linear, which trains its int4 weight scales and its
+// per-tensor input scale (LSQ) when `lsq` is set, as the qat callback would make it.
+class LsqLine : public fulgur::Module {
+ public:
+  explicit LsqLine(bool lsq) {
+    fc = register_module("fc", fulgur::nn::Linear(64, 3));
+    if (lsq)
+      fc->quantization_aware_training(QatOptions(FakeQuantizeOptions(WeightQuantization::int4).group_size(32))
+                                          .activations(ActivationQuantization::per_tensor)
+                                          .learnable_scales(true));
+  }
+  fulgur::StepOutput training_step(const fulgur::Batch& batch, int64_t) override {
+    return {torch::mse_loss(fc->forward(batch.input), batch.target)};
+  }
+  at::Tensor predict_step(const fulgur::Batch& batch, int64_t) override { return fc->forward(batch.input); }
+  std::vector<fulgur::OptimizerConfig> configure_optimizers() override {
+    return {fulgur::OptimizerConfig(std::make_shared<torch::optim::Adam>(parameters(), 1e-2))};
+  }
+  fulgur::nn::Linear fc{nullptr};
+};
+
+struct LineData : fulgur::DataModule {
+  at::Tensor x = torch::randn({96, 64}, at::detail::createCPUGenerator(7));
+  at::Tensor y = x.narrow(1, 0, 3) * 2 - 1;
+  std::unique_ptr<fulgur::BatchLoader> train_loader() override {
+    return fulgur::make_tensor_loader(x, y, fulgur::TensorLoaderOptions().batch_size(32));
+  }
+  std::unique_ptr<fulgur::BatchLoader> predict_loader() override {
+    return fulgur::make_tensor_loader(x, y, fulgur::TensorLoaderOptions().batch_size(32));
+  }
+};
+
+fulgur::Trainer lsq_trainer(const std::filesystem::path& root, int epochs) {
+  return fulgur::Trainer(fulgur::parse_config(
+      fmt::format("[trainer]\ndefault_root_dir = \"{}\"\nseed = 3\nmax_epochs = {}\nenable_progress_bar = false\n"
+                  "enable_model_summary = false\nenable_checkpointing = false\nlogger = false\n",
+                  root.string(), epochs),
+      root / "lsq.toml"));
 }
 
 }  // namespace
@@ -282,4 +329,46 @@ TEST_CASE("#38.2 a converted layer keeps its int8 inputs: per token, and learned
                                                               {"fulgur.input_scales", "learned"}});
                  }).what(),
                  "must say \"fulgur.activations\" = \"per_tensor\""));
+}
+
+TEST_CASE("#38.2 LSQ through the Trainer API: predict and fit resume a checkpoint with learned scales") {
+  fulgur::test::TempDir dir;
+  LineData data;
+  const std::string ckpt = (dir / "lsq.ckpt").string();
+  std::vector<at::Tensor> trained_out;
+  {
+    fulgur::Trainer trainer = lsq_trainer(dir.path(), 2);
+    LsqLine trained(/*lsq=*/true);
+    trainer.fit(trained, data);
+    trainer.save_checkpoint(ckpt);
+    trained_out = trainer.predict(trained, data);
+  }
+  // A plain float model, as a program builds it without the qat callback: predict loads the
+  // checkpoint strictly, its layer takes the learned scales, and serves what the trained one did.
+  {
+    fulgur::Trainer trainer = lsq_trainer(dir.path(), 2);
+    LsqLine fresh(/*lsq=*/false);
+    const std::vector<at::Tensor> out = trainer.predict(fresh, data, ckpt);
+    REQUIRE(out.size() == trained_out.size());
+    for (size_t i = 0; i < out.size(); ++i) CHECK(torch::equal(out[i], trained_out[i]));
+    const QatOptions qat = fresh.fc->qat_options();
+    CHECK(qat.learnable_scales());
+    CHECK((qat.weight().method() == WeightQuantization::int4));
+    CHECK((qat.activations() == ActivationQuantization::per_tensor));
+  }
+  // fit resumes it with the same quantization-aware training, scales and optimizer state included.
+  {
+    fulgur::Trainer trainer = lsq_trainer(dir.path(), 3);
+    LsqLine resumed(/*lsq=*/true);
+    trainer.fit(resumed, data, ckpt);
+    CHECK(trainer.current_epoch() == 3);
+  }
+  // fit with a float model: the optimizers exist already and would not train the scales; refused.
+  {
+    fulgur::Trainer trainer = lsq_trainer(dir.path(), 3);
+    LsqLine fresh(/*lsq=*/false);
+    const std::string error = error_from([&] { trainer.fit(fresh, data, ckpt); }).what();
+    CHECK_MESSAGE(contains(error, "the layers fc learned their quantization scales (LSQ)"), error);
+    CHECK_MESSAGE(contains(error, "learnable_scales = true"), error);
+  }
 }
