@@ -372,3 +372,43 @@ TEST_CASE("#38.2 LSQ through the Trainer API: predict and fit resume a checkpoin
     CHECK_MESSAGE(contains(error, "learnable_scales = true"), error);
   }
 }
+
+TEST_CASE("#38.2 clone() copies a layer with learned scales, and a quantized one, with their own tensors") {
+  const at::Tensor x = torch::randn({5, 64}, at::detail::createCPUGenerator(11));
+  fulgur::nn::Linear lsq(64, 3);
+  lsq->quantization_aware_training(QatOptions(FakeQuantizeOptions(WeightQuantization::int4).group_size(32))
+                                       .activations(ActivationQuantization::per_tensor)
+                                       .learnable_scales(true));
+  const at::Tensor expected = lsq->forward(x);  // the first batch sets the input scale
+  const auto copy = std::dynamic_pointer_cast<fulgur::nn::LinearImpl>(lsq->clone());
+  REQUIRE(copy);
+  std::vector<std::string> names, copied;
+  for (const auto& p : lsq->named_parameters()) names.push_back(p.key());
+  for (const auto& p : copy->named_parameters()) copied.push_back(p.key());
+  CHECK(copied == names);  // weight, bias, weight_scale, weight_zero, input_scale, input_zero
+  CHECK(names.size() == 6);
+  for (const auto& p : lsq->named_parameters()) {
+    const at::Tensor& c = copy->named_parameters()[p.key()];
+    CHECK_MESSAGE(torch::equal(c, p.value()), p.key());
+    CHECK_MESSAGE(c.data_ptr() != p.value().data_ptr(), p.key());
+  }
+  CHECK(copy->qat_options().learnable_scales());
+  CHECK(torch::equal(copy->forward(x), expected));
+  // Its scales are its own: a step on the copy leaves the original's alone.
+  {
+    torch::NoGradGuard no_grad;
+    copy->named_parameters()["weight_scale"].mul_(2);
+  }
+  CHECK(torch::equal(lsq->forward(x), expected));
+  CHECK(!torch::equal(copy->forward(x), expected));
+
+  // A quantized int4 layer: its buffers (codes, scales, zeros, learned input scale) come along.
+  lsq->quantize_weight(QuantizeOptions(WeightQuantization::int4).group_size(32));
+  const at::Tensor served = lsq->forward(x);
+  const auto quantized = std::dynamic_pointer_cast<fulgur::nn::LinearImpl>(lsq->clone());
+  REQUIRE(quantized);
+  CHECK((quantized->quantization() == WeightQuantization::int4));
+  CHECK(quantized->named_buffers().size() == lsq->named_buffers().size());
+  CHECK((quantized->weight.scalar_type() == at::kByte));
+  CHECK(torch::equal(quantized->forward(x), served));
+}

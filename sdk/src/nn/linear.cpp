@@ -11,6 +11,7 @@
 #include <ostream>
 #include <regex>
 #include <sstream>
+#include <utility>
 
 namespace fulgur::nn {
 
@@ -35,6 +36,9 @@ struct LinearImpl::State {
   at::Tensor learned_scale, learned_zero;  // int8: [out]; int4: [out, groups] both
   at::Tensor input_scale, input_zero;      // per_tensor: [1] each
   bool input_ready = false;                // input_scale checked for its data initialization
+  // Set by the copy constructor: the reset() that torch::nn::Cloneable::clone calls next (with the
+  // copy's parameters and buffers cleared) registers this layer's own set again, not a float one.
+  bool copied = false;
 };
 
 std::string to_string(WeightQuantization quantization) {
@@ -86,7 +90,9 @@ LinearImpl::LinearImpl(const LinearImpl& other)
       options(other.options),
       weight(other.weight),
       bias(other.bias),
-      state_(std::make_unique<State>(*other.state_)) {}
+      state_(std::make_unique<State>(*other.state_)) {
+  state_->copied = true;
+}
 
 LinearImpl& LinearImpl::operator=(const LinearImpl& other) {
   if (this == &other) return *this;
@@ -95,6 +101,7 @@ LinearImpl& LinearImpl::operator=(const LinearImpl& other) {
   weight = other.weight;
   bias = other.bias;
   *state_ = *other.state_;
+  state_->copied = false;
   return *this;
 }
 
@@ -105,6 +112,41 @@ void LinearImpl::reset() {
     throw Error(ErrorKind::invalid_argument,
                 fmt::format("fulgur::nn::Linear: in_features and out_features must be at least 1, got {} and {}",
                             options.in_features(), options.out_features()));
+  if (std::exchange(state_->copied, false) && parameters_.is_empty() && buffers(/*recurse=*/false).empty()) {
+    // clone(): the copy's members still point at the original's tensors. The same names, kinds,
+    // shapes and dtypes again (quantized storage, learned scales), in the original's order, as new
+    // tensors; clone() then copies each one's values in by name.
+    State& s = *state_;
+    const auto fresh = [](const at::Tensor& t) { return t.defined() ? at::empty_like(t) : at::Tensor(); };
+    const auto parameter = [&](const char* name, const at::Tensor& t) {
+      return register_parameter(name, fresh(t), t.defined() && t.requires_grad());
+    };
+    const at::Tensor old_weight = weight;
+    if (s.quantization == WeightQuantization::none) {
+      weight = parameter("weight", old_weight);
+      bias = parameter("bias", bias);
+      if (s.learned_scale.defined()) s.learned_scale = parameter("weight_scale", s.learned_scale);
+      if (s.learned_zero.defined()) s.learned_zero = parameter("weight_zero", s.learned_zero);
+      if (s.input_scale.defined()) {
+        s.input_scale = parameter("input_scale", s.input_scale);
+        s.input_zero = parameter("input_zero", s.input_zero);
+      }
+    } else {
+      bias = parameter("bias", bias);
+      if (s.input_scale.defined()) {
+        s.input_scale = register_buffer("input_scale", fresh(s.input_scale));
+        s.input_zero = register_buffer("input_zero", fresh(s.input_zero));
+      }
+      weight = register_buffer("weight", fresh(old_weight));
+      s.scale = register_buffer("weight_scale", fresh(s.scale));
+      if (s.zero.defined()) s.zero = register_buffer("weight_zero", fresh(s.zero));
+    }
+    // The packed kernel layout is made again from the copy's own buffers at its first forward.
+    s.packed = s.scales_and_zeros = at::Tensor();
+    s.packed_from = nullptr;
+    s.packed_version = 0;
+    return;
+  }
   *state_ = State{};
   weight = register_parameter("weight", torch::empty({options.out_features(), options.in_features()}));
   if (options.bias())
