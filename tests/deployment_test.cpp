@@ -306,3 +306,164 @@ TEST_CASE("#38.2 qat callback: int4 quantization-aware training serves within 0.
   CHECK(bad.exit_code != 0);
   FULGUR_CHECK_CONTAINS(bad.output, "callback 'qat': method = \"int2\" must be \"int8\" or \"int4\"");
 }
+
+TEST_CASE("#38.2 qat callback: int8 activations per token / per tensor and LSQ scales, within 0.5 points of float") {
+  if (fashion_mnist_missing()) return;
+  TempDir dir;
+  const auto config = [&](const std::string& root, const std::string& extra) {
+    return fmt::format(
+        "[trainer]\nmax_epochs = 1\nseed = 5\nlimit_train_batches = 300\nlimit_val_batches = 2\n"
+        "enable_progress_bar = false\nenable_model_summary = false\ndefault_root_dir = \"{}\"\n\n"
+        "[model]\nname = \"fashion_mnist_mlp\"\n\n[data]\nname = \"fashion_mnist\"\ndir = \"{}\"\n"
+        "batch_size = 64\n\n[[callbacks]]\nname = \"model_checkpoint\"\nsave_last = true\n{}",
+        (dir / root).string(), kFashionMnist.string(), extra);
+  };
+  const auto last_of = [&](const std::string& root) {
+    for (const auto& entry : fs::recursive_directory_iterator(dir / root))
+      if (entry.path().filename() == "last.ckpt") return entry.path().string();
+    FAIL("no last.ckpt under " << root);
+    return std::string();
+  };
+  const auto fit = [&](const std::string& root, const std::string& extra) {
+    write_bytes(dir / "run.toml", config(root, extra));
+    const ProcessRun run = run_process({FULGUR_TEST_FULGUR_BIN, "fit", "--config", "run.toml"},
+                                       {{"FULGUR_LOG_LEVEL", "info"}, {"FULGUR_PLUGIN_PATH", ""}}, dir.path());
+    REQUIRE_MESSAGE(run.exit_code == 0, run.output);
+    return run.output;
+  };
+  fit("float", "");
+  const double fp32 = test_accuracy(dir, last_of("float"));
+  // int8 weight-only post-training quantization of the float run (the issue's 0.3-point bound).
+  REQUIRE(quantize(dir, last_of("float"), {"--method=int8", "--out=ptq8.safetensors"}).exit_code == 0);
+  const double ptq8 = test_accuracy(dir, "ptq8.safetensors");
+
+  // int4 (group 32) weights with learned scales and zeros (LSQ+), per-token int8 activations:
+  // torchao's Int8DynActInt4Weight recipe.
+  const std::string token = fit("token",
+                                "\n[[callbacks]]\nname = \"qat\"\nmethod = \"int4\"\ngroup_size = 32\n"
+                                "activations = \"per_token\"\nlearnable_scales = true\n");
+  FULGUR_CHECK_CONTAINS(token,
+                        "training 2 layers for int4 storage (group size 32), int8 per_token activations, learned "
+                        "scales (LSQ): fc1, fc2");
+  FULGUR_CHECK_CONTAINS(token,
+                        "`fulgur quantize --method=int4 --group_size=32 --activations=per_token` writes the same");
+  const double token_fake = test_accuracy(dir, last_of("token"));  // weights and activations fake-quantized
+  // Served as trained: int4 weights, inputs quantized per token (a checkpoint does not say that).
+  const ProcessRun token_file =
+      quantize(dir, last_of("token"),
+               {"--method=int4", "--group_size=32", "--activations=per_token", "--out=token.safetensors"});
+  REQUIRE_MESSAGE(token_file.exit_code == 0, token_file.output);
+  FULGUR_CHECK_CONTAINS(token_file.output, "inputs: int8 per_token");
+  CHECK(fulgur::read_safetensors_header((dir / "token.safetensors").string()).metadata.at("fulgur.activations") ==
+        "per_token");
+  const double token_served = test_accuracy(dir, "token.safetensors");
+  REQUIRE(
+      quantize(dir, last_of("token"), {"--method=int4", "--group_size=32", "--out=token_wo.safetensors"}).exit_code ==
+      0);
+  const double token_weight_only = test_accuracy(dir, "token_wo.safetensors");  // float inputs
+
+  // int8 weights with learned scales (LSQ) and a learned per-tensor input scale.
+  const std::string lsq = fit("lsq",
+                              "\n[[callbacks]]\nname = \"qat\"\nmethod = \"int8\"\nactivations = \"per_tensor\"\n"
+                              "learnable_scales = true\n");
+  FULGUR_CHECK_CONTAINS(
+      lsq, "training 2 layers for int8 storage, int8 per_tensor activations, learned scales (LSQ): fc1, fc2");
+  const std::string lsq_last = last_of("lsq");
+  const double lsq_fake = test_accuracy(dir, lsq_last);  // the CLI gives the layers the checkpoint's scales
+  // The learned input scales travel in the file (no flag needed) and the served layers apply them.
+  const ProcessRun converted = quantize(dir, lsq_last, {"--method=int8", "--out=lsq.safetensors"});
+  REQUIRE_MESSAGE(converted.exit_code == 0, converted.output);
+  FULGUR_CHECK_CONTAINS(converted.output, "inputs: int8 per_tensor (learned scales)");
+  const double lsq_served = test_accuracy(dir, "lsq.safetensors");
+  // The file stores the learned scales, not max |w| / 127 of the final weights.
+  REQUIRE(
+      run_process({FULGUR_TEST_FULGUR_BIN, "weights", "convert", lsq_last, "lsq_float.safetensors"}, kEnv, dir.path())
+          .exit_code == 0);
+  const auto learned = fulgur::read_safetensors((dir / "lsq_float.safetensors").string());
+  const auto stored = fulgur::read_safetensors((dir / "lsq.safetensors").string());
+  REQUIRE(learned.count("fc1.weight_scale") == 1);
+  REQUIRE(learned.count("fc1.input_scale") == 1);
+  CHECK(at::equal(learned.at("fc1.weight_scale"), stored.at("fc1.weight_scale")));
+  const at::Tensor minmax = learned.at("fc1.weight").abs().amax(1) / 127.0;
+  CHECK_FALSE(at::allclose(stored.at("fc1.weight_scale"), minmax, 1e-6, 0));
+  // `fulgur quantize` to another storage than the scales learned is refused, naming both.
+  const ProcessRun other = quantize(dir, lsq_last, {"--method=int4", "--group_size=32", "--out=x.safetensors"});
+  CHECK(other.exit_code != 0);
+  FULGUR_CHECK_CONTAINS(other.output, "learned its scales for int8; quantize it to that, not to int4");
+  const ProcessRun token_flag = quantize(dir, lsq_last, {"--method=int8", "--activations=per_token"});
+  CHECK(token_flag.exit_code == 2);
+  FULGUR_CHECK_CONTAINS(token_flag.output, "learned per-tensor input scales");
+  const ProcessRun bad_flag = quantize(dir, lsq_last, {"--method=int8", "--activations=per_row"});
+  CHECK(bad_flag.exit_code == 2);
+  FULGUR_CHECK_CONTAINS(bad_flag.output, "--activations=per_row: expected \"none\", \"per_token\" or \"per_tensor\"");
+
+  MESSAGE("test accuracy: float " << fp32 << ", int8 weight-only PTQ " << ptq8 << "; int4 LSQ + per-token activations "
+                                  << token_fake << " fake-quantized, " << token_served
+                                  << " served (int4, int8 inputs), " << token_weight_only
+                                  << " served weight-only; int8 LSQ + per-tensor activations " << lsq_fake
+                                  << " fake-quantized, " << lsq_served << " served (int8, int8 inputs)");
+  CHECK(std::abs(ptq8 - fp32) <= 0.003);
+  CHECK(std::abs(token_fake - fp32) <= 0.005);
+  CHECK(std::abs(token_served - fp32) <= 0.005);
+  CHECK(std::abs(token_weight_only - fp32) <= 0.005);
+  CHECK(std::abs(lsq_fake - fp32) <= 0.005);
+  CHECK(std::abs(lsq_served - fp32) <= 0.005);
+  // Served as trained: the same values up to float summation order.
+  CHECK(std::abs(token_served - token_fake) <= 2e-4);
+  CHECK(std::abs(lsq_served - lsq_fake) <= 2e-4);
+
+  // Bad values: one clear line each.
+  write_bytes(dir / "bad.toml", config("bad", "\n[[callbacks]]\nname = \"qat\"\nactivations = \"per_row\"\n"));
+  const ProcessRun bad = run_process({FULGUR_TEST_FULGUR_BIN, "fit", "--config", "bad.toml"}, kEnv, dir.path());
+  CHECK(bad.exit_code != 0);
+  FULGUR_CHECK_CONTAINS(bad.output,
+                        "callback 'qat': activations = \"per_row\" must be \"none\", \"per_token\" or \"per_tensor\"");
+  write_bytes(dir / "bad.toml", config("bad", "\n[[callbacks]]\nname = \"qat\"\nlearnable_scales = \"yes\"\n"));
+  const ProcessRun bad_bool = run_process({FULGUR_TEST_FULGUR_BIN, "fit", "--config", "bad.toml"}, kEnv, dir.path());
+  CHECK(bad_bool.exit_code != 0);
+  FULGUR_CHECK_CONTAINS(bad_bool.output, "learnable_scales");
+}
+
+TEST_CASE("#38.3 Python serves fulgur quantize's int8 and int4 files in torchao's quantized tensors") {
+  if (fashion_mnist_missing()) return;
+  if (!python_has("safetensors, torchao.quantization")) {
+    skip_test("the venv lacks safetensors or torchao: run scripts/setup.sh");
+    return;
+  }
+  TempDir dir;
+  const TrainedRun run = train_and_predict(dir, "fashion_mnist_mlp");
+  for (const std::string method : {"int8", "int4"}) {
+    CAPTURE(method);
+    const std::string file = method + ".safetensors";
+    std::vector<std::string> flags = {"--method=" + method, "--out=" + file};
+    if (method == "int4") flags.push_back("--group_size=32");
+    const ProcessRun quantized = quantize(dir, run.checkpoint.string(), flags);
+    REQUIRE_MESSAGE(quantized.exit_code == 0, quantized.output);
+    // fulgur predict on the quantized file, into its own directory.
+    std::string toml = read_bytes(dir / "run.toml");
+    const std::string root = (dir / "runs").string();
+    toml.replace(toml.find(root), root.size(), (dir / ("predict_" + method)).string());
+    write_bytes(dir / "predict.toml", toml);
+    const ProcessRun predict = run_process(
+        {FULGUR_TEST_FULGUR_BIN, "predict", "--config", "predict.toml", "--ckpt_path=" + file}, kEnv, dir.path());
+    REQUIRE_MESSAGE(predict.exit_code == 0, predict.output);
+    fs::path predictions;
+    for (const auto& entry : fs::recursive_directory_iterator(dir / ("predict_" + method)))
+      if (entry.path().filename() == "predictions.pt") predictions = entry.path();
+    REQUIRE(!predictions.empty());
+    const auto [status, output] = run_command(fmt::format(
+        "cd {} && {} quantized.py --model fashion_mnist_mlp --weights {} --predictions {} --data {} --tolerance 1e-5 "
+        "--fields",
+        kPythonDir.string(), FULGUR_TEST_PYTHON, (dir / file).string(), predictions.string(), kFashionMnist.string()));
+    INFO(output);
+    CHECK(status == 0);
+    // torchao's quantize_ made the weights (its tensor classes, their block sizes) and its forward
+    // served them: 784 inputs in groups of 32 are torchao blocks of 16.
+    FULGUR_CHECK_CONTAINS(output, "torchao 0.18.0 vs fulgur predict: max |diff| = ");
+    FULGUR_CHECK_CONTAINS(output, method == "int8"
+                                      ? "\"fc1\": {\"block_size\": [1, 784], \"qdata\": [\"torch.int8\", [256, 784]]"
+                                      : "\"fc1\": {\"block_size\": [1, 16], \"qdata\": [\"torch.int8\", [256, 784]]");
+    FULGUR_CHECK_CONTAINS(output,
+                          method == "int8" ? "\"tensor\": \"Int8Tensor\"" : "\"tensor\": \"IntxUnpackedToInt8Tensor\"");
+  }
+}

@@ -28,6 +28,9 @@
 #include <cstdio>
 #include <ctime>
 #include <filesystem>
+#include <map>
+#include <optional>
+#include <regex>
 #include <set>
 #include <string>
 #include <vector>
@@ -56,6 +59,7 @@ struct CliArgs {
   int64_t quantize_group_size = 128;
   std::string quantize_layers;
   std::string quantize_out;
+  std::string quantize_activations;  // "" = what the checkpoint's layers learned
   bool print_config = false;
   bool help = false;
 };
@@ -81,6 +85,9 @@ std::string usage(const std::string& program, const std::string& subcommand) {
             "  --group_size=N         int4 inputs per group: 32, 64, 128 or 256 (default 128)\n"
             "  --layers=REGEX         only the layers whose dotted name matches (default: every fulgur::nn::Linear)\n"
             "  --out=FILE             the .safetensors file to write (default: <checkpoint>-<method>.safetensors)\n"
+            "  --activations=none|per_token|per_tensor  serve the layers with int8 inputs, as the qat callback's\n"
+            "                         `activations` trained them (default: per_tensor for layers that learned input\n"
+            "                         scales, none otherwise)\n"
             "`fulgur predict --config ... --ckpt_path=FILE` then serves the quantized model.\n");
 }
 
@@ -108,8 +115,9 @@ CliArgs parse_cli(int argc, char** argv, const std::string& program) {
       args.print_config = true;
     } else if (a == "--config" || a.starts_with("--config=")) {
       args.configs.emplace_back(a == "--config" ? next_value(a) : a.substr(9));
-    } else if (args.subcommand == "quantize" && (a.starts_with("--method") || a.starts_with("--group_size") ||
-                                                 a.starts_with("--layers") || a.starts_with("--out"))) {
+    } else if (args.subcommand == "quantize" &&
+               (a.starts_with("--method") || a.starts_with("--group_size") || a.starts_with("--layers") ||
+                a.starts_with("--out") || a.starts_with("--activations"))) {
       const size_t eq = a.find('=');
       const std::string flag = a.substr(0, eq);
       const std::string value = eq == std::string::npos ? next_value(flag) : a.substr(eq + 1);
@@ -125,8 +133,13 @@ CliArgs parse_cli(int argc, char** argv, const std::string& program) {
         args.quantize_layers = value;
       } else if (flag == "--out") {
         args.quantize_out = value;
+      } else if (flag == "--activations") {
+        if (value != "none" && value != "per_token" && value != "per_tensor")
+          throw UsageError(fmt::format("--activations={}: expected \"none\", \"per_token\" or \"per_tensor\"", value));
+        args.quantize_activations = value;
       } else {
-        throw UsageError(fmt::format("unknown flag '{}' for quantize: --method, --group_size, --layers, --out", flag));
+        throw UsageError(fmt::format(
+            "unknown flag '{}' for quantize: --method, --group_size, --layers, --out, --activations", flag));
       }
       args.flags.push_back(flag + "=" + value);
     } else if (a == "--ckpt_path" || a.starts_with("--ckpt_path=")) {
@@ -486,6 +499,37 @@ int quantize_model(const CliArgs& args, const std::string& ckpt, Module& model, 
   options.group_size(args.quantize_group_size);
   model.configure_model();  // layers a model makes there (Lightning's configure_model is idempotent)
   load_weights(model, ckpt, LoadWeightsOptions().strict(config.trainer.get_bool("strict_loading")));
+  // Int8 inputs: layers that learned per-tensor input scales keep them; --activations sets the
+  // others (a checkpoint does not say that training quantized its inputs dynamically).
+  std::string activations = "none", input_scales;
+  std::optional<std::regex> chosen;
+  try {
+    if (!args.quantize_layers.empty()) chosen.emplace(args.quantize_layers, std::regex::ECMAScript);
+  } catch (const std::regex_error&) {
+    // quantize_linear_weights below says what is wrong with it
+  }
+  for (const auto& item : model.named_modules("", /*include_self=*/false)) {
+    auto* linear = dynamic_cast<nn::LinearImpl*>(item.value().get());
+    if (!linear || linear->quantization() != nn::WeightQuantization::none ||
+        (chosen && !std::regex_search(item.key(), *chosen)))
+      continue;
+    const nn::QatOptions trained = linear->qat_options();
+    if (trained.learnable_scales() && trained.activations() == nn::ActivationQuantization::per_tensor) {
+      if (!args.quantize_activations.empty() && args.quantize_activations != "per_tensor")
+        throw UsageError(
+            fmt::format("--activations={}: layer '{}' learned per-tensor input scales in {}; serve it "
+                        "with --activations=per_tensor (or leave the flag out)",
+                        args.quantize_activations, item.key(), ckpt));
+      activations = "per_tensor";
+      input_scales = "learned";
+    } else if (!args.quantize_activations.empty()) {
+      linear->quantization_aware_training(
+          nn::QatOptions(nn::FakeQuantizeOptions(options.method()).group_size(options.group_size()))
+              .activations(nn::activation_quantization_from_string(args.quantize_activations))
+              .learnable_scales(trained.learnable_scales()));
+      activations = args.quantize_activations;
+    }
+  }
   int64_t bytes_before = 0;
   for (const auto& [name, t] : named_tensors(model)) bytes_before += t.numel() * t.element_size();
   const std::vector<std::string> layers = nn::quantize_linear_weights(model, options, args.quantize_layers);
@@ -503,6 +547,8 @@ int quantize_model(const CliArgs& args, const std::string& ckpt, Module& model, 
       {"fulgur.quantized_layers", fmt::format("{}", fmt::join(layers, ","))}};
   if (options.method() == nn::WeightQuantization::int4)
     metadata.emplace("fulgur.group_size", std::to_string(options.group_size()));
+  if (activations != "none") metadata.emplace("fulgur.activations", activations);
+  if (!input_scales.empty()) metadata.emplace("fulgur.input_scales", input_scales);
   std::string out = args.quantize_out;
   if (out.empty())
     out =
@@ -514,6 +560,8 @@ int quantize_model(const CliArgs& args, const std::string& ckpt, Module& model, 
       options.method() == nn::WeightQuantization::int4 ? fmt::format(" (group size {})", options.group_size()).c_str()
                                                        : "",
       fmt::format("{}", fmt::join(layers, ", ")).c_str());
+  if (activations != "none")
+    std::printf("inputs: int8 %s%s\n", activations.c_str(), input_scales.empty() ? "" : " (learned scales)");
   std::printf("weights: %.2f MB -> %.2f MB (%.2fx smaller)\n", bytes_before / 1e6, bytes_after / 1e6,
               static_cast<double>(bytes_before) / static_cast<double>(std::max<int64_t>(bytes_after, 1)));
   std::printf("wrote %s; serve it with `fulgur predict --config ... --ckpt_path=%s`\n", out.c_str(), out.c_str());
@@ -586,6 +634,16 @@ int run(const CliApp& app, const CliArgs& args) {
   // (and the stage's load) compares keys and shapes.
   if (ckpt_state && args.subcommand != "quantize" && detect_weights_format(ckpt) == WeightsFormat::safetensors)
     nn::prepare_quantized_layers(*user.model, read_safetensors_header(ckpt).metadata);
+  // A checkpoint trained with learned quantization scales (the qat callback's learnable_scales):
+  // the layers take those parameters before the check, whatever callbacks this run configures.
+  if (ckpt_state) {
+    std::map<std::string, at::Tensor> scales;
+    for (const auto& entry : *ckpt_state)
+      if (entry.value().isTensor() &&
+          (entry.key().toStringRef().ends_with("weight_scale") || entry.key().toStringRef().ends_with("input_scale")))
+        scales.emplace(entry.key().toStringRef(), entry.value().toTensor());
+    if (!scales.empty()) nn::prepare_learned_scales(*user.model, scales);
+  }
   if (ckpt_state)
     check_checkpoint_matches(*ckpt_state, ckpt, ckpt_flag, *user.model, model_name,
                              config.trainer.get_bool("strict_loading"));

@@ -475,7 +475,7 @@ void TrainerEngine::fit(Module& module, DataModule& data, const std::string& ckp
                        trainer_config_.init_weights.path, resolved);
       }
       checkpoint = checkpoints_.read_for_resume(resolved);
-      checkpoints_.restore_model(*checkpoint);
+      checkpoints_.restore_model(*checkpoint, Stage::fit);
       checkpoints_.restore_callbacks(*checkpoint);
     } else {
       checkpoints_.load_init_weights(Stage::fit);

@@ -246,8 +246,19 @@ CheckpointConnector::ReadCheckpoint CheckpointConnector::read(const std::string&
   return checkpoint;
 }
 
-void CheckpointConnector::restore_model(const ReadCheckpoint& checkpoint) {
+void CheckpointConnector::restore_model(const ReadCheckpoint& checkpoint, Stage stage) {
   TrainerEngine& t = trainer_;
+  // A sharded strategy's own layout: its keys are its business (learned scales need a dict).
+  if (checkpoint.model_state->isGenericDict()) {
+    TensorMap scales;
+    for (const auto& entry : checkpoint.model_state->toGenericDict())
+      if (entry.key().isString() && entry.value().isTensor()) {
+        const std::string& key = entry.key().toStringRef();
+        if (key.ends_with("weight_scale") || key.ends_with("input_scale"))
+          scales.emplace(key, entry.value().toTensor());
+      }
+    prepare_learned_scales(scales, checkpoint.path, stage == Stage::fit);
+  }
   // [trainer] strict_loading (Lightning's LightningModule.strict_loading): false loads the keys
   // that match and warns once about the others; shapes must match either way (as in torch).
   const bool strict = t.trainer_config_.strict_loading;

@@ -41,7 +41,8 @@ class CheckpointConnector {
   std::string resolve(const std::string& ckpt_path, Stage stage);
   ReadCheckpoint read(const std::string& path, bool with_optimizer_states);
   // The model's weights; [trainer] strict_loading decides whether unmatched keys are refused.
-  void restore_model(const ReadCheckpoint& checkpoint);
+  // `stage`: in fit the optimizers exist already (see prepare_learned_scales).
+  void restore_model(const ReadCheckpoint& checkpoint, Stage stage);
   // on_load_checkpoint of every callback, then each stateful callback's own state.
   void restore_callbacks(const ReadCheckpoint& checkpoint);
   // Optimizers, schedulers, precision, and every loop's state (exact resume).
@@ -57,6 +58,11 @@ class CheckpointConnector {
   void restore_model_for(Stage stage, const std::string& ckpt_path);
   // [trainer] init_weights into the model (nothing when it is empty); after configure_model.
   void load_init_weights(Stage stage);
+  // Before a load: the fulgur::nn::Linear layers whose learned quantization scales (LSQ, the qat
+  // callback's learnable_scales) `state` holds and the model lacks get them, as `fulgur validate |
+  // test | predict` do (nn::prepare_learned_scales), so that the checkpoint loads strictly. In fit
+  // (`optimizers_set`) new parameters would miss the optimizers: refused, naming the qat callback.
+  void prepare_learned_scales(const TensorMap& state, const std::string& path, bool optimizers_set);
 
  private:
   // Every top-level key but the model and optimizer states.

@@ -10,10 +10,12 @@
 
 #include <ATen/core/ivalue.h>
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <spdlog/spdlog.h>
 #include <torch/nn/module.h>
 
 #include <filesystem>
+#include <map>
 #include <system_error>
 
 #include "../ivalue_dict.h"
@@ -93,6 +95,9 @@ void CheckpointConnector::restore_weights_only(const std::string& path, const Te
                   fmt_literal(path));
   spelling.not_strict = "[trainer] strict_loading = false";
   spelling.skip_mismatched = "";
+  // A file `fulgur weights convert` made of an LSQ checkpoint holds the learned scales too (a
+  // `fulgur quantize` file's layers are quantized by now, and float layers are the only ones asked).
+  prepare_learned_scales(tensors, path, /*optimizers_set=*/false);
   LoadReport report;
   const auto state = detail::fit_weights(module_targets(*t.plugins_.strategy, module), tensors, options, path,
                                          module.name(), report, spelling);
@@ -138,7 +143,43 @@ void CheckpointConnector::restore_model_for(Stage stage, const std::string& ckpt
     restore_weights_only(path, tensors);
     return;
   }
-  restore_model(checkpoint);
+  restore_model(checkpoint, stage);
+}
+
+void CheckpointConnector::prepare_learned_scales(const TensorMap& state, const std::string& path, bool optimizers_set) {
+  TrainerEngine& t = trainer_;
+  std::map<std::string, at::Tensor> params;
+  for (const auto& item : t.module_->named_parameters(/*recurse=*/true)) params.emplace(item.key(), item.value());
+  const auto has = [&](const std::string& key, const at::Tensor& like) {
+    const auto p = params.find(key);
+    return p != params.end() && p->second.defined() && p->second.sizes() == like.sizes();
+  };
+  // Only the layers that lack what the state holds: a layer the qat callback (or a first load)
+  // set up keeps its parameters, which the optimizers may hold already.
+  std::map<std::string, at::Tensor> missing;
+  for (const auto& [key, value] : state) {
+    if (!key.ends_with("weight_scale") || !value.defined()) continue;
+    const std::string prefix = key.substr(0, key.size() - std::string("weight_scale").size());
+    const auto input = state.find(prefix + "input_scale");
+    if (has(key, value) && (input == state.end() || has(input->first, input->second))) continue;
+    missing.emplace(key, value);
+    if (input != state.end()) missing.emplace(input->first, input->second);
+  }
+  if (missing.empty()) return;
+  const std::vector<std::string> layers = nn::prepare_learned_scales(*t.module_, missing);
+  if (layers.empty()) return;  // not fulgur::nn::Linear layers: the load names the keys
+  if (optimizers_set)
+    throw Error(ErrorKind::checkpoint,
+                fmt::format("ckpt_path {}: the layers {} learned their quantization scales (LSQ) in the run that "
+                            "wrote it, and this fit's model has no such parameters for its optimizers to train; "
+                            "resume with the same quantization-aware training: the qat callback with "
+                            "learnable_scales = true ([[callbacks]] name = \"qat\"), or "
+                            "fulgur::nn::quantization_aware_training(..., QatOptions(...).learnable_scales(true)) "
+                            "in the model's constructor",
+                            path, fmt::join(layers, ", ")));
+  if (t.global_rank() == 0)
+    spdlog::info("{}: the layers {} serve with the quantization scales they learned (LSQ)", path,
+                 fmt::join(layers, ", "));
 }
 
 std::string CheckpointConnector::init_weights_hint(const std::string& path) {

@@ -31,20 +31,32 @@ class QuantizationAwareTraining final : public fulgur::CallbackBase<Quantization
                   "Only the fulgur::nn::Linear layers whose dotted name matches this regex (\"\": all), "
                   "e.g. \"^(?!lm_head)\"",
                   ""),
-                 (boolean, convert_at_end, "Quantize the layers in place when fit ends (torchao's convert)", true));
+                 (boolean, convert_at_end, "Quantize the layers in place when fit ends (torchao's convert)", true),
+                 (string, activations,
+                  "Also fake-quantize each layer's input to asymmetric int8: \"none\", \"per_token\" (a scale "
+                  "per row, torchao's Int8DynActInt4Weight recipe) or \"per_tensor\"",
+                  "none"),
+                 (boolean, learnable_scales,
+                  "LSQ: learn the weight scales (and the per_tensor input scale) with the training", false));
 
   explicit QuantizationAwareTraining(const Options& options)
       : method_(method_from(options)),
         group_size_(options.group_size),
         layers_(options.layers),
-        convert_at_end_(options.convert_at_end) {
+        convert_at_end_(options.convert_at_end),
+        activations_(activations_from(options)),
+        learnable_scales_(options.learnable_scales) {
     options.check(group_size_ == 32 || group_size_ == 64 || group_size_ == 128 || group_size_ == 256, "group_size",
                   "must be 32, 64, 128 or 256");
   }
 
   void setup(fulgur::TrainerContext& trainer, fulgur::Stage) override {
-    const std::vector<std::string> set = nn::fake_quantize_linear_layers(
-        trainer.model(), nn::FakeQuantizeOptions(method_).group_size(group_size_), layers_);
+    const std::vector<std::string> set =
+        nn::quantization_aware_training(trainer.model(),
+                                        nn::QatOptions(nn::FakeQuantizeOptions(method_).group_size(group_size_))
+                                            .activations(activations_)
+                                            .learnable_scales(learnable_scales_),
+                                        layers_);
     if (set.empty() && !announced_ && !has_quantized_layer(trainer.model()))
       throw fulgur::Error(
           fulgur::ErrorKind::config,
@@ -52,9 +64,12 @@ class QuantizationAwareTraining final : public fulgur::CallbackBase<Quantization
                       "declare its linear layers as fulgur::nn::Linear (fulgur/nn/linear.h)",
                       kOwner, layers_.empty() ? "" : fmt::format(" matching '{}'", layers_), nn::to_string(method_)));
     if (!set.empty() && !announced_ && trainer.is_global_zero())
-      fulgur::log::info(fmt::format("{}: training {} layer{} for {} storage{}: {}", kOwner, set.size(),
+      fulgur::log::info(fmt::format("{}: training {} layer{} for {} storage{}{}{}: {}", kOwner, set.size(),
                                     set.size() == 1 ? "" : "s", nn::to_string(method_), group_text(),
-                                    fmt::join(set, ", ")));
+                                    activations_ == nn::ActivationQuantization::none
+                                        ? ""
+                                        : fmt::format(", int8 {} activations", nn::to_string(activations_)),
+                                    learnable_scales_ ? ", learned scales (LSQ)" : "", fmt::join(set, ", ")));
     announced_ = true;
   }
 
@@ -64,17 +79,28 @@ class QuantizationAwareTraining final : public fulgur::CallbackBase<Quantization
         nn::quantize_linear_weights(trainer.model(), nn::QuantizeOptions(method_).group_size(group_size_), layers_);
     if (trainer.is_global_zero())
       fulgur::log::info(fmt::format(
-          "{}: converted {} layer{} to {}{}; `fulgur quantize --method={}{}` writes the same "
+          "{}: converted {} layer{} to {}{}; `fulgur quantize --method={}{}{}` writes the same "
           "from any checkpoint",
           kOwner, done.size(), done.size() == 1 ? "" : "s", nn::to_string(method_), group_text(),
           nn::to_string(method_),
-          method_ == nn::WeightQuantization::int4 ? fmt::format(" --group_size={}", group_size_) : std::string()));
+          method_ == nn::WeightQuantization::int4 ? fmt::format(" --group_size={}", group_size_) : std::string(),
+          // Learned per-tensor input scales are in the checkpoint; dynamic ones are not.
+          activations_ != nn::ActivationQuantization::none &&
+                  !(learnable_scales_ && activations_ == nn::ActivationQuantization::per_tensor)
+              ? fmt::format(" --activations={}", nn::to_string(activations_))
+              : std::string()));
   }
 
  private:
   static nn::WeightQuantization method_from(const Options& options) {
     if (options.method != "int8" && options.method != "int4") options.reject("method", "must be \"int8\" or \"int4\"");
     return nn::weight_quantization_from_string(options.method);
+  }
+
+  static nn::ActivationQuantization activations_from(const Options& options) {
+    if (options.activations != "none" && options.activations != "per_token" && options.activations != "per_tensor")
+      options.reject("activations", "must be \"none\", \"per_token\" or \"per_tensor\"");
+    return nn::activation_quantization_from_string(options.activations);
   }
 
   // A model served from quantized weights (`fulgur test --ckpt_path=<fulgur quantize's file>` with
@@ -95,6 +121,8 @@ class QuantizationAwareTraining final : public fulgur::CallbackBase<Quantization
   int64_t group_size_;
   std::string layers_;
   bool convert_at_end_;
+  nn::ActivationQuantization activations_;
+  bool learnable_scales_;
   bool announced_ = false;
 };
 

@@ -92,6 +92,57 @@ struct FakeQuantizeOptions {
   TORCH_ARG(int64_t, group_size) = 128;
 };
 
+/// How quantization-aware training quantizes a layer's input (its activations). SDK 1.5.
+enum class ActivationQuantization : int32_t {
+  none = 0,        ///< the input stays in floating point (weight-only training)
+  per_token = 1,   ///< int8, one scale and zero point per row (token), from the row's min and max
+  per_tensor = 2,  ///< int8, one scale and zero point for the whole input
+};
+
+/// "none", "per_token" or "per_tensor" (what the `qat` callback's `activations` option says). SDK 1.5.
+FULGUR_SDK_API std::string to_string(ActivationQuantization quantization);
+
+/// The ActivationQuantization named `name`; throws fulgur::Error(config) naming the accepted names
+/// otherwise. SDK 1.5.
+FULGUR_SDK_API ActivationQuantization activation_quantization_from_string(const std::string& name);
+
+/// Quantization-aware training with everything it can train for (SDK 1.5):
+/// `fulgur::nn::QatOptions(fulgur::nn::FakeQuantizeOptions(WeightQuantization::int4).group_size(32))
+///      .activations(ActivationQuantization::per_token).learnable_scales(true)`.
+///
+/// Activations are fake-quantized to asymmetric int8 (-128..127) with torchao's (and XNNPACK's)
+/// choose_qparams_per_token_asymmetric: the range [min(x, 0), max(x, 0)] over the row (per_token)
+/// or the whole input (per_tensor), scale = range / 255, an integer zero point; asymmetric
+/// because the inputs of layers after a ReLU are one-sided, and symmetric codes would waste half of
+/// them. The gradient goes straight through where the value lies in the representable range and is
+/// zero where it was clipped.
+///
+/// learnable_scales: LSQ (Esser et al. 2019, "Learned Step Size Quantization"). The weight scales
+/// (int8: `weight_scale` [out]; int4: `weight_scale` and `weight_zero` [out, groups], the offset
+/// learned as in LSQ+) and, with per_tensor activations, `input_scale` and `input_zero` [1] become
+/// parameters, trained with the LSQ gradient: d ŵ / d s = round(v) − v inside the range, the
+/// bound outside (v = (w − zero) / s), multiplied by g = 1 / sqrt(numel · qmax), numel being the
+/// number of values one scale quantizes (in_features, group_size, or the input's elements), and the
+/// weight's gradient is clipped straight-through. They start from the min/max scales of the data
+/// (the weight at the call; the first training batch for the input), so training starts where
+/// fixed-scale QAT does. quantize_weight then stores the weight with the learned scales. Per-token
+/// activation scales are computed per row and not learned.
+///
+/// A layer quantized after such training keeps quantizing its input as it trained (learned
+/// per-tensor scales become the buffers `input_scale`, `input_zero`), before the weight-only
+/// kernel; prepare_quantized_layers rebuilds that from a file's "fulgur.activations" and
+/// "fulgur.input_scales" = "learned" metadata (what `fulgur quantize` writes).
+struct QatOptions {
+  /// Train for `weight` storage.
+  /* implicit */ QatOptions(FakeQuantizeOptions weight) : weight_(weight) {}
+  /// The weight storage to train for (its method none turns quantization-aware training off).
+  TORCH_ARG(FakeQuantizeOptions, weight);
+  /// How the input is fake-quantized.
+  TORCH_ARG(ActivationQuantization, activations) = ActivationQuantization::none;
+  /// LSQ: learn the weight scales (and the per_tensor input scale) as parameters.
+  TORCH_ARG(bool, learnable_scales) = false;
+};
+
 /// A fully connected layer, y = x Wᵀ + b, like torch::nn::Linear, that can hold its weight
 /// quantized (see the file comment).
 class FULGUR_SDK_API LinearImpl : public torch::nn::Cloneable<LinearImpl> {
@@ -144,6 +195,15 @@ class FULGUR_SDK_API LinearImpl : public torch::nn::Cloneable<LinearImpl> {
   void float8_training(const Float8Options& options);
   /// What float8_training set: scaling Float8Scaling::none when off. SDK 1.4.
   Float8Options float8_options() const;
+  /// Quantization-aware training of the weight, the input, and the scales as `options` say (see
+  /// QatOptions); fake_quantize(options.weight()) is the call with activations none and fixed
+  /// scales, and options.weight() with WeightQuantization::none turns all of it off (the learned
+  /// scales are dropped). Calling it again with the same options keeps the learned scales. Throws
+  /// fulgur::Error(invalid_argument) as fake_quantize does, and for activations or learnable scales
+  /// without a weight method. SDK 1.5.
+  void quantization_aware_training(const QatOptions& options);
+  /// What quantization_aware_training (or fake_quantize) set. SDK 1.5.
+  QatOptions qat_options() const;
 
   /// The options the layer was made with.
   LinearOptions options;
@@ -154,6 +214,11 @@ class FULGUR_SDK_API LinearImpl : public torch::nn::Cloneable<LinearImpl> {
   at::Tensor bias;
 
  private:
+  // SDK 1.5: the input as quantization-aware training sees it, and the removal of the LSQ
+  // parameters (on convert, or when the training changes storage).
+  at::Tensor fake_quantized_input(const at::Tensor& input);
+  void drop_learned_scales();
+
   struct State;
   std::unique_ptr<State> state_;  // quantization scales, packed kernel weights; grows without changing this layout
 };
@@ -167,6 +232,22 @@ TORCH_MODULE(Linear);
 FULGUR_SDK_API std::vector<std::string> fake_quantize_linear_layers(torch::nn::Module& module,
                                                                     const FakeQuantizeOptions& options,
                                                                     const std::string& filter = "");
+
+/// quantization_aware_training(options) for every unquantized fulgur::nn::Linear under `module`
+/// whose dotted name matches `filter` (as quantize_linear_weights). Returns the names of the layers
+/// it set. SDK 1.5.
+FULGUR_SDK_API std::vector<std::string> quantization_aware_training(torch::nn::Module& module,
+                                                                    const QatOptions& options,
+                                                                    const std::string& filter = "");
+
+/// Before loading `state` (a state dict by dotted name) into `module`: every float
+/// fulgur::nn::Linear whose learned scales (LSQ, see QatOptions) `state` holds gets them as
+/// parameters of the right shapes (int8 for a [out] `weight_scale`, int4 with the smallest group
+/// size that gives the groups of a [out, groups] one), with fake quantization on. Returns the names
+/// of those layers. What `fulgur validate | test | predict | quantize --ckpt_path` call so that a
+/// checkpoint trained with learnable scales loads strictly. SDK 1.5.
+FULGUR_SDK_API std::vector<std::string> prepare_learned_scales(torch::nn::Module& module,
+                                                               const std::map<std::string, at::Tensor>& state);
 
 /// Quantizes the weight of every fulgur::nn::Linear under `module` (itself included) whose dotted
 /// name matches the ECMAScript regex `filter` (empty: all), e.g. "^(?!lm_head)" to skip the output
