@@ -11,6 +11,8 @@
 #   bench/distributed.sh --runs 1 --steps 8       smoke run
 #   bench/distributed.sh --sides fulgur-ddp,lightning-ddp --json /tmp/d.json
 #   bench/distributed.sh --sides fulgur-single,fulgur-ddp,fulgur-z2,fulgur-z3 --overlap   hidden share
+#   bench/distributed.sh --sides fulgur-z2,fulgur-z2-blocking,lightning-fsdp-grad-op --overlap --reduce-bucket-mb 1
+#       hidden share with and without overlap_reduce (a `-blocking` side), Lightning under torch.profiler
 #
 # Builds `fulgur`, the GPT plugins and bench_step_probe in $FULGUR_BUILD_DIR (default build/);
 # FULGUR_JOBS caps the build's parallelism (default 2). Other arguments go to distributed.py (--help).

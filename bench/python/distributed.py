@@ -20,7 +20,9 @@ with min-max ranges.
 Communication hidden under compute: the collectives of each strategy alone (comm_time.py) next to
 what the ranks add to one process's step; with --overlap, one more run of each Fulgur side under
 the `pytorch` profiler plugin, whose traces give the share of each Gloo collective's in-flight
-time during which the training thread computed (overlap.py). --bucket-cap-mb sets ddp's buckets.
+time during which the training thread computed (overlap.py). --bucket-cap-mb sets ddp's buckets,
+--reduce-bucket-mb fsdp stage 1/2's; a side `fulgur-z2-blocking` (any fsdp side + `-blocking`) runs
+with overlap_reduce = false: the hidden share before and after the overlap.
 """
 
 import argparse
@@ -51,6 +53,7 @@ LABELS = {
 PAIRS = [("fulgur-ddp", "lightning-ddp"), ("fulgur-z1", "lightning-ddp"), ("fulgur-z2", "lightning-fsdp-grad-op"),
          ("fulgur-z3", "lightning-fsdp-full")]
 NOVOTE = "-novote"  # suffix of a Fulgur side: FULGUR_SIGNAL_VOTE_EVERY=0
+BLOCKING = "-blocking"  # suffix of a Fulgur fsdp side: [strategy] overlap_reduce = false
 STEP_RE = re.compile(r"^FULGUR_STEP rank=(\d+) step=(\d+) t=([\d.]+) loss=([-\d.eE+naif]+) wchar=(-?\d+) "
                      r"rss_kib=(\d+) minflt=(\d+) cpu=([\d.]+)", re.M)
 
@@ -65,11 +68,15 @@ active = 4
 """
 
 
-def toml_text(args, root, strategy, stage, devices, save_init="", profile=False):
+def toml_text(args, root, strategy, stage, devices, save_init="", profile=False, blocking=False):
     plugin_dir = os.path.join(args.build, "bench-plugins")
     strat = ""
     if strategy == "fsdp":
         strat = f"\n[strategy]\nzero_stage = {stage}\n"
+        if blocking:
+            strat += "overlap_reduce = false\n"
+        elif args.reduce_bucket_mb is not None and stage in (1, 2):
+            strat += f"reduce_bucket_mb = {args.reduce_bucket_mb}\n"
     elif strategy == "ddp" and args.bucket_cap_mb is not None:
         strat = f"\n[strategy]\nbucket_cap_mb = {args.bucket_cap_mb}\n"
     return f"""[plugins]
@@ -134,11 +141,13 @@ def command(args, side, root, profile=False):
         # The same Fulgur side without the per-batch signal vote (a measurement switch).
         env["FULGUR_SIGNAL_VOTE_EVERY"] = "0"
         side = side[: -len(NOVOTE)]
+    blocking = side.endswith(BLOCKING)
+    side = side.removesuffix(BLOCKING)
     if side in FULGUR_SIDES:
         strategy, stage = FULGUR_SIDES[side]
         path = os.path.join(root, "bench.toml")
         with open(path, "w") as f:
-            f.write(toml_text(args, root, strategy, stage, args.ranks, profile=profile))
+            f.write(toml_text(args, root, strategy, stage, args.ranks, profile=profile, blocking=blocking))
         return [args.fulgur, "fit", "--config", path], env
     if side == "fulgur-single":
         path = os.path.join(root, "bench.toml")
@@ -149,6 +158,8 @@ def command(args, side, root, profile=False):
            "--devices", str(args.ranks), "--steps", str(args.steps), "--tokens", args.tokens, "--init", args.init,
            "--block-size", str(args.block_size), "--batch-size", str(args.batch_size), "--n-layer",
            str(args.n_layer), "--n-head", str(args.n_head), "--n-embd", str(args.n_embd), "--lr", str(args.lr)]
+    if profile:
+        cmd += ["--trace", os.path.join(root, "trace"), "--trace-wait", str(args.warmup)]
     return cmd, env
 
 
@@ -201,7 +212,7 @@ def fmt_range(values, digits=1, scale=1.0):
 def formula_bytes(side, params, n):
     """Bytes a rank sends per step by the textbook algorithms (ring all-reduce 2(N-1)/N, all-gather
     and reduce-scatter (N-1)/N of the float32 parameters)."""
-    side = side[: -len(NOVOTE)] if side.endswith(NOVOTE) else side
+    side = side[: -len(NOVOTE)] if side.endswith(NOVOTE) else side.removesuffix(BLOCKING)
     b = 4 * params * (n - 1) / n
     return {"fulgur-ddp": 2 * b, "lightning-ddp": 2 * b, "fulgur-z1": 3 * b, "fulgur-z2": 2 * b,
             "lightning-fsdp-grad-op": 2 * b, "fulgur-z3": 3 * b, "lightning-fsdp-full": 3 * b}.get(side, 0.0)
@@ -237,10 +248,12 @@ def main():
     p.add_argument("--max-bytes", type=int, default=0)
     p.add_argument("--timeout", type=float, default=600)
     p.add_argument("--bucket-cap-mb", type=int, help="Fulgur ddp's bucket_cap_mb (default: the strategy's, 25)")
+    p.add_argument("--reduce-bucket-mb", type=float,
+                   help="Fulgur fsdp zero_stage 1/2's reduce_bucket_mb (default: the strategy's, 25)")
     p.add_argument("--no-comm", action="store_true", help="skip timing the collectives alone (hidden share)")
     p.add_argument("--overlap", action="store_true",
-                   help="one more run of each Fulgur side under the LibTorch profiler (signal vote off): the share "
-                        "of its collectives' time hidden under compute (overlap.py)")
+                   help="one more run of each side under the profiler (Fulgur: signal vote off; Lightning: "
+                        "torch.profiler): the share of its collectives' time hidden under compute (overlap.py)")
     p.add_argument("--json", help="also write the raw results here (bench/scaling_model.py --calibration reads it)")
     p.add_argument("--keep", action="store_true", help="keep the run directories")
     args = p.parse_args()
@@ -248,6 +261,9 @@ def main():
     args.build = os.path.abspath(args.build)
     sides = [s for s in args.sides.split(",") if s]
     for s in sides:
+        if s.endswith(BLOCKING) and s.removesuffix(BLOCKING) in FULGUR_SIDES and "fsdp" in FULGUR_SIDES[s.removesuffix(BLOCKING)]:
+            LABELS[s] = LABELS[s.removesuffix(BLOCKING)] + ", overlap_reduce = false"
+            continue
         if s.endswith(NOVOTE) and s[: -len(NOVOTE)] in FULGUR_SIDES:
             LABELS[s] = LABELS[s[: -len(NOVOTE)]] + ", no signal vote"
             continue
@@ -286,7 +302,7 @@ def main():
                       f"{max(v['rss_mib'] for v in res['ranks'].values()):.0f} MiB", file=sys.stderr, flush=True)
         overlap = {}
         for s in sides if args.overlap else []:
-            if s.removesuffix(NOVOTE) in FULGUR_SIDES and s not in errors and not s.endswith(NOVOTE):
+            if (s.removesuffix(BLOCKING) in FULGUR_SIDES or s in LIGHTNING_SIDES) and s not in errors:
                 print(f"distributed: {s} under the profiler (hidden share)", file=sys.stderr, flush=True)
                 overlap[s] = profiled_overlap(args, s, os.path.join(root, f"{s}-trace"))
     finally:
@@ -323,7 +339,8 @@ def comm_alone(args, params):
 
 
 def profiled_overlap(args, side, root):
-    """Hidden share of one profiled run of a Fulgur side, per rank (overlap.py), or {"error": ...}."""
+    """Hidden share of one profiled run of a side, per rank (overlap.py), or {"error": ...}: Fulgur under its
+    `pytorch` profiler plugin, Lightning under torch.profiler (gpt_lightning.py --trace), the same scopes."""
     import overlap as ov
     os.makedirs(root, exist_ok=True)
     cmd, env = command(args, side, root, profile=True)
@@ -401,7 +418,7 @@ def report(args, sides, results, errors, single, params, load_before, load_after
               f"{statistics.median(r['step_ms'] for r in runs) - single_ms:+.1f} | "
               f"{fmt_range([r['cpu_ms'] for r in runs])} | {fmt_range(rss, 0)} | "
               f"{fmt_range(flt, 0)} | {fmt_range(sent, 3, 1e-6)} | {formula_bytes(s, params, n) / 1e6:.3f} "
-              f"({FORMULA_TEXT.get(s.removesuffix(NOVOTE), '')}) | {fmt_range([r['first_step_s'] for r in runs], 1)} |")
+              f"({FORMULA_TEXT.get(s.removesuffix(NOVOTE).removesuffix(BLOCKING), '')}) | {fmt_range([r['first_step_s'] for r in runs], 1)} |")
     print("\n| Fulgur ÷ Lightning | step time | CPU time per step | peak RSS (max rank) | start to first step |")
     print("|---|---|---|---|---|")
     for f, l in PAIRS:
@@ -415,12 +432,13 @@ def report(args, sides, results, errors, single, params, load_before, load_after
         print(f"| {LABELS[f]} ÷ {LABELS[l]} | {fmt_range(ratio('step_ms'), 2)} | {fmt_range(ratio('cpu_ms'), 2)} | "
               f"{fmt_range(rss, 2)} | "
               f"{fmt_range(ratio('first_step_s'), 2)} |")
-    hid = [s for s in sides if results.get(s) and (comm or {}).get(COMM_KIND.get(s.removesuffix(NOVOTE)))]
+    kind = lambda s: COMM_KIND.get(s.removesuffix(NOVOTE).removesuffix(BLOCKING))
+    hid = [s for s in sides if results.get(s) and (comm or {}).get(kind(s))]
     if hid:
         print("\n| communication hidden under compute | collectives alone ms/step | step − 1 process ms | hidden |")
         print("|---|---|---|---|")
         for s in hid:
-            c = comm[COMM_KIND[s.removesuffix(NOVOTE)]]
+            c = comm[kind(s)]
             shares = [hidden_share(r["step_ms"], single_ms, c) for r in results[s]]
             print(f"| {LABELS[s]} | {c:.2f} | "
                   f"{fmt_range([r['step_ms'] - single_ms for r in results[s]], 1)} | {fmt_range(shares, 0, 100)} % |")
