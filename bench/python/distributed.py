@@ -23,6 +23,10 @@ the `pytorch` profiler plugin, whose traces give the share of each Gloo collecti
 time during which the training thread computed (overlap.py). --bucket-cap-mb sets ddp's buckets,
 --reduce-bucket-mb fsdp stage 1/2's; a side `fulgur-z2-blocking` (any fsdp side + `-blocking`) runs
 with overlap_reduce = false: the hidden share before and after the overlap.
+
+--model cnn runs the Fashion-MNIST example's CNN instead (examples/fashion_mnist: its model and
+datamodule plugins, Adam), Fulgur sides only: ddp and ZeRO-1/2 against each other and one process
+(the Lightning side for it is not written; ZeRO-3 refuses a model without blocks).
 """
 
 import argparse
@@ -68,8 +72,58 @@ active = 4
 """
 
 
+# --model cnn: the Fashion-MNIST example's CNN (examples/fashion_mnist) with its datamodule and Adam.
+CNN_TABLES = """[model]
+name = "fashion_mnist_cnn"
+optimizer = "adam"
+lr = {lr}
+weight_decay = 0.0
+
+[data]
+name = "fashion_mnist"
+dir = "{data}"
+batch_size = {batch_size}
+num_workers = 0
+val_split = 5000
+seed = 42
+"""
+
+
+def model_tables(args):
+    if args.model == "cnn":
+        return CNN_TABLES.format(lr=args.lr, data=args.fashion_mnist, batch_size=args.batch_size)
+    return f"""[model]
+name = "gpt"
+block_size = {args.block_size}
+n_layer = {args.n_layer}
+n_head = {args.n_head}
+n_embd = {args.n_embd}
+dropout = 0.0
+optimizer = "adamw"
+lr = {args.lr}
+min_lr = {args.lr}
+weight_decay = 0.1
+betas = [0.9, 0.99]
+warmup_steps = 0
+lr_decay_steps = {args.steps}
+
+[data]
+name = "char_corpus"
+corpus = "{args.corpus}"
+cache_dir = "{args.cache}"
+max_bytes = {args.max_bytes}
+val_fraction = 0.1
+block_size = {args.block_size}
+batch_size = {args.batch_size}
+num_workers = 0
+seed = 42
+
+"""
+
+
 def toml_text(args, root, strategy, stage, devices, save_init="", profile=False, blocking=False):
     plugin_dir = os.path.join(args.build, "bench-plugins")
+    model_tables_text = model_tables(args)
     strat = ""
     if strategy == "fsdp":
         strat = f"\n[strategy]\nzero_stage = {stage}\n"
@@ -100,32 +154,7 @@ seed = 42
 default_root_dir = "{root}"
 {strat}
 {PROFILER.format(root=root, warmup=args.warmup) if profile else ""}
-[model]
-name = "gpt"
-block_size = {args.block_size}
-n_layer = {args.n_layer}
-n_head = {args.n_head}
-n_embd = {args.n_embd}
-dropout = 0.0
-optimizer = "adamw"
-lr = {args.lr}
-min_lr = {args.lr}
-weight_decay = 0.1
-betas = [0.9, 0.99]
-warmup_steps = 0
-lr_decay_steps = {args.steps}
-
-[data]
-name = "char_corpus"
-corpus = "{args.corpus}"
-cache_dir = "{args.cache}"
-max_bytes = {args.max_bytes}
-val_fraction = 0.1
-block_size = {args.block_size}
-batch_size = {args.batch_size}
-num_workers = 0
-seed = 42
-
+{model_tables_text}
 [[callbacks]]
 name = "bench_step_probe"
 save_init = "{save_init}"
@@ -244,6 +273,11 @@ def main():
     p.add_argument("--n-head", type=int, default=4)
     p.add_argument("--n-embd", type=int, default=64)
     p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--model", choices=["gpt", "cnn"], default="gpt",
+                   help="gpt: the GPT example (every side); cnn: the Fashion-MNIST example's CNN (Adam, batch "
+                        "--batch-size, lr --lr), Fulgur sides fulgur-single/ddp/z1/z2 only (no Lightning side "
+                        "written for it yet; ZeRO-3 refuses it: no blocks)")
+    p.add_argument("--fashion-mnist", default="/usr/share/datasets/fashion-mnist", help="--model cnn: the IDX files")
     p.add_argument("--corpus", default="/usr/share/games/fortunes")
     p.add_argument("--max-bytes", type=int, default=0)
     p.add_argument("--timeout", type=float, default=600)
@@ -257,6 +291,12 @@ def main():
     p.add_argument("--json", help="also write the raw results here (bench/scaling_model.py --calibration reads it)")
     p.add_argument("--keep", action="store_true", help="keep the run directories")
     args = p.parse_args()
+    if args.model == "cnn":
+        for s in (x for x in args.sides.split(",") if x):
+            base = s.removesuffix(NOVOTE).removesuffix(BLOCKING)
+            if base in LIGHTNING_SIDES or base == "fulgur-z3":
+                p.error(f"--model cnn: side '{s}' is not available (Lightning: not written; ZeRO-3: the CNN has no "
+                        "blocks); choose among fulgur-single, fulgur-ddp, fulgur-z1, fulgur-z2")
     args.fulgur = os.path.abspath(args.fulgur)
     args.build = os.path.abspath(args.build)
     sides = [s for s in args.sides.split(",") if s]
@@ -283,7 +323,8 @@ def main():
         single = run_one(args, "fulgur-single", os.path.join(root, "single"))
         if "error" in single:
             sys.exit(f"distributed: the single-process Fulgur run failed: {single['error']}\n  {single['cmd']}")
-        args.tokens = next(os.path.join(d, "train.bin") for d, _, files in os.walk(args.cache) if "train.bin" in files)
+        args.tokens = next((os.path.join(d, "train.bin") for d, _, files in os.walk(args.cache) if "train.bin" in files),
+                           None)
         params = sum(_numel(args.init))
         comm = {} if args.no_comm else comm_alone(args, params)
         for r in range(args.runs):
@@ -374,9 +415,14 @@ def _numel(path):
 
 def report(args, sides, results, errors, single, params, load_before, load_after, seconds, comm=None, overlap=None):
     n = args.ranks
-    print(f"\n## GPT example on {n} Gloo ranks: Fulgur vs Lightning 2.6.6\n")
-    print(f"Ψ = {params / 1e6:.3f} M parameters (n_layer {args.n_layer}, n_embd {args.n_embd}, block {args.block_size}), "
-          f"batch {args.batch_size} per rank, float32, AdamW, {args.steps} steps (step time over steps "
+    if args.model == "cnn":
+        print(f"\n## Fashion-MNIST CNN on {n} Gloo ranks: Fulgur ddp and fsdp\n")
+        what = "examples/fashion_mnist CNN, 28x28 images"
+    else:
+        print(f"\n## GPT example on {n} Gloo ranks: Fulgur vs Lightning 2.6.6\n")
+        what = f"n_layer {args.n_layer}, n_embd {args.n_embd}, block {args.block_size}"
+    print(f"Ψ = {params / 1e6:.3f} M parameters ({what}), "
+          f"batch {args.batch_size} per rank, float32, {'Adam' if args.model == 'cnn' else 'AdamW'}, {args.steps} steps (step time over steps "
           f"{args.warmup + 1}–{args.steps}), 1 thread per rank, {os.cpu_count()} CPUs, load average "
           f"{load_before[0]:.1f} before / {load_after[0]:.1f} after, {args.runs} interleaved run(s), {seconds:.0f} s. "
           f"Median (min–max) over runs. '− 1 process': the median step minus the median step of one process "
