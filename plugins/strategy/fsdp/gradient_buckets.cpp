@@ -4,6 +4,7 @@
 
 #include <ATen/ops/tensor.h>
 #include <ATen/ops/zeros.h>
+#include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/utils/lambda_post_hook.h>
 #include <torch/csrc/autograd/variable.h>
 #include <torch/utils.h>

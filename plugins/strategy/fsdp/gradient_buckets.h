@@ -21,13 +21,15 @@
 // ring may add the ranks' values in another order for an element, a difference of float rounding.
 #pragma once
 
-#include <torch/csrc/autograd/function.h>
-
 #include <cstdint>
 #include <memory>
 #include <vector>
 
 #include "sharded_parameter.h"
+
+namespace torch::autograd {
+struct Node;  // a parameter's gradient accumulator (torch/csrc/autograd/function.h)
+}  // namespace torch::autograd
 
 namespace fulgur::fsdp {
 
