@@ -26,6 +26,7 @@
 #include <csignal>
 #include <cstdio>
 #include <fstream>
+#include <limits>
 #include <sstream>
 #include <thread>
 
@@ -754,6 +755,35 @@ TEST_CASE("every built-in plugin passes the testing kit's conformance checks for
   };
   CHECK_THROWS_WITH_AS(kit::check_callback_conformance(std::make_shared<StopsAtOnce>()),
                        doctest::Contains("conformance:"), std::runtime_error);
+}
+
+TEST_CASE("fsdp: overlap_reduce and reduce_bucket_mb: bad bucket sizes and options off their stage are refused") {
+  using fulgur::OptionValue;
+  auto make = [](const std::map<std::string, OptionValue>& options) {
+    return fulgur::create<fulgur::Strategy>(fulgur::PluginKind::strategy, "fsdp", options);
+  };
+  for (const double bad :
+       {0.0, -1.0, std::numeric_limits<double>::quiet_NaN(), std::numeric_limits<double>::infinity(), 2e6}) {
+    CAPTURE(bad);
+    const fulgur::Error error = fulgur::test::error_from([&] { make({{"reduce_bucket_mb", OptionValue(bad)}}); });
+    FULGUR_CHECK_CONTAINS(error.what(), "strategy 'fsdp': reduce_bucket_mb = ");
+    FULGUR_CHECK_CONTAINS(error.what(), "must be a number of MiB above 0");
+  }
+  const fulgur::Error stage3 = fulgur::test::error_from([&] {
+    make({{"zero_stage", OptionValue(int64_t{3})}, {"reduce_bucket_mb", OptionValue(4.0)}});
+  });
+  FULGUR_CHECK_CONTAINS(stage3.what(), "reduce_bucket_mb = 4 applies to zero_stage = 1 and 2");
+  const fulgur::Error blocking = fulgur::test::error_from([&] {
+    make({{"overlap_reduce", OptionValue(false)}, {"reduce_bucket_mb", OptionValue(4.0)}});
+  });
+  FULGUR_CHECK_CONTAINS(blocking.what(), "applies with overlap_reduce = true only");
+  const fulgur::Error typed = fulgur::test::error_from([&] {
+    make({{"overlap_reduce", OptionValue(std::string("yes"))}});
+  });
+  FULGUR_CHECK_CONTAINS(typed.what(), "overlap_reduce");
+  CHECK_NOTHROW(make({{"zero_stage", OptionValue(int64_t{1})}, {"reduce_bucket_mb", OptionValue(0.5)}}));
+  CHECK_NOTHROW(make({{"reduce_bucket_mb", OptionValue(4.0)}}));
+  CHECK_NOTHROW(make({{"zero_stage", OptionValue(int64_t{3})}, {"overlap_reduce", OptionValue(false)}}));
 }
 
 TEST_CASE("fsdp: stages that do not exist, and reshard_after_forward off a sharded-parameter stage, are refused") {

@@ -21,6 +21,7 @@
 #include <cstring>
 #include <fstream>
 #include <map>
+#include <regex>
 #include <set>
 #include <sstream>
 #include <string>
@@ -650,6 +651,57 @@ TEST_CASE(
       pruned += mask.logical_not().sum().item<int64_t>();
     }
     CHECK(pruned > 0);
+  }
+}
+
+TEST_CASE(
+    "gpt example: fsdp overlap_reduce from TOML on 2 ranks: ZeRO-1/2 buckets and ZeRO-3 reduce-scatters started in "
+    "backward reach bitwise the weights of overlap_reduce = false") {
+  // `fulgur fit` of the tiny GPT (bf16-mixed autocast, clipping by global norm) on 2 Gloo ranks.
+  // With overlap_reduce (the default) each gradient element is averaged by the same sum and
+  // division as after backward; on 2 ranks a + b = b + a, so the weights are the same bit for bit.
+  const TinyJob job;
+  const std::string base = fulgur::test::read_bytes(job.toml);
+  auto fit = [&](const std::string& name, int stage, const std::string& option) {
+    std::string toml = base;
+    const std::string ckpt_line = "/ckpt\"";
+    toml.replace(toml.find(ckpt_line), ckpt_line.size(), "/ckpt_" + name + "\"");
+    toml.replace(toml.find("[model]"), 7, fmt::format("[strategy]\nzero_stage = {}\n{}\n[model]", stage, option));
+    const fs::path file = job.dir / (name + ".toml");
+    fulgur::test::write_bytes(file, toml);
+    const ProcessRun run =
+        fulgur::test::run_process({FULGUR_TEST_FULGUR_BIN, "fit", "--config", file.string(),
+                                   "--trainer.default_root_dir=" + (job.dir / name).string(), "--trainer.strategy=fsdp",
+                                   "--trainer.devices=2", "--trainer.max_steps=6", "--trainer.limit_val_batches=0"},
+                                  {{"FULGUR_LOG_LEVEL", "debug"}}, job.dir.path());
+    INFO(run.output);
+    REQUIRE(run.exit_code == 0);
+    return std::make_pair(run.output, fulgur::read_checkpoint_file((job.dir / ("ckpt_" + name) / "last.ckpt").string())
+                                          .toGenericDict()
+                                          .at("state_dict")
+                                          .toGenericDict());
+  };
+  for (int stage : {1, 2, 3}) {
+    CAPTURE(stage);
+    const auto [blocking_log, blocking] = fit(fmt::format("z{}_blocking", stage), stage, "overlap_reduce = false");
+    const auto [overlapped_log, overlapped] =
+        fit(fmt::format("z{}_overlapped", stage), stage, stage == 3 ? "" : "reduce_bucket_mb = 0.02");
+    CHECK(max_difference(overlapped, blocking) == 0.0);
+    if (stage == 3) {
+      // Block 1's reduce-scatter starts in backward (block 0's input is the embedding's output,
+      // which needs a gradient too): both blocks' overlap it.
+      FULGUR_CHECK_CONTAINS(overlapped_log, "reduce-scatters (2 units), 2 of the reduce-scatters overlapping backward");
+      FULGUR_CHECK_CONTAINS(blocking_log, "reduce-scatters (2 units), 0 of the reduce-scatters overlapping backward");
+    } else {
+      // The tiny model's 140 KiB of gradients in buckets of 20 KiB (8 of them): every one started
+      // from the gradient hooks, none left for the end of backward.
+      const std::regex line(R"((\d+) of (\d+) gradient buckets started during backward)");
+      std::smatch m;
+      REQUIRE(std::regex_search(overlapped_log, m, line));
+      CHECK(std::stoi(m[2]) >= 6);
+      CHECK(m[1] == m[2]);
+      CHECK_FALSE(contains(blocking_log, "gradient buckets started during backward"));
+    }
   }
 }
 

@@ -20,7 +20,13 @@ with min-max ranges.
 Communication hidden under compute: the collectives of each strategy alone (comm_time.py) next to
 what the ranks add to one process's step; with --overlap, one more run of each Fulgur side under
 the `pytorch` profiler plugin, whose traces give the share of each Gloo collective's in-flight
-time during which the training thread computed (overlap.py). --bucket-cap-mb sets ddp's buckets.
+time during which the training thread computed (overlap.py). --bucket-cap-mb sets ddp's buckets,
+--reduce-bucket-mb fsdp stage 1/2's; a side `fulgur-z2-blocking` (any fsdp side + `-blocking`) runs
+with overlap_reduce = false: the hidden share before and after the overlap.
+
+--model cnn runs the Fashion-MNIST example's CNN instead (examples/fashion_mnist: its model and
+datamodule plugins, Adam), Fulgur sides only: ddp and ZeRO-1/2 against each other and one process
+(the Lightning side for it is not written; ZeRO-3 refuses a model without blocks).
 """
 
 import argparse
@@ -51,6 +57,7 @@ LABELS = {
 PAIRS = [("fulgur-ddp", "lightning-ddp"), ("fulgur-z1", "lightning-ddp"), ("fulgur-z2", "lightning-fsdp-grad-op"),
          ("fulgur-z3", "lightning-fsdp-full")]
 NOVOTE = "-novote"  # suffix of a Fulgur side: FULGUR_SIGNAL_VOTE_EVERY=0
+BLOCKING = "-blocking"  # suffix of a Fulgur fsdp side: [strategy] overlap_reduce = false
 STEP_RE = re.compile(r"^FULGUR_STEP rank=(\d+) step=(\d+) t=([\d.]+) loss=([-\d.eE+naif]+) wchar=(-?\d+) "
                      r"rss_kib=(\d+) minflt=(\d+) cpu=([\d.]+)", re.M)
 
@@ -65,35 +72,27 @@ active = 4
 """
 
 
-def toml_text(args, root, strategy, stage, devices, save_init="", profile=False):
-    plugin_dir = os.path.join(args.build, "bench-plugins")
-    strat = ""
-    if strategy == "fsdp":
-        strat = f"\n[strategy]\nzero_stage = {stage}\n"
-    elif strategy == "ddp" and args.bucket_cap_mb is not None:
-        strat = f"\n[strategy]\nbucket_cap_mb = {args.bucket_cap_mb}\n"
-    return f"""[plugins]
-paths = ["{plugin_dir}"]
+# --model cnn: the Fashion-MNIST example's CNN (examples/fashion_mnist) with its datamodule and Adam.
+CNN_TABLES = """[model]
+name = "fashion_mnist_cnn"
+optimizer = "adam"
+lr = {lr}
+weight_decay = 0.0
 
-[trainer]
-accelerator = "cpu"
-strategy = "{strategy}"
-devices = {devices}
-precision = "32-true"
-max_steps = {args.steps}
-max_epochs = -1
-limit_val_batches = 0
-num_sanity_val_steps = 0
-gradient_clip_val = 0.0
-logger = false
-enable_checkpointing = false
-enable_progress_bar = false
-enable_model_summary = false
+[data]
+name = "fashion_mnist"
+dir = "{data}"
+batch_size = {batch_size}
+num_workers = 0
+val_split = 5000
 seed = 42
-default_root_dir = "{root}"
-{strat}
-{PROFILER.format(root=root, warmup=args.warmup) if profile else ""}
-[model]
+"""
+
+
+def model_tables(args):
+    if args.model == "cnn":
+        return CNN_TABLES.format(lr=args.lr, data=args.fashion_mnist, batch_size=args.batch_size)
+    return f"""[model]
 name = "gpt"
 block_size = {args.block_size}
 n_layer = {args.n_layer}
@@ -119,6 +118,43 @@ batch_size = {args.batch_size}
 num_workers = 0
 seed = 42
 
+"""
+
+
+def toml_text(args, root, strategy, stage, devices, save_init="", profile=False, blocking=False):
+    plugin_dir = os.path.join(args.build, "bench-plugins")
+    model_tables_text = model_tables(args)
+    strat = ""
+    if strategy == "fsdp":
+        strat = f"\n[strategy]\nzero_stage = {stage}\n"
+        if blocking:
+            strat += "overlap_reduce = false\n"
+        elif args.reduce_bucket_mb is not None and stage in (1, 2):
+            strat += f"reduce_bucket_mb = {args.reduce_bucket_mb}\n"
+    elif strategy == "ddp" and args.bucket_cap_mb is not None:
+        strat = f"\n[strategy]\nbucket_cap_mb = {args.bucket_cap_mb}\n"
+    return f"""[plugins]
+paths = ["{plugin_dir}"]
+
+[trainer]
+accelerator = "cpu"
+strategy = "{strategy}"
+devices = {devices}
+precision = "32-true"
+max_steps = {args.steps}
+max_epochs = -1
+limit_val_batches = 0
+num_sanity_val_steps = 0
+gradient_clip_val = 0.0
+logger = false
+enable_checkpointing = false
+enable_progress_bar = false
+enable_model_summary = false
+seed = 42
+default_root_dir = "{root}"
+{strat}
+{PROFILER.format(root=root, warmup=args.warmup) if profile else ""}
+{model_tables_text}
 [[callbacks]]
 name = "bench_step_probe"
 save_init = "{save_init}"
@@ -134,11 +170,13 @@ def command(args, side, root, profile=False):
         # The same Fulgur side without the per-batch signal vote (a measurement switch).
         env["FULGUR_SIGNAL_VOTE_EVERY"] = "0"
         side = side[: -len(NOVOTE)]
+    blocking = side.endswith(BLOCKING)
+    side = side.removesuffix(BLOCKING)
     if side in FULGUR_SIDES:
         strategy, stage = FULGUR_SIDES[side]
         path = os.path.join(root, "bench.toml")
         with open(path, "w") as f:
-            f.write(toml_text(args, root, strategy, stage, args.ranks, profile=profile))
+            f.write(toml_text(args, root, strategy, stage, args.ranks, profile=profile, blocking=blocking))
         return [args.fulgur, "fit", "--config", path], env
     if side == "fulgur-single":
         path = os.path.join(root, "bench.toml")
@@ -149,6 +187,8 @@ def command(args, side, root, profile=False):
            "--devices", str(args.ranks), "--steps", str(args.steps), "--tokens", args.tokens, "--init", args.init,
            "--block-size", str(args.block_size), "--batch-size", str(args.batch_size), "--n-layer",
            str(args.n_layer), "--n-head", str(args.n_head), "--n-embd", str(args.n_embd), "--lr", str(args.lr)]
+    if profile:
+        cmd += ["--trace", os.path.join(root, "trace"), "--trace-wait", str(args.warmup)]
     return cmd, env
 
 
@@ -201,7 +241,7 @@ def fmt_range(values, digits=1, scale=1.0):
 def formula_bytes(side, params, n):
     """Bytes a rank sends per step by the textbook algorithms (ring all-reduce 2(N-1)/N, all-gather
     and reduce-scatter (N-1)/N of the float32 parameters)."""
-    side = side[: -len(NOVOTE)] if side.endswith(NOVOTE) else side
+    side = side[: -len(NOVOTE)] if side.endswith(NOVOTE) else side.removesuffix(BLOCKING)
     b = 4 * params * (n - 1) / n
     return {"fulgur-ddp": 2 * b, "lightning-ddp": 2 * b, "fulgur-z1": 3 * b, "fulgur-z2": 2 * b,
             "lightning-fsdp-grad-op": 2 * b, "fulgur-z3": 3 * b, "lightning-fsdp-full": 3 * b}.get(side, 0.0)
@@ -233,21 +273,37 @@ def main():
     p.add_argument("--n-head", type=int, default=4)
     p.add_argument("--n-embd", type=int, default=64)
     p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--model", choices=["gpt", "cnn"], default="gpt",
+                   help="gpt: the GPT example (every side); cnn: the Fashion-MNIST example's CNN (Adam, batch "
+                        "--batch-size, lr --lr), Fulgur sides fulgur-single/ddp/z1/z2 only (no Lightning side "
+                        "written for it yet; ZeRO-3 refuses it: no blocks)")
+    p.add_argument("--fashion-mnist", default="/usr/share/datasets/fashion-mnist", help="--model cnn: the IDX files")
     p.add_argument("--corpus", default="/usr/share/games/fortunes")
     p.add_argument("--max-bytes", type=int, default=0)
     p.add_argument("--timeout", type=float, default=600)
     p.add_argument("--bucket-cap-mb", type=int, help="Fulgur ddp's bucket_cap_mb (default: the strategy's, 25)")
+    p.add_argument("--reduce-bucket-mb", type=float,
+                   help="Fulgur fsdp zero_stage 1/2's reduce_bucket_mb (default: the strategy's, 25)")
     p.add_argument("--no-comm", action="store_true", help="skip timing the collectives alone (hidden share)")
     p.add_argument("--overlap", action="store_true",
-                   help="one more run of each Fulgur side under the LibTorch profiler (signal vote off): the share "
-                        "of its collectives' time hidden under compute (overlap.py)")
+                   help="one more run of each side under the profiler (Fulgur: signal vote off; Lightning: "
+                        "torch.profiler): the share of its collectives' time hidden under compute (overlap.py)")
     p.add_argument("--json", help="also write the raw results here (bench/scaling_model.py --calibration reads it)")
     p.add_argument("--keep", action="store_true", help="keep the run directories")
     args = p.parse_args()
+    if args.model == "cnn":
+        for s in (x for x in args.sides.split(",") if x):
+            base = s.removesuffix(NOVOTE).removesuffix(BLOCKING)
+            if base in LIGHTNING_SIDES or base == "fulgur-z3":
+                p.error(f"--model cnn: side '{s}' is not available (Lightning: not written; ZeRO-3: the CNN has no "
+                        "blocks); choose among fulgur-single, fulgur-ddp, fulgur-z1, fulgur-z2")
     args.fulgur = os.path.abspath(args.fulgur)
     args.build = os.path.abspath(args.build)
     sides = [s for s in args.sides.split(",") if s]
     for s in sides:
+        if s.endswith(BLOCKING) and s.removesuffix(BLOCKING) in FULGUR_SIDES and "fsdp" in FULGUR_SIDES[s.removesuffix(BLOCKING)]:
+            LABELS[s] = LABELS[s.removesuffix(BLOCKING)] + ", overlap_reduce = false"
+            continue
         if s.endswith(NOVOTE) and s[: -len(NOVOTE)] in FULGUR_SIDES:
             LABELS[s] = LABELS[s[: -len(NOVOTE)]] + ", no signal vote"
             continue
@@ -267,7 +323,8 @@ def main():
         single = run_one(args, "fulgur-single", os.path.join(root, "single"))
         if "error" in single:
             sys.exit(f"distributed: the single-process Fulgur run failed: {single['error']}\n  {single['cmd']}")
-        args.tokens = next(os.path.join(d, "train.bin") for d, _, files in os.walk(args.cache) if "train.bin" in files)
+        args.tokens = next((os.path.join(d, "train.bin") for d, _, files in os.walk(args.cache) if "train.bin" in files),
+                           None)
         params = sum(_numel(args.init))
         comm = {} if args.no_comm else comm_alone(args, params)
         for r in range(args.runs):
@@ -286,7 +343,7 @@ def main():
                       f"{max(v['rss_mib'] for v in res['ranks'].values()):.0f} MiB", file=sys.stderr, flush=True)
         overlap = {}
         for s in sides if args.overlap else []:
-            if s.removesuffix(NOVOTE) in FULGUR_SIDES and s not in errors and not s.endswith(NOVOTE):
+            if (s.removesuffix(BLOCKING) in FULGUR_SIDES or s in LIGHTNING_SIDES) and s not in errors:
                 print(f"distributed: {s} under the profiler (hidden share)", file=sys.stderr, flush=True)
                 overlap[s] = profiled_overlap(args, s, os.path.join(root, f"{s}-trace"))
     finally:
@@ -323,7 +380,8 @@ def comm_alone(args, params):
 
 
 def profiled_overlap(args, side, root):
-    """Hidden share of one profiled run of a Fulgur side, per rank (overlap.py), or {"error": ...}."""
+    """Hidden share of one profiled run of a side, per rank (overlap.py), or {"error": ...}: Fulgur under its
+    `pytorch` profiler plugin, Lightning under torch.profiler (gpt_lightning.py --trace), the same scopes."""
     import overlap as ov
     os.makedirs(root, exist_ok=True)
     cmd, env = command(args, side, root, profile=True)
@@ -357,9 +415,14 @@ def _numel(path):
 
 def report(args, sides, results, errors, single, params, load_before, load_after, seconds, comm=None, overlap=None):
     n = args.ranks
-    print(f"\n## GPT example on {n} Gloo ranks: Fulgur vs Lightning 2.6.6\n")
-    print(f"Ψ = {params / 1e6:.3f} M parameters (n_layer {args.n_layer}, n_embd {args.n_embd}, block {args.block_size}), "
-          f"batch {args.batch_size} per rank, float32, AdamW, {args.steps} steps (step time over steps "
+    if args.model == "cnn":
+        print(f"\n## Fashion-MNIST CNN on {n} Gloo ranks: Fulgur ddp and fsdp\n")
+        what = "examples/fashion_mnist CNN, 28x28 images"
+    else:
+        print(f"\n## GPT example on {n} Gloo ranks: Fulgur vs Lightning 2.6.6\n")
+        what = f"n_layer {args.n_layer}, n_embd {args.n_embd}, block {args.block_size}"
+    print(f"Ψ = {params / 1e6:.3f} M parameters ({what}), "
+          f"batch {args.batch_size} per rank, float32, {'Adam' if args.model == 'cnn' else 'AdamW'}, {args.steps} steps (step time over steps "
           f"{args.warmup + 1}–{args.steps}), 1 thread per rank, {os.cpu_count()} CPUs, load average "
           f"{load_before[0]:.1f} before / {load_after[0]:.1f} after, {args.runs} interleaved run(s), {seconds:.0f} s. "
           f"Median (min–max) over runs. '− 1 process': the median step minus the median step of one process "
@@ -401,7 +464,7 @@ def report(args, sides, results, errors, single, params, load_before, load_after
               f"{statistics.median(r['step_ms'] for r in runs) - single_ms:+.1f} | "
               f"{fmt_range([r['cpu_ms'] for r in runs])} | {fmt_range(rss, 0)} | "
               f"{fmt_range(flt, 0)} | {fmt_range(sent, 3, 1e-6)} | {formula_bytes(s, params, n) / 1e6:.3f} "
-              f"({FORMULA_TEXT.get(s.removesuffix(NOVOTE), '')}) | {fmt_range([r['first_step_s'] for r in runs], 1)} |")
+              f"({FORMULA_TEXT.get(s.removesuffix(NOVOTE).removesuffix(BLOCKING), '')}) | {fmt_range([r['first_step_s'] for r in runs], 1)} |")
     print("\n| Fulgur ÷ Lightning | step time | CPU time per step | peak RSS (max rank) | start to first step |")
     print("|---|---|---|---|---|")
     for f, l in PAIRS:
@@ -415,12 +478,13 @@ def report(args, sides, results, errors, single, params, load_before, load_after
         print(f"| {LABELS[f]} ÷ {LABELS[l]} | {fmt_range(ratio('step_ms'), 2)} | {fmt_range(ratio('cpu_ms'), 2)} | "
               f"{fmt_range(rss, 2)} | "
               f"{fmt_range(ratio('first_step_s'), 2)} |")
-    hid = [s for s in sides if results.get(s) and (comm or {}).get(COMM_KIND.get(s.removesuffix(NOVOTE)))]
+    kind = lambda s: COMM_KIND.get(s.removesuffix(NOVOTE).removesuffix(BLOCKING))
+    hid = [s for s in sides if results.get(s) and (comm or {}).get(kind(s))]
     if hid:
         print("\n| communication hidden under compute | collectives alone ms/step | step − 1 process ms | hidden |")
         print("|---|---|---|---|")
         for s in hid:
-            c = comm[COMM_KIND[s.removesuffix(NOVOTE)]]
+            c = comm[kind(s)]
             shares = [hidden_share(r["step_ms"], single_ms, c) for r in results[s]]
             print(f"| {LABELS[s]} | {c:.2f} | "
                   f"{fmt_range([r['step_ms'] - single_ms for r in results[s]], 1)} | {fmt_range(shares, 0, 100)} % |")

@@ -130,6 +130,10 @@ def main():
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument("--seed", type=int, default=42)
+    p.add_argument("--trace", help="also record 4 steps after --trace-wait with torch.profiler: one Chrome trace "
+                                   "per rank in this directory, with 'backward' and 'run_training_batch' scopes "
+                                   "as Fulgur's (overlap.py reads both)")
+    p.add_argument("--trace-wait", type=int, default=5)
     args = p.parse_args()
 
     import lightning as L
@@ -147,6 +151,45 @@ def main():
                 f"loss={float(loss):.8f} wchar={proc_wchar()} rss_kib={ru.ru_maxrss} minflt={ru.ru_minflt} "
                 f"cpu={ru.ru_utime + ru.ru_stime:.6f}\n")
             sys.stderr.flush()
+            self.step += 1
+
+    class Trace(L.Callback):
+        """torch.profiler over steps trace_wait+1 .. trace_wait+4 (after a warm-up step), with the scopes
+        Fulgur's profiler plugin records: 'run_training_batch' around each batch, 'backward' around
+        backward. Gloo's worker threads record their collectives as gloo:<op> intervals."""
+
+        def __init__(self, directory, wait):
+            self.directory, self.first, self.last = directory, wait + 1, wait + 4
+            self.step, self.prof, self.batch_scope, self.backward_scope = 0, None, None, None
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if self.step == self.first:
+                self.prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+                self.prof.__enter__()
+            if self.prof is not None:
+                self.batch_scope = torch.autograd.profiler.record_function("run_training_batch")
+                self.batch_scope.__enter__()
+
+        def on_before_backward(self, trainer, pl_module, loss):
+            if self.prof is not None:
+                self.backward_scope = torch.autograd.profiler.record_function("backward")
+                self.backward_scope.__enter__()
+
+        def on_after_backward(self, trainer, pl_module):
+            if self.backward_scope is not None:
+                self.backward_scope.__exit__(None, None, None)
+                self.backward_scope = None
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if self.batch_scope is not None:
+                self.batch_scope.__exit__(None, None, None)
+                self.batch_scope = None
+            if self.prof is not None and self.step == self.last:
+                self.prof.__exit__(None, None, None)
+                os.makedirs(self.directory, exist_ok=True)
+                self.prof.export_chrome_trace(
+                    os.path.join(self.directory, f"rank{trainer.global_rank}.pt.trace.json"))
+                self.prof = None
             self.step += 1
 
     class GptModule(L.LightningModule):
@@ -199,7 +242,8 @@ def main():
     trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, precision="32-true",
                         max_steps=args.steps, max_epochs=-1, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                        limit_val_batches=0, use_distributed_sampler=False, callbacks=[Probe()])
+                        limit_val_batches=0, use_distributed_sampler=False,
+                        callbacks=[Probe()] + ([Trace(args.trace, args.trace_wait)] if args.trace else []))
     trainer.fit(GptModule())
 
 

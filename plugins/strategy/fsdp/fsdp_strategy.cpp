@@ -14,7 +14,9 @@
 //   (* fp32 parameters and Adam, Ψ parameters, N ranks; DeepSpeed's accounting)
 //
 // Stages 1 and 2: after the step, one all-gather of the updated rows refreshes the full
-// parameters, which every rank keeps for forward and backward.
+// parameters, which every rank keeps for forward and backward. With overlap_reduce (the default)
+// their gradients are averaged in buckets started from gradient hooks while backward runs
+// (gradient_buckets.h); stage 3 then starts each block's reduce-scatter asynchronously.
 //
 // Stage 3: the shards are tensors of their own and the parameters' storage is freed (their shape
 // stays, so autograd and the Module see the same parameters). The blocks a Module runs through
@@ -86,6 +88,7 @@
 #include "auto_wrap.h"
 #include "dcp_storage.h"
 #include "fsdp_state.h"
+#include "gradient_buckets.h"
 #include "sharded_parameter.h"
 #include "zero3_units.h"
 
@@ -112,6 +115,18 @@ class FsdpStrategy final : public fulgur::process_group::ProcessGroupStrategy, p
        "zero_stage = 3: start the all-gather of the next block (in the order of the previous training "
        "forward; backward: the previous block) before the current one computes, so that they overlap",
        true),
+      (boolean, overlap_reduce,
+       "average the gradients while backward still runs: zero_stage = 1 and 2 in buckets of reduce_bucket_mb "
+       "(the last layers' first), each all-reduced (1) or reduce-scattered (2) as soon as backward has produced "
+       "its gradients; zero_stage = 3 each block's reduce-scatter as soon as its backward is done (at most two "
+       "under way); false: one collective after backward (stages 1, 2) or each block's reduce-scatter waited "
+       "for at once (3); the results are the same",
+       true),
+      (floating, reduce_bucket_mb,
+       "zero_stage = 1 and 2 with overlap_reduce: the gradients one bucket averages, in MiB of the reduce dtype "
+       "(a larger parameter is a bucket of its own); smaller buckets start earlier in backward, larger ones "
+       "cost fewer collectives",
+       25.0),
       (string, reduce_dtype,
        "dtype the gradients are averaged in across ranks: \"auto\" (param_dtype's, else the parameters'), "
        "\"float32\", "
@@ -245,6 +260,7 @@ class FsdpStrategy final : public fulgur::process_group::ProcessGroupStrategy, p
     // in between is made whole first.
     if (sharding_.zero_stage == 3 && !shards_.ordered.empty()) forget_shards();
     if (sharding_.zero_stage != 3) shards_.by_tensor.clear();
+    buckets_.clear();
     forget_mappings();
     module.to(device_);
     if (communicator_) {
@@ -275,6 +291,7 @@ class FsdpStrategy final : public fulgur::process_group::ProcessGroupStrategy, p
   }
 
   void teardown() override {
+    buckets_.clear();
     disconnect_muon();
     fulgur::remove_block_hooks(this);
     ProcessGroupStrategy::teardown();
@@ -282,6 +299,7 @@ class FsdpStrategy final : public fulgur::process_group::ProcessGroupStrategy, p
 
   // The optimizers step this rank's rows: each parameter in their groups is swapped for its shard.
   void setup_optimizers(std::vector<std::shared_ptr<torch::optim::Optimizer>>& optimizers) override {
+    buckets_.clear();
     if (sharding_.zero_stage != 3) {
       shards_.by_tensor.clear();
       shards_.ordered.clear();
@@ -314,6 +332,7 @@ class FsdpStrategy final : public fulgur::process_group::ProcessGroupStrategy, p
     }
     if (sharding_.offload_optimizer) report_offload();
     shards_.lay_out_flat_buffers();
+    if (sharding_.zero_stage != 3 && sharding_.overlap_reduce) buckets_.set_up(shards_, sharding_.reduce_bucket_bytes);
     connect_muon(optimizers);
     units_.reset_traffic();
   }
@@ -328,9 +347,27 @@ class FsdpStrategy final : public fulgur::process_group::ProcessGroupStrategy, p
       units_.finish_backward();
       return;
     }
-    precision.scale_loss(loss).backward();
     // Micro-steps of an accumulation window add up locally, without communication.
-    if (sync_gradients && !shards_.by_tensor.empty()) shards_.reduce_gradients(sharding_, group_);
+    if (!sync_gradients || shards_.by_tensor.empty()) {
+      precision.scale_loss(loss).backward();
+      return;
+    }
+    if (buckets_.empty()) {
+      precision.scale_loss(loss).backward();
+      shards_.reduce_gradients(sharding_, group_);
+      return;
+    }
+    buckets_.begin_backward();
+    try {
+      precision.scale_loss(loss).backward();
+    } catch (...) {
+      buckets_.abandon();
+      throw;
+    }
+    buckets_.finish_backward();
+    if (fulgur::log::enabled(fulgur::log::Level::debug))
+      fulgur::log::debug(fmt::format("strategy 'fsdp': {} of {} gradient buckets started during backward",
+                                     buckets_.started_during_backward(), buckets_.bucket_count()));
   }
 
   // By norm: the norm of the whole gradient, across every rank's rows (torch's clip_grad_norm_).
@@ -791,6 +828,11 @@ class FsdpStrategy final : public fulgur::process_group::ProcessGroupStrategy, p
     s.reshard_after_forward = options.reshard_after_forward;
     s.prefetch = options.prefetch;
     s.offload_optimizer = options.offload_optimizer;
+    s.overlap_reduce = options.overlap_reduce;
+    const double bucket_mb = options.reduce_bucket_mb;
+    options.check(std::isfinite(bucket_mb) && bucket_mb > 0 && bucket_mb <= 1 << 20, "reduce_bucket_mb",
+                  "must be a number of MiB above 0 (at most 1048576); 25 is DDP's default");
+    s.reduce_bucket_bytes = std::max<int64_t>(1, static_cast<int64_t>(bucket_mb * (1 << 20)));
     s.reduce_dtype = parse_dtype(options, "reduce_dtype", options.reduce_dtype);
     s.param_dtype = parse_dtype(options, "param_dtype", options.param_dtype);
     options.check(s.zero_stage >= 1 && s.zero_stage <= 3, "zero_stage",
@@ -805,6 +847,12 @@ class FsdpStrategy final : public fulgur::process_group::ProcessGroupStrategy, p
                               "blocks' parameters for each use; stage {} keeps the model's parameters whole: "
                               "use bf16-mixed precision (autocast) or reduce_dtype instead",
                               c10::toString(*s.param_dtype), s.zero_stage));
+    options.check(s.zero_stage != 3 || bucket_mb == 25.0, "reduce_bucket_mb",
+                  "applies to zero_stage = 1 and 2; stage 3 reduces each block's gradients as one bucket: remove "
+                  "the option");
+    options.check(s.overlap_reduce || bucket_mb == 25.0, "reduce_bucket_mb",
+                  "applies with overlap_reduce = true only (without it the gradients travel in one collective after "
+                  "backward): remove the option or the overlap_reduce = false");
     options.check(s.zero_stage == 3 || s.reshard_after_forward, "reshard_after_forward",
                   fmt::format("applies to zero_stage = 3 (sharded parameters); stage {} keeps whole parameters "
                               "anyway: remove the option",
@@ -820,7 +868,8 @@ class FsdpStrategy final : public fulgur::process_group::ProcessGroupStrategy, p
   fulgur::fsdp::RankGroup group_;  // communicator_, cluster_ and device_ as setup_environment left them
   fulgur::fsdp::Shards shards_;
   fulgur::fsdp::Zero3Units units_{shards_, sharding_, group_};
-  fulgur::fsdp::Placements placements_;  // of the state dicts made for the next save
+  fulgur::fsdp::GradientBuckets buckets_{sharding_, group_};  // stages 1 and 2 with overlap_reduce
+  fulgur::fsdp::Placements placements_;                       // of the state dicts made for the next save
   // Muon: each matrix's rows by the tensor the optimizer steps, the optimizers that read them, and
   // what their gathers moved since the last step.
   std::map<const c10::TensorImpl*, fulgur::optim::MuonRowShard> muon_rows_;

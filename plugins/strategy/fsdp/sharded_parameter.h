@@ -88,6 +88,8 @@ struct ShardingOptions {
   bool reshard_after_forward = true;           // stage 3: free a block's parameters after its forward
   bool prefetch = true;                        // stage 3: gather the next block while one computes
   bool offload_optimizer = false;              // the optimizer steps host copies of the rows
+  bool overlap_reduce = true;                  // gradients averaged while backward runs (gradient_buckets.h)
+  int64_t reduce_bucket_bytes = 25 << 20;      // stages 1 and 2 with overlap_reduce: a bucket's gradients
   std::optional<at::ScalarType> reduce_dtype;  // nullopt: param_dtype, else the parameters' dtype
   std::optional<at::ScalarType> param_dtype;   // stage 3: blocks compute in it (nullopt: the model's)
 

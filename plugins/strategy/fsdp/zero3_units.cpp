@@ -9,6 +9,7 @@
 #include <fmt/format.h>
 #include <torch/autograd.h>
 
+#include <deque>
 #include <utility>
 
 namespace fulgur::fsdp {
@@ -94,6 +95,7 @@ void Zero3Units::before_training_step(bool sync_gradients) {
 
 void Zero3Units::begin_backward(bool sync_gradients) {
   sync_gradients_ = sync_gradients;
+  reductions_.clear();  // left by a backward that threw
   for (ShardedParameter* p : shards_.ordered) p->reduced = false;
   remember_forward_order();  // backward prefetches in the reverse of the forward just run
 }
@@ -104,7 +106,8 @@ void Zero3Units::finish_backward() {
     std::vector<ShardedParameter*> rest;
     for (ShardedParameter* p : shards_.ordered)
       if (!p->reduced) rest.push_back(p);
-    reduce_scatter_group(rest);
+    reduce_scatter_group(rest, /*async=*/false);
+    land_reductions(reductions_.size());
   }
   if (full_parameters_held_ == 0)
     for (ShardedParameter* p : shards_.ordered)
@@ -198,8 +201,8 @@ void Zero3Units::report_traffic() {
   if (log::enabled(log::Level::debug))
     log::debug(fmt::format(
         "strategy 'fsdp': since the previous optimizer step: {} all-gathers ({} started ahead), {} reduce-scatters "
-        "({} units)",
-        all_gathers_, prefetches_, reduce_scatters_, units_.size()));
+        "({} units), {} of the reduce-scatters overlapping backward",
+        all_gathers_, prefetches_, reduce_scatters_, units_.size(), reduce_scatters_overlapped_));
   reset_traffic();
 }
 
@@ -240,7 +243,7 @@ c10::intrusive_ptr<AfterBlock> Zero3Units::unit_capsule(Unit& unit) {
 }
 
 void Zero3Units::after_block_backward(Unit& unit) {
-  if (sync_gradients_) reduce_scatter_group(unit.parameters);
+  if (sync_gradients_) reduce_scatter_group(unit.parameters, /*async=*/true);
   if (full_parameters_held_ == 0)
     for (ShardedParameter* p : unit.parameters) release(*p);
 }
@@ -319,13 +322,17 @@ at::TensorOptions Zero3Units::reduce_options() const {
 // Averages the group's gradients across ranks and leaves each rank its rows, on the shards, in
 // one reduce-scatter. Each rank's slice ends with one flag per parameter (1: it has a gradient
 // here), summed with the gradients: a parameter no rank gave a gradient keeps none, as in one
-// process, without a second collective.
-void Zero3Units::reduce_scatter_group(const std::vector<ShardedParameter*>& candidates) {
-  std::vector<ShardedParameter*> group;
+// process, without a second collective. With overlap_reduce (and `async`, in backward) the
+// reduce-scatter runs while backward goes on: the gradients are packed and dropped at once, the
+// rows land when it completes (at most two under way: a third waits for the oldest, so that the
+// packed buffers stay a unit or two, FSDP2's bound), and the end of backward lands the rest.
+void Zero3Units::reduce_scatter_group(const std::vector<ShardedParameter*>& candidates, bool async) {
+  InFlightReduce reduction;
   for (ShardedParameter* p : candidates)
-    if (p->trainable && !p->reduced) group.push_back(p);
-  if (group.empty()) return;
+    if (p->trainable && !p->reduced) reduction.group.push_back(p);
+  if (reduction.group.empty()) return;
   torch::NoGradGuard no_grad;
+  const std::vector<ShardedParameter*>& group = reduction.group;
   const int64_t world = group_.world_size, n = static_cast<int64_t>(group.size());
   int64_t slice = n;
   for (ShardedParameter* p : group) slice += p->chunk_numel();
@@ -338,20 +345,50 @@ void Zero3Units::reduce_scatter_group(const std::vector<ShardedParameter*>& cand
   for (int64_t j = 0; j < world; ++j)
     for (int64_t i = 0; i < n; ++i)
       if (group[i]->full.grad().defined()) flat[j * slice + offset + i] = 1;
-  at::Tensor mine = at::zeros({slice}, reduce_options());
-  if (group_.communicator)
-    group_.communicator->reduce_scatter(mine, flat, ReduceOp::sum);
+  for (ShardedParameter* p : group) {
+    p->reduced = true;
+    p->full.mutable_grad().reset();  // packed: the flat buffer holds it now
+  }
+  reduction.numel = offset;
+  reduction.flat = flat;
+  reduction.mine = at::zeros({slice}, reduce_options());
+  if (!group_.communicator)
+    reduction.mine.copy_(flat);
+  else if (async && options_.overlap_reduce)
+    reduction.pending = group_.communicator->reduce_scatter_async(reduction.mine, reduction.flat, ReduceOp::sum);
   else
-    mine.copy_(flat);
+    group_.communicator->reduce_scatter(reduction.mine, reduction.flat, ReduceOp::sum);
   ++reduce_scatters_;
-  mine.narrow(0, 0, offset).div_(static_cast<double>(world));
+  if (!reduction.pending) {
+    land_reduction(reduction);
+    return;
+  }
+  ++reduce_scatters_overlapped_;
+  reductions_.push_back(std::move(reduction));
+  if (reductions_.size() > 2) land_reductions(1);
+}
+
+// Completes the `count` oldest reduce-scatters under way, in the order they started.
+void Zero3Units::land_reductions(size_t count) {
+  while (count-- > 0 && !reductions_.empty()) {
+    InFlightReduce reduction = std::move(reductions_.front());
+    reductions_.pop_front();
+    land_reduction(reduction);
+  }
+}
+
+void Zero3Units::land_reduction(InFlightReduce& reduction) {
+  torch::NoGradGuard no_grad;
+  if (reduction.pending) reduction.pending->wait();
+  reduction.pending.reset();
+  const int64_t n = static_cast<int64_t>(reduction.group.size());
+  at::Tensor mine = reduction.mine;
+  mine.narrow(0, 0, reduction.numel).div_(static_cast<double>(group_.world_size));
   const at::Tensor landed = options_.offload_optimizer ? mine.to(at::kCPU) : mine;  // one copy to host memory
-  const auto flags = landed.narrow(0, offset, n).to(at::kCPU);
-  offset = 0;
+  const auto flags = landed.narrow(0, reduction.numel, n).to(at::kCPU);
+  int64_t offset = 0;
   for (int64_t i = 0; i < n; ++i) {
-    ShardedParameter& p = *group[i];
-    p.reduced = true;
-    p.full.mutable_grad().reset();
+    ShardedParameter& p = *reduction.group[i];
     if (flags[i].item<double>() > 0) land_gradient(p, landed.narrow(0, offset, p.local_rows() * p.row_numel));
     offset += p.chunk_numel();
   }

@@ -18,6 +18,7 @@
 #include <torch/nn/module.h>
 
 #include <cstdint>
+#include <deque>
 #include <functional>
 #include <map>
 #include <memory>
@@ -92,7 +93,7 @@ class Zero3Units {
 
   /// Logs (debug) the collectives since the previous call, and counts again from zero.
   void report_traffic();
-  void reset_traffic() { all_gathers_ = reduce_scatters_ = prefetches_ = 0; }
+  void reset_traffic() { all_gathers_ = reduce_scatters_ = reduce_scatters_overlapped_ = prefetches_ = 0; }
 
  private:
   // An all-gather under way: this rank's padded shards and the buffer every rank's arrive in.
@@ -100,6 +101,14 @@ class Zero3Units {
     at::Tensor mine, all;
     int64_t unit_numel = 0;
     std::unique_ptr<PendingCollective> pending;  // null: already complete
+  };
+
+  // A reduce-scatter of a group's gradients: every rank's packed rows and this rank's sum of them.
+  struct InFlightReduce {
+    std::vector<ShardedParameter*> group;
+    at::Tensor flat, mine;
+    int64_t numel = 0;                           // the gradients' part of the slice (flags follow)
+    std::unique_ptr<PendingCollective> pending;  // null: complete
   };
 
   struct Unit {
@@ -119,7 +128,9 @@ class Zero3Units {
   void write_back_rows();
   void prefetch_after(const Unit& unit, int step);
   bool prefetch_in_flight() const;
-  void reduce_scatter_group(const std::vector<ShardedParameter*>& candidates);
+  void reduce_scatter_group(const std::vector<ShardedParameter*>& candidates, bool async);
+  void land_reductions(size_t count);
+  void land_reduction(InFlightReduce& reduction);
   at::TensorOptions reduce_options() const;
 
   Shards& shards_;
@@ -127,7 +138,8 @@ class Zero3Units {
   const RankGroup& group_;
   bool sync_gradients_ = true;
   int full_parameters_held_ = 0;  // FullParameters guards alive (nested ones count)
-  int64_t all_gathers_ = 0, reduce_scatters_ = 0, prefetches_ = 0;
+  int64_t all_gathers_ = 0, reduce_scatters_ = 0, reduce_scatters_overlapped_ = 0, prefetches_ = 0;
+  std::deque<InFlightReduce> reductions_;  // overlap_reduce: started in backward, not landed yet
   std::map<const torch::nn::Module*, Unit> units_;
   std::vector<Unit*> forward_order_, this_forward_;
 };
