@@ -18,6 +18,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <map>
 #include <random>
@@ -578,4 +579,176 @@ TEST_CASE("s3 storage: fsdp on 2 ranks saves sharded checkpoints to s3://, resum
                                     state.at("state_dict").toGenericDict().size()));
   server.client({"get", "whole/last.ckpt", (dir / "whole.ckpt").string()});
   CHECK(fulgur::test::job::same_weights(dir / "whole.ckpt", dir / "ref-ckpt" / "last.ckpt"));
+}
+
+namespace {
+
+// fit_toml's run, async, and killed by SIGKILL after step 5 (tests/fixtures: fixture_kill_at_step),
+// when its step-4 save is still being written in the background.
+std::string killed_async_toml(const fs::path& root, const fs::path& plugins, const std::string& dirpath, bool save_last,
+                              const std::string& ckpt_path) {
+  std::string text = fit_toml(root, 2, dirpath, ckpt_path);
+  text.insert(text.find("[trainer]\n") + 10, "async_checkpoint = true\n");
+  if (!save_last) text.replace(text.find("save_last = true"), 16, "save_last = false");
+  return text + fmt::format(
+                    "\n[plugins]\npaths = [\"{}\"]\n\n[[callbacks]]\nname = \"fixture_kill_at_step\"\nstep = 5\n"
+                    "marker = \"{}\"\n",
+                    plugins.string(), (root / "killed").string());
+}
+
+// The *.ckpt names in `dir` (a killed write may leave a hidden temporary beside them).
+std::vector<std::string> checkpoint_names(const fs::path& dir) {
+  std::vector<std::string> out;
+  for (const std::string& name : fulgur::test::job::files_in(dir))
+    if (name.ends_with(".ckpt") && !name.starts_with(".")) out.push_back(name);
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("async_checkpoint: SIGKILL while a save is in flight keeps the top-k file it replaces; last resumes") {
+  if (!FULGUR_TEST_FAULT_INJECTION) {
+    fulgur::test::skip_test("this build has no fault injection (configure with -DFULGUR_FAULT_INJECTION=ON)");
+    return;
+  }
+  TempDir dir;
+  const fs::path plugins = fulgur::test::job::plugin_dir(dir, {"kill-at-step"});
+  std::map<std::string, std::string> env = {{"FULGUR_LOG_LEVEL", "warn"}, {"FULGUR_PLUGIN_PATH", ""}};
+  // Each background save waits 3 s before it writes: step 4's save (which replaces step 2's file,
+  // save_top_k = 1) is surely still in flight when the process dies after step 5.
+  std::map<std::string, std::string> delayed = env;
+  delayed["FULGUR_FAULT_INJECT"] = "async_checkpoint_delay:3000";
+
+  // Top-k only: step 2's file is complete (step 4's save waited for it), step 4's never was.
+  const ProcessRun topk =
+      fit(dir, "topk.toml", killed_async_toml(dir / "t", plugins, (dir / "topk").string(), false, ""), delayed);
+  INFO(topk.output);
+  REQUIRE(topk.exit_code == -SIGKILL);
+  REQUIRE(fs::exists(dir / "t" / "killed"));
+  CHECK(checkpoint_names(dir / "topk") == std::vector<std::string>{"epoch=0-step=2.ckpt"});
+  CHECK(fulgur::test::job::checkpoint_dict(dir / "topk" / "epoch=0-step=2.ckpt").at("global_step").toInt() == 2);
+
+  // With last.ckpt: "last" resolves to a complete checkpoint, and the resumed run ends where an
+  // uninterrupted synchronous one does, bit for bit.
+  const ProcessRun reference =
+      fit(dir, "reference.toml", fit_toml(dir / "ref", 2, (dir / "ref-ckpt").string(), ""), env);
+  REQUIRE_MESSAGE(reference.exit_code == 0, reference.output);
+  const std::string last_dir = (dir / "last").string();
+  const ProcessRun killed =
+      fit(dir, "killed.toml", killed_async_toml(dir / "l", plugins, last_dir, true, "last"), delayed);
+  INFO(killed.output);
+  REQUIRE(killed.exit_code == -SIGKILL);
+  const std::vector<std::string> at_kill = checkpoint_names(dir / "last");
+  REQUIRE(std::count(at_kill.begin(), at_kill.end(), "last.ckpt") == 1);
+  for (const std::string& name : at_kill) {
+    INFO(name);
+    CHECK(fulgur::test::job::checkpoint_dict(dir / "last" / name).at("global_step").toInt() > 0);
+  }
+  const ProcessRun resumed =
+      fit(dir, "killed.toml", killed_async_toml(dir / "l", plugins, last_dir, true, "last"), env);
+  REQUIRE_MESSAGE(resumed.exit_code == 0, resumed.output);
+  CHECK(fulgur::test::job::checkpoint_dict(dir / "last" / "last.ckpt").at("global_step").toInt() == 8);
+  CHECK(fulgur::test::job::same_weights(dir / "last" / "last.ckpt", dir / "ref-ckpt" / "last.ckpt"));
+
+  // On object storage, where moto_server is installed: the same window, the same answer.
+  if (!fs::exists(moto_executable())) return;
+  MotoServer server(dir);
+  std::map<std::string, std::string> s3_env = server.env();
+  s3_env["FULGUR_FAULT_INJECT"] = "async_checkpoint_delay:3000";
+  const ProcessRun s3 =
+      fit(dir, "s3.toml", killed_async_toml(dir / "s", plugins, "s3://ckpts/killed", false, ""), s3_env);
+  INFO(s3.output);
+  REQUIRE(s3.exit_code == -SIGKILL);
+  CHECK(server.keys("killed/") == std::vector<std::string>{"killed/epoch=0-step=2.ckpt"});
+}
+
+namespace {
+
+// A TCP forwarder in front of moto_server: killing it is the S3 server going away for the client,
+// while the bucket behind it (moto keeps it in memory) stays to be inspected.
+constexpr const char* kProxy = R"(
+import socket, sys, threading
+listen_port, target_port = int(sys.argv[1]), int(sys.argv[2])
+server = socket.socket()
+server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+server.bind(("127.0.0.1", listen_port))
+server.listen(64)
+def pipe(source, target):
+    try:
+        while True:
+            data = source.recv(65536)
+            if not data:
+                break
+            target.sendall(data)
+    except OSError:
+        pass
+    try:
+        target.shutdown(socket.SHUT_WR)
+    except OSError:
+        pass
+while True:
+    client, _ = server.accept()
+    upstream = socket.create_connection(("127.0.0.1", target_port))
+    threading.Thread(target=pipe, args=(client, upstream), daemon=True).start()
+    threading.Thread(target=pipe, args=(upstream, client), daemon=True).start()
+)";
+
+}  // namespace
+
+TEST_CASE("async_checkpoint: the S3 server killed during a background save fails the run, naming the checkpoint") {
+  if (moto_missing()) return;
+  if (!FULGUR_TEST_FAULT_INJECTION) {
+    fulgur::test::skip_test("this build has no fault injection (configure with -DFULGUR_FAULT_INJECTION=ON)");
+    return;
+  }
+  TempDir dir;
+  MotoServer server(dir);
+  const int moto_port = std::stoi(server.url().substr(server.url().rfind(':') + 1));
+  const int proxy_port = free_port();
+  fulgur::test::write_bytes(dir / "proxy.py", kProxy);
+  const pid_t proxy = fulgur::test::spawn_process(
+      {FULGUR_TEST_PYTHON, (dir / "proxy.py").string(), std::to_string(proxy_port), std::to_string(moto_port)}, {},
+      dir.path(), dir / "proxy.log");
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(120);  // safety nets only
+  while (!listening(proxy_port)) {
+    REQUIRE_MESSAGE(std::chrono::steady_clock::now() < until, fulgur::test::read_bytes(dir / "proxy.log"));
+    timespec pause{0, 50'000'000};
+    ::nanosleep(&pause, nullptr);
+  }
+
+  // One epoch, saves at steps 2 and 4 (save_top_k = 1, no last.ckpt), each held 8 s before it
+  // writes: step 4's save starts when step 2's is complete, and the server goes while it waits.
+  std::string toml = fit_toml(dir.path(), 1, "s3://ckpts/gone", "");
+  toml.insert(toml.find("[trainer]\n") + 10, "async_checkpoint = true\n");
+  toml.replace(toml.find("save_last = true"), 16, "save_last = false");
+  fulgur::test::write_bytes(dir / "gone.toml", toml);
+  std::map<std::string, std::string> env = server.env();
+  env["AWS_ENDPOINT_URL"] = fmt::format("http://127.0.0.1:{}", proxy_port);
+  env["FULGUR_FAULT_INJECT"] = "async_checkpoint_delay:8000";
+  env["FULGUR_S3_MAX_RETRIES"] = "1";
+  const pid_t run = fulgur::test::spawn_process({FULGUR_TEST_FULGUR_BIN, "fit", "--config", "gone.toml"}, env,
+                                                dir.path(), dir / "gone.log");
+  while (server.keys("gone/").empty()) {
+    int status = 0;
+    REQUIRE_MESSAGE(::waitpid(run, &status, WNOHANG) == 0, fulgur::test::read_bytes(dir / "gone.log"));
+    REQUIRE_MESSAGE(std::chrono::steady_clock::now() < until, "step 2's checkpoint never arrived");
+  }
+  ::kill(proxy, SIGKILL);
+  int proxy_status = 0;
+  ::waitpid(proxy, &proxy_status, 0);
+
+  int status = 0;
+  REQUIRE(::waitpid(run, &status, 0) == run);
+  const std::string output = fulgur::test::read_bytes(dir / "gone.log");
+  INFO(output);
+  CHECK(WIFEXITED(status));
+  CHECK(WEXITSTATUS(status) != 0);
+  FULGUR_CHECK_CONTAINS(output,
+                        "the checkpoint 's3://ckpts/gone/epoch=0-step=4.ckpt' saved in the background "
+                        "([trainer] async_checkpoint) failed");
+  FULGUR_CHECK_CONTAINS(output, "cannot reach");
+  // The previous checkpoint is whole and still there: its removal waited for a save that failed.
+  CHECK(server.keys("gone/") == std::vector<std::string>{"gone/epoch=0-step=2.ckpt"});
+  server.client({"get", "gone/epoch=0-step=2.ckpt", (dir / "previous.ckpt").string()});
+  CHECK(fulgur::test::job::checkpoint_dict(dir / "previous.ckpt").at("global_step").toInt() == 2);
 }

@@ -181,8 +181,19 @@ void CheckpointConnector::save_in_background(const std::string& path, c10::IValu
 void CheckpointConnector::wait_for_pending_save() {
   if (!async_writer_.in_flight()) return;
   std::optional<SavedCheckpoint> saved = std::exchange(pending_, std::nullopt);
+  // A failed save drops the deferred work: what it was to replace (a top-k file) stays.
+  std::vector<std::function<void()>> actions = std::exchange(after_save_, {});
   async_writer_.wait();
   if (saved) trainer_.logging_.after_save_checkpoint(*saved);
+  for (auto& action : actions) action();
+}
+
+void CheckpointConnector::after_pending_save(std::function<void()> action) {
+  if (!action) return;
+  if (async_writer_.in_flight())
+    after_save_.push_back(std::move(action));
+  else
+    action();
 }
 
 std::string CheckpointConnector::resolve(const std::string& ckpt_path, Stage stage) {

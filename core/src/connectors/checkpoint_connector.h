@@ -12,6 +12,7 @@
 
 #include "async_checkpoint.h"
 
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -36,6 +37,10 @@ class CheckpointConnector {
   // Waits for a background save still in flight; throws fulgur::Error(checkpoint) naming it when it
   // failed. The loggers hear of a background save (after_save_checkpoint) here, once it is complete.
   void wait_for_pending_save();
+  // CheckpointSaveQueue (fulgur/checkpoint_queue.h): the background save's path ("" when none),
+  // and work run once it is complete (at once when none is in flight; dropped when it fails).
+  std::string pending_save() const { return async_writer_.in_flight().value_or(std::string()); }
+  void after_pending_save(std::function<void()> action);
   // A path, "last" or "best" as a file. "" when ckpt_path is "last" in fit and no last
   // checkpoint exists yet (a first run starts fresh, with a warning, as Lightning does).
   std::string resolve(const std::string& ckpt_path, Stage stage);
@@ -75,7 +80,8 @@ class CheckpointConnector {
 
   TrainerEngine& trainer_;
   AsyncCheckpointWriter async_writer_;
-  std::optional<SavedCheckpoint> pending_;  // the background save's, for the loggers
+  std::optional<SavedCheckpoint> pending_;         // the background save's, for the loggers
+  std::vector<std::function<void()>> after_save_;  // after_pending_save's actions, in order
   bool warned_async_multiprocess_ = false;
 };
 
