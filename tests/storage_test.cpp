@@ -363,8 +363,9 @@ TEST_CASE("storage: default_root_dir on object storage is refused with the way t
   INFO(run.output);
   CHECK(run.exit_code != 0);
   FULGUR_CHECK_CONTAINS(run.output, "root.toml:8:");
-  FULGUR_CHECK_CONTAINS(run.output, "logs cannot go to object storage yet");
+  FULGUR_CHECK_CONTAINS(run.output, "must be a local directory (logs are staged there)");
   FULGUR_CHECK_CONTAINS(run.output, "dirpath = \"s3://ckpts/run/checkpoints\"");
+  FULGUR_CHECK_CONTAINS(run.output, "logger's save_dir = \"s3://ckpts/run\"");
   CHECK(!fs::exists(dir / "s3:"));
 }
 
@@ -751,4 +752,38 @@ TEST_CASE("async_checkpoint: the S3 server killed during a background save fails
   CHECK(server.keys("gone/") == std::vector<std::string>{"gone/epoch=0-step=2.ckpt"});
   server.client({"get", "gone/epoch=0-step=2.ckpt", (dir / "previous.ckpt").string()});
   CHECK(fulgur::test::job::checkpoint_dict(dir / "previous.ckpt").at("global_step").toInt() == 2);
+}
+
+TEST_CASE("s3 storage: the csv and tensorboard loggers' files go to save_dir = s3://, staged and uploaded") {
+  if (moto_missing()) return;
+  TempDir dir;
+  MotoServer server(dir);
+  auto toml = [&](const fs::path& root) {
+    return fit_toml(root, 1, (root / "ckpt").string(), "") +
+           "\n[[loggers]]\nlogger = \"csv\"\nsave_dir = \"s3://ckpts/logs\"\nflush_logs_every_n_steps = 2\n\n"
+           "[[loggers]]\nlogger = \"tensorboard\"\nsave_dir = \"s3://ckpts/logs\"\n";
+  };
+  const ProcessRun first = fit(dir, "first.toml", toml(dir / "a"), server.env());
+  REQUIRE_MESSAGE(first.exit_code == 0, first.output);
+  // Staged under default_root_dir (log_dir), uploaded whole: the objects are the local files.
+  const fs::path staged = dir / "a" / "runs" / "lightning_logs" / "version_0";
+  const std::vector<std::string> keys = server.keys("logs/");
+  REQUIRE(keys.size() == 3);
+  CHECK(keys[0] == "logs/lightning_logs/version_0/events.out.tfevents." + keys[0].substr(keys[0].rfind("tfevents.") + 9));
+  CHECK(keys[1] == "logs/lightning_logs/version_0/hparams.yaml");
+  CHECK(keys[2] == "logs/lightning_logs/version_0/metrics.csv");
+  for (const std::string& key : keys) {
+    INFO(key);
+    const std::string name = key.substr(key.rfind('/') + 1);
+    server.client({"get", key, (dir / name).string()});
+    CHECK(fulgur::test::read_bytes(dir / name) == fulgur::test::read_bytes(staged / name));
+  }
+  CHECK(fulgur::test::read_csv(dir / "metrics.csv").at("step").size() >= 2);
+  FULGUR_CHECK_CONTAINS(fulgur::test::read_bytes(dir / "hparams.yaml"), "model.lr: 0.002");
+
+  // A second run in a fresh local directory takes the next version on the bucket.
+  const ProcessRun second = fit(dir, "second.toml", toml(dir / "b"), server.env());
+  REQUIRE_MESSAGE(second.exit_code == 0, second.output);
+  CHECK(server.keys("logs/lightning_logs/version_1/").size() == 3);
+  CHECK(fs::exists(dir / "b" / "runs" / "lightning_logs" / "version_1" / "metrics.csv"));
 }
