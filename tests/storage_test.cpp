@@ -769,7 +769,8 @@ TEST_CASE("s3 storage: the csv and tensorboard loggers' files go to save_dir = s
   const fs::path staged = dir / "a" / "runs" / "lightning_logs" / "version_0";
   const std::vector<std::string> keys = server.keys("logs/");
   REQUIRE(keys.size() == 3);
-  CHECK(keys[0] == "logs/lightning_logs/version_0/events.out.tfevents." + keys[0].substr(keys[0].rfind("tfevents.") + 9));
+  CHECK(keys[0] ==
+        "logs/lightning_logs/version_0/events.out.tfevents." + keys[0].substr(keys[0].rfind("tfevents.") + 9));
   CHECK(keys[1] == "logs/lightning_logs/version_0/hparams.yaml");
   CHECK(keys[2] == "logs/lightning_logs/version_0/metrics.csv");
   for (const std::string& key : keys) {
@@ -786,4 +787,86 @@ TEST_CASE("s3 storage: the csv and tensorboard loggers' files go to save_dir = s
   REQUIRE_MESSAGE(second.exit_code == 0, second.output);
   CHECK(server.keys("logs/lightning_logs/version_1/").size() == 3);
   CHECK(fs::exists(dir / "b" / "runs" / "lightning_logs" / "version_1" / "metrics.csv"));
+}
+
+namespace {
+
+// fit_toml's run under ddp on 2 processes (Gloo), every checkpoint kept, no last.ckpt.
+std::string ddp_async_toml(const fs::path& root, const std::string& dirpath, bool async) {
+  std::string toml = async_toml(fit_toml(root, 2, dirpath, ""), async);
+  toml.replace(toml.find("save_last = true"), 16, "save_last = false");
+  toml.insert(toml.find("[trainer]\n") + 10, "accelerator = \"cpu\"\nstrategy = \"ddp\"\ndevices = 2\n");
+  return toml;
+}
+
+constexpr const char* kSavedSynchronously = "saves its checkpoints synchronously";
+
+}  // namespace
+
+TEST_CASE("async_checkpoint: ddp on 2 ranks writes in the background what a synchronous run writes, local and s3") {
+  TempDir dir;
+  std::map<std::string, std::string> env = {{"FULGUR_LOG_LEVEL", "warn"}, {"FULGUR_PLUGIN_PATH", ""}};
+  const ProcessRun sync = fit(dir, "sync.toml", ddp_async_toml(dir / "s", (dir / "sync").string(), false), env);
+  REQUIRE_MESSAGE(sync.exit_code == 0, sync.output);
+  // Each background save waits 300 ms before it writes (where the build has the seam): the next
+  // steps, and their gradient all-reduces, surely run meanwhile.
+  if (FULGUR_TEST_FAULT_INJECTION) env["FULGUR_FAULT_INJECT"] = "async_checkpoint_delay:300";
+  const ProcessRun async = fit(dir, "async.toml", ddp_async_toml(dir / "a", (dir / "async").string(), true), env);
+  REQUIRE_MESSAGE(async.exit_code == 0, async.output);
+  INFO(async.output);
+  // Saved in the background (ddp offers fulgur.strategy.async_save/1), not synchronously.
+  CHECK(!contains(async.output, kSavedSynchronously));
+  const std::vector<std::string> names = fulgur::test::job::files_in(dir / "sync");
+  REQUIRE(names == std::vector<std::string>{"epoch=0-step=2.ckpt", "epoch=0-step=4.ckpt", "epoch=1-step=6.ckpt",
+                                            "epoch=1-step=8.ckpt"});
+  CHECK(fulgur::test::job::files_in(dir / "async") == names);
+  for (const std::string& name : names) {
+    INFO(name);
+    check_same_tensors(dir / "async" / name, dir / "sync" / name);
+  }
+
+  // The same to object storage, where moto_server is installed.
+  if (!fs::exists(moto_executable())) return;
+  MotoServer server(dir);
+  std::map<std::string, std::string> s3_env = server.env();
+  if (FULGUR_TEST_FAULT_INJECTION) s3_env["FULGUR_FAULT_INJECT"] = "async_checkpoint_delay:300";
+  const ProcessRun s3 = fit(dir, "s3.toml", ddp_async_toml(dir / "3", "s3://ckpts/ddp", true), s3_env);
+  REQUIRE_MESSAGE(s3.exit_code == 0, s3.output);
+  CHECK(!contains(s3.output, kSavedSynchronously));
+  std::vector<std::string> keys;
+  for (const std::string& name : names) keys.push_back("ddp/" + name);
+  CHECK(server.keys("ddp/") == keys);
+  for (const std::string& name : names) {
+    INFO(name);
+    server.client({"get", "ddp/" + name, (dir / ("s3-" + name)).string()});
+    check_same_tensors(dir / ("s3-" + name), dir / "sync" / name);
+  }
+}
+
+TEST_CASE("async_checkpoint: a background save failing on one ddp rank fails every rank, naming checkpoint and rank") {
+  if (!FULGUR_TEST_FAULT_INJECTION) {
+    fulgur::test::skip_test("this build has no fault injection (configure with -DFULGUR_FAULT_INJECTION=ON)");
+    return;
+  }
+  TempDir dir;
+  // save_top_k = 1: step 4's save replaces step 2's file. Rank 1's part of it (the second
+  // background save there) fails; step 6's save finds out, on both ranks.
+  std::string toml = ddp_async_toml(dir.path(), (dir / "ckpt").string(), true);
+  toml.replace(toml.find("save_top_k = -1"), 15, "save_top_k = 1");
+  const ProcessRun run = fit(
+      dir, "failing.toml", toml,
+      {{"FULGUR_LOG_LEVEL", "warn"}, {"FULGUR_PLUGIN_PATH", ""}, {"FULGUR_FAULT_INJECT", "async_checkpoint_fail:1:2"}});
+  INFO(run.output);
+  CHECK(run.exit_code != 0);
+  const std::string named = "the checkpoint '" + (dir / "ckpt" / "epoch=0-step=4.ckpt").string() +
+                            "' saved in the background ([trainer] async_checkpoint) failed on rank 1";
+  // Rank 1 says why; rank 0 fails too, pointing at rank 1.
+  FULGUR_CHECK_CONTAINS(run.output, named + ": injected failure of background save 2 on rank 1");
+  FULGUR_CHECK_CONTAINS(run.output, named + " (that rank's log says why)");
+  // The checkpoint step 4's was to replace is still there and whole: its removal waited for a save
+  // that failed.
+  const std::vector<std::string> files = fulgur::test::job::files_in(dir / "ckpt");
+  REQUIRE(std::count(files.begin(), files.end(), "epoch=0-step=2.ckpt") == 1);
+  CHECK(fulgur::test::job::checkpoint_dict(dir / "ckpt" / "epoch=0-step=2.ckpt").at("global_step").toInt() == 2);
+  CHECK(std::count(files.begin(), files.end(), "epoch=0-step=6.ckpt") == 0);
 }

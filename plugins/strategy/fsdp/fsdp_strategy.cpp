@@ -399,6 +399,13 @@ class FsdpStrategy final : public fulgur::process_group::ProcessGroupStrategy, p
     fulgur::dcp::save(path, fulgur::join_checkpoint(parts), placements_, communicator_.get());
   }
 
+  // [trainer] async_checkpoint: the full-state file is ProcessGroupStrategy's (rank 0 writes it in
+  // the background); a sharded checkpoint is one collective dcp::save, saved synchronously.
+  void* extension(std::string_view id) noexcept override {
+    if (sharded_checkpoints_ && id == fulgur::AsyncSaveStrategy::kExtensionId) return nullptr;
+    return ProcessGroupStrategy::extension(id);
+  }
+
   // A sharded checkpoint on object storage is a prefix whose .metadata marks it complete.
   bool is_checkpoint(const std::string& path) const override {
     if (fulgur::is_storage_url(path) && fulgur::fsdp::is_stored_checkpoint(path)) return true;
