@@ -147,9 +147,8 @@ void CheckpointConnector::save(const std::string& path, bool weights_only) {
     // splits it (AsyncSaveStrategy) keeps the collectives on this thread.
     if (!warned_async_multiprocess_ && t.global_rank() == 0)
       spdlog::warn(
-          "[trainer] async_checkpoint: strategy '{}' does not split its save into collective and background parts "
-          "(fulgur.strategy.async_save/1; as configured, that is, for fsdp, state_dict_type = \"sharded\"), so this "
-          "run of {} processes saves its checkpoints synchronously",
+          "[trainer] async_checkpoint: strategy '{}' does not offer fulgur.strategy.async_save/1 (a save split "
+          "into collective and background parts), so this run of {} processes saves its checkpoints synchronously",
           t.config_.trainer.get_string("strategy"), strategy.cluster().world_size);
     warned_async_multiprocess_ = true;
   }
@@ -224,6 +223,11 @@ void CheckpointConnector::wait_for_pending_save(bool collective) {
     // Every rank learns whether every rank's write succeeded, then the strategy completes the
     // checkpoint (or cleans up) on all of them: the checkpoint exists only when every part does.
     const std::vector<int64_t> failed = failed_ranks(!failure.empty());
+    // Every rank says why it failed (the failing rank's log may be cut short when the launcher
+    // stops it): the failing ranks send their reason, before finish_save's own collectives.
+    std::vector<std::string> reasons;
+    for (const int64_t rank : failed)
+      reasons.push_back(fmt::format("rank {}: {}", rank, trainer_.plugins_.strategy->broadcast_string(failure, rank)));
     std::string finish_failure;
     try {
       split->finish_save(path, failed.empty());
@@ -233,9 +237,8 @@ void CheckpointConnector::wait_for_pending_save(bool collective) {
     }
     if (!failed.empty()) {
       std::string message =
-          fmt::format("the checkpoint '{}' saved in the background ([trainer] async_checkpoint) failed on rank{} {}",
-                      path, failed.size() > 1 ? "s" : "", fmt::join(failed, ", "));
-      message += failure.empty() ? " (that rank's log says why)" : fmt::format(": {}", failure);
+          fmt::format("the checkpoint '{}' saved in the background ([trainer] async_checkpoint) failed on {}", path,
+                      fmt::join(reasons, "; "));
       if (!finish_failure.empty()) message += fmt::format("; cleaning it up failed too: {}", finish_failure);
       throw Error(ErrorKind::checkpoint, message);
     }

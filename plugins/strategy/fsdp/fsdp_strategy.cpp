@@ -84,6 +84,7 @@
 
 #include "../common/process_group_strategy.h"
 #include "auto_wrap.h"
+#include "dcp_async.h"
 #include "dcp_storage.h"
 #include "fsdp_state.h"
 #include "sharded_parameter.h"
@@ -391,19 +392,41 @@ class FsdpStrategy final : public fulgur::process_group::ProcessGroupStrategy, p
     }
     if (fulgur::is_storage_url(path)) {
       fulgur::fsdp::save_to_storage(path, fulgur::join_checkpoint(parts), placements_, cluster_.global_rank,
-                                    cluster_.world_size, [this](const std::string& value, int64_t src) {
-                                      return communicator_ ? broadcast_string(value, src) : value;
-                                    });
+                                    cluster_.world_size, string_broadcast());
       return;
     }
     fulgur::dcp::save(path, fulgur::join_checkpoint(parts), placements_, communicator_.get());
   }
 
-  // [trainer] async_checkpoint: the full-state file is ProcessGroupStrategy's (rank 0 writes it in
-  // the background); a sharded checkpoint is one collective dcp::save, saved synchronously.
-  void* extension(std::string_view id) noexcept override {
-    if (sharded_checkpoints_ && id == fulgur::AsyncSaveStrategy::kExtensionId) return nullptr;
-    return ProcessGroupStrategy::extension(id);
+  // [trainer] async_checkpoint (fulgur/async_save.h). The full-state file is ProcessGroupStrategy's
+  // (rank 0 writes it in the background). A sharded checkpoint on local or shared disk is
+  // dcp::save split in three (dcp_async.h): each rank writes its data file in the background.
+  // One on object storage stays one collective (dcp_storage.h) and is saved here, synchronously.
+  std::function<void()> prepare_save(const fulgur::CheckpointParts& parts, const std::string& path) override {
+    if (!sharded_checkpoints_) return ProcessGroupStrategy::prepare_save(parts, path);
+    if (fulgur::is_storage_url(path)) {
+      if (!warned_sync_storage_save_ && cluster_.global_rank == 0)
+        fulgur::log::warn(
+            fmt::format("strategy 'fsdp': sharded checkpoints on object storage ({}) are saved "
+                        "synchronously; [trainer] async_checkpoint writes them in the background on "
+                        "local or shared disk, and full-state checkpoints anywhere",
+                        path));
+      warned_sync_storage_save_ = true;
+      save_checkpoint(parts, path);
+      return {};
+    }
+    auto save = std::make_shared<fulgur::fsdp::SplitDcpSave>(path, cluster_.global_rank, cluster_.world_size,
+                                                             string_broadcast());
+    pending_split_[path] = save;
+    return [save, parts, placements = placements_] { save->write(fulgur::join_checkpoint(parts), placements); };
+  }
+
+  void finish_save(const std::string& path, bool all_written) override {
+    const auto it = pending_split_.find(path);
+    if (it == pending_split_.end()) return;  // full-state, or written synchronously
+    const std::shared_ptr<fulgur::fsdp::SplitDcpSave> save = it->second;
+    pending_split_.erase(it);
+    save->finish(all_written, string_broadcast());
   }
 
   // A sharded checkpoint on object storage is a prefix whose .metadata marks it complete.
@@ -471,6 +494,12 @@ class FsdpStrategy final : public fulgur::process_group::ProcessGroupStrategy, p
   }
 
  private:
+  // broadcast_string, or the identity in a process of its own.
+  fulgur::fsdp::BroadcastString string_broadcast() {
+    return
+        [this](const std::string& value, int64_t src) { return communicator_ ? broadcast_string(value, src) : value; };
+  }
+
   ShardedParameter& shard_of(const at::Tensor& parameter) {
     return shards_.of(parameter, group_, /*own_storage=*/sharding_.zero_stage == 3);
   }
@@ -832,6 +861,9 @@ class FsdpStrategy final : public fulgur::process_group::ProcessGroupStrategy, p
   // what their gathers moved since the last step.
   std::map<const c10::TensorImpl*, fulgur::optim::MuonRowShard> muon_rows_;
   std::vector<std::weak_ptr<torch::optim::Optimizer>> muons_;
+  // [trainer] async_checkpoint: the sharded saves prepared and not yet finished, by path.
+  std::map<std::string, std::shared_ptr<fulgur::fsdp::SplitDcpSave>> pending_split_;
+  bool warned_sync_storage_save_ = false;
   struct {
     int64_t matrices = 0, sent = 0, received = 0;
   } muon_traffic_;
