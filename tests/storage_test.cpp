@@ -882,7 +882,7 @@ std::string fsdp_async_toml(const fs::path& root, const std::string& dirpath, bo
 
 }  // namespace
 
-TEST_CASE("async_checkpoint: fsdp on 2 ranks writes sharded checkpoints in the background, as a synchronous run") {
+TEST_CASE("async_checkpoint: fsdp on 2 ranks writes sharded checkpoints in the background as sync does, local and s3") {
   TempDir dir;
   std::map<std::string, std::string> env = {{"FULGUR_LOG_LEVEL", "warn"}, {"FULGUR_PLUGIN_PATH", ""}};
   const ProcessRun sync = fit(dir, "sync.toml", fsdp_async_toml(dir / "s", (dir / "sync").string(), false), env);
@@ -903,6 +903,24 @@ TEST_CASE("async_checkpoint: fsdp on 2 ranks writes sharded checkpoints in the b
     INFO(name);
     CHECK(fs::exists(dir / "async" / name / ".metadata"));
     check_same_tensors(dir / "async" / name, dir / "sync" / name);
+  }
+
+  // The same to object storage, where moto_server is installed: each checkpoint a prefix.
+  if (!fs::exists(moto_executable())) return;
+  MotoServer server(dir);
+  std::map<std::string, std::string> s3_env = server.env();
+  if (FULGUR_TEST_FAULT_INJECTION) s3_env["FULGUR_FAULT_INJECT"] = "async_checkpoint_delay:300";
+  const ProcessRun s3 = fit(dir, "s3.toml", fsdp_async_toml(dir / "3", "s3://ckpts/fsdp", true), s3_env);
+  REQUIRE_MESSAGE(s3.exit_code == 0, s3.output);
+  CHECK(!contains(s3.output, kSavedSynchronously));
+  std::vector<std::string> keys;
+  for (const std::string& name : names)
+    for (const char* file : {"/.metadata", "/__0_0.distcp", "/__1_0.distcp"}) keys.push_back("fsdp/" + name + file);
+  CHECK(server.keys("fsdp/") == keys);
+  for (const std::string& name : names) {
+    INFO(name);
+    server.client({"getprefix", "fsdp/" + name + "/", (dir / ("s3-" + name)).string()});
+    check_same_tensors(dir / ("s3-" + name), dir / "sync" / name);
   }
 }
 
@@ -928,4 +946,23 @@ TEST_CASE("async_checkpoint: a sharded fsdp save failing on one rank fails every
   for (const auto& entry : fs::directory_iterator(dir / "ckpt")) entries.push_back(entry.path().filename().string());
   CHECK(entries == std::vector<std::string>{"epoch=0-step=2.ckpt"});
   CHECK(fulgur::test::job::checkpoint_dict(dir / "ckpt" / "epoch=0-step=2.ckpt").at("global_step").toInt() == 2);
+
+  // The same on object storage: step 4's prefix holds nothing (no .metadata, no data files).
+  if (!fs::exists(moto_executable())) return;
+  MotoServer server(dir);
+  std::string s3_toml = fsdp_async_toml(dir / "3", "s3://ckpts/failing", true);
+  s3_toml.replace(s3_toml.find("save_top_k = -1"), 15, "save_top_k = 1");
+  std::map<std::string, std::string> env = server.env();
+  env["FULGUR_FAULT_INJECT"] = "async_checkpoint_fail:1:2";
+  const ProcessRun s3 = fit(dir, "s3.toml", s3_toml, env);
+  INFO(s3.output);
+  CHECK(s3.exit_code != 0);
+  FULGUR_CHECK_CONTAINS(s3.output,
+                        "the checkpoint 's3://ckpts/failing/epoch=0-step=4.ckpt' saved in the background "
+                        "([trainer] async_checkpoint) failed on rank 1: injected failure");
+  CHECK(server.keys("failing/") == std::vector<std::string>{"failing/epoch=0-step=2.ckpt/.metadata",
+                                                            "failing/epoch=0-step=2.ckpt/__0_0.distcp",
+                                                            "failing/epoch=0-step=2.ckpt/__1_0.distcp"});
+  server.client({"getprefix", "failing/epoch=0-step=2.ckpt/", (dir / "s3-step2").string()});
+  CHECK(fulgur::test::job::checkpoint_dict(dir / "s3-step2").at("global_step").toInt() == 2);
 }

@@ -399,34 +399,29 @@ class FsdpStrategy final : public fulgur::process_group::ProcessGroupStrategy, p
   }
 
   // [trainer] async_checkpoint (fulgur/async_save.h). The full-state file is ProcessGroupStrategy's
-  // (rank 0 writes it in the background). A sharded checkpoint on local or shared disk is
-  // dcp::save split in three (dcp_async.h): each rank writes its data file in the background.
-  // One on object storage stays one collective (dcp_storage.h) and is saved here, synchronously.
+  // (rank 0 writes it in the background). A sharded save is split in three, on disk (dcp_async.h)
+  // or object storage (dcp_storage.h): each rank writes its data file in the background, and the
+  // metadata that makes the checkpoint one comes last, in finish_save.
   std::function<void()> prepare_save(const fulgur::CheckpointParts& parts, const std::string& path) override {
     if (!sharded_checkpoints_) return ProcessGroupStrategy::prepare_save(parts, path);
     if (fulgur::is_storage_url(path)) {
-      if (!warned_sync_storage_save_ && cluster_.global_rank == 0)
-        fulgur::log::warn(
-            fmt::format("strategy 'fsdp': sharded checkpoints on object storage ({}) are saved "
-                        "synchronously; [trainer] async_checkpoint writes them in the background on "
-                        "local or shared disk, and full-state checkpoints anywhere",
-                        path));
-      warned_sync_storage_save_ = true;
-      save_checkpoint(parts, path);
-      return {};
+      auto save = std::make_shared<fulgur::fsdp::SplitStorageSave>(path, cluster_.global_rank, cluster_.world_size,
+                                                                   string_broadcast());
+      pending_finish_[path] = [this, save](bool all_written) { save->finish(all_written, string_broadcast()); };
+      return [save, parts, placements = placements_] { save->write(fulgur::join_checkpoint(parts), placements); };
     }
     auto save = std::make_shared<fulgur::fsdp::SplitDcpSave>(path, cluster_.global_rank, cluster_.world_size,
                                                              string_broadcast());
-    pending_split_[path] = save;
+    pending_finish_[path] = [this, save](bool all_written) { save->finish(all_written, string_broadcast()); };
     return [save, parts, placements = placements_] { save->write(fulgur::join_checkpoint(parts), placements); };
   }
 
   void finish_save(const std::string& path, bool all_written) override {
-    const auto it = pending_split_.find(path);
-    if (it == pending_split_.end()) return;  // full-state, or written synchronously
-    const std::shared_ptr<fulgur::fsdp::SplitDcpSave> save = it->second;
-    pending_split_.erase(it);
-    save->finish(all_written, string_broadcast());
+    const auto it = pending_finish_.find(path);
+    if (it == pending_finish_.end()) return;  // full-state: nothing to complete
+    const std::function<void(bool)> finish = std::move(it->second);
+    pending_finish_.erase(it);
+    finish(all_written);
   }
 
   // A sharded checkpoint on object storage is a prefix whose .metadata marks it complete.
@@ -862,8 +857,7 @@ class FsdpStrategy final : public fulgur::process_group::ProcessGroupStrategy, p
   std::map<const c10::TensorImpl*, fulgur::optim::MuonRowShard> muon_rows_;
   std::vector<std::weak_ptr<torch::optim::Optimizer>> muons_;
   // [trainer] async_checkpoint: the sharded saves prepared and not yet finished, by path.
-  std::map<std::string, std::shared_ptr<fulgur::fsdp::SplitDcpSave>> pending_split_;
-  bool warned_sync_storage_save_ = false;
+  std::map<std::string, std::function<void(bool all_written)>> pending_finish_;
   struct {
     int64_t matrices = 0, sent = 0, received = 0;
   } muon_traffic_;
