@@ -966,3 +966,28 @@ TEST_CASE("async_checkpoint: a sharded fsdp save failing on one rank fails every
   server.client({"getprefix", "failing/epoch=0-step=2.ckpt/", (dir / "s3-step2").string()});
   CHECK(fulgur::test::job::checkpoint_dict(dir / "s3-step2").at("global_step").toInt() == 2);
 }
+
+TEST_CASE("async_checkpoint: fsdp on 2 ranks writes full-state checkpoints in the background, as a synchronous run") {
+  TempDir dir;
+  // state_dict_type = "full" (the default): rank 0 writes one file of gathered tensors.
+  auto full_toml = [](const fs::path& root, const std::string& dirpath, bool async) {
+    std::string toml = fsdp_async_toml(root, dirpath, async);
+    return toml.replace(toml.find("state_dict_type = \"sharded\""), 27, "state_dict_type = \"full\"");
+  };
+  std::map<std::string, std::string> env = {{"FULGUR_LOG_LEVEL", "warn"}, {"FULGUR_PLUGIN_PATH", ""}};
+  const ProcessRun sync = fit(dir, "sync.toml", full_toml(dir / "s", (dir / "sync").string(), false), env);
+  REQUIRE_MESSAGE(sync.exit_code == 0, sync.output);
+  if (FULGUR_TEST_FAULT_INJECTION) env["FULGUR_FAULT_INJECT"] = "async_checkpoint_delay:300";
+  const ProcessRun async = fit(dir, "async.toml", full_toml(dir / "a", (dir / "async").string(), true), env);
+  REQUIRE_MESSAGE(async.exit_code == 0, async.output);
+  INFO(async.output);
+  CHECK(!contains(async.output, kSavedSynchronously));
+  const std::vector<std::string> names = fulgur::test::job::files_in(dir / "sync");
+  REQUIRE(names.size() == 4);
+  CHECK(fulgur::test::job::files_in(dir / "async") == names);
+  for (const std::string& name : names) {
+    INFO(name);
+    CHECK(fs::is_regular_file(dir / "async" / name));
+    check_same_tensors(dir / "async" / name, dir / "sync" / name);
+  }
+}

@@ -127,7 +127,8 @@ const std::vector<OptionSchema>& trainer_option_schema() {
         {"async_checkpoint", T::boolean, "false",
          "Write checkpoints in a background thread (Lightning's AsyncCheckpointIO): the state is copied to host "
          "memory at the save point and training goes on; one save in flight at most, awaited at the next save and "
-         "at the end of fit; a failed save fails the run. Single-process runs (several processes save as usual)"},
+         "at the end of fit; a failed save fails the run. Several processes (ddp, fsdp) write their parts in the "
+         "background too; a strategy without fulgur.strategy.async_save/1 saves synchronously, with a warning"},
         {"strict_loading", T::boolean, "true",
          "Loading a checkpoint's weights: refuse missing or unexpected keys (false: load those that match, "
          "warn about the rest)"},
