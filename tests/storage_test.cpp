@@ -20,6 +20,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <map>
 #include <random>
@@ -369,8 +370,9 @@ TEST_CASE("storage: default_root_dir on object storage is refused with the way t
   INFO(run.output);
   CHECK(run.exit_code != 0);
   FULGUR_CHECK_CONTAINS(run.output, "root.toml:8:");
-  FULGUR_CHECK_CONTAINS(run.output, "logs cannot go to object storage yet");
+  FULGUR_CHECK_CONTAINS(run.output, "must be a local directory (logs are staged there)");
   FULGUR_CHECK_CONTAINS(run.output, "dirpath = \"s3://ckpts/run/checkpoints\"");
+  FULGUR_CHECK_CONTAINS(run.output, "logger's save_dir = \"s3://ckpts/run\"");
   CHECK(!fs::exists(dir / "s3:"));
 }
 
@@ -585,6 +587,416 @@ TEST_CASE("s3 storage: fsdp on 2 ranks saves sharded checkpoints to s3://, resum
                                     state.at("state_dict").toGenericDict().size()));
   server.client({"get", "whole/last.ckpt", (dir / "whole.ckpt").string()});
   CHECK(fulgur::test::job::same_weights(dir / "whole.ckpt", dir / "ref-ckpt" / "last.ckpt"));
+}
+
+namespace {
+
+// fit_toml's run, async, and killed by SIGKILL after step 5 (tests/fixtures: fixture_kill_at_step),
+// when its step-4 save is still being written in the background.
+std::string killed_async_toml(const fs::path& root, const fs::path& plugins, const std::string& dirpath, bool save_last,
+                              const std::string& ckpt_path) {
+  std::string text = fit_toml(root, 2, dirpath, ckpt_path);
+  text.insert(text.find("[trainer]\n") + 10, "async_checkpoint = true\n");
+  if (!save_last) text.replace(text.find("save_last = true"), 16, "save_last = false");
+  return text + fmt::format(
+                    "\n[plugins]\npaths = [\"{}\"]\n\n[[callbacks]]\nname = \"fixture_kill_at_step\"\nstep = 5\n"
+                    "marker = \"{}\"\n",
+                    plugins.string(), (root / "killed").string());
+}
+
+// The *.ckpt names in `dir` (a killed write may leave a hidden temporary beside them).
+std::vector<std::string> checkpoint_names(const fs::path& dir) {
+  std::vector<std::string> out;
+  for (const std::string& name : fulgur::test::job::files_in(dir))
+    if (name.ends_with(".ckpt") && !name.starts_with(".")) out.push_back(name);
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("async_checkpoint: SIGKILL while a save is in flight keeps the top-k file it replaces; last resumes") {
+  if (!FULGUR_TEST_FAULT_INJECTION) {
+    fulgur::test::skip_test("this build has no fault injection (configure with -DFULGUR_FAULT_INJECTION=ON)");
+    return;
+  }
+  TempDir dir;
+  const fs::path plugins = fulgur::test::job::plugin_dir(dir, {"kill-at-step"});
+  std::map<std::string, std::string> env = {{"FULGUR_LOG_LEVEL", "warn"}, {"FULGUR_PLUGIN_PATH", ""}};
+  // Each background save waits 3 s before it writes: step 4's save (which replaces step 2's file,
+  // save_top_k = 1) is surely still in flight when the process dies after step 5.
+  std::map<std::string, std::string> delayed = env;
+  delayed["FULGUR_FAULT_INJECT"] = "async_checkpoint_delay:3000";
+
+  // Top-k only: step 2's file is complete (step 4's save waited for it), step 4's never was.
+  const ProcessRun topk =
+      fit(dir, "topk.toml", killed_async_toml(dir / "t", plugins, (dir / "topk").string(), false, ""), delayed);
+  INFO(topk.output);
+  REQUIRE(topk.exit_code == -SIGKILL);
+  REQUIRE(fs::exists(dir / "t" / "killed"));
+  CHECK(checkpoint_names(dir / "topk") == std::vector<std::string>{"epoch=0-step=2.ckpt"});
+  CHECK(fulgur::test::job::checkpoint_dict(dir / "topk" / "epoch=0-step=2.ckpt").at("global_step").toInt() == 2);
+
+  // With last.ckpt: "last" resolves to a complete checkpoint, and the resumed run ends where an
+  // uninterrupted synchronous one does, bit for bit.
+  const ProcessRun reference =
+      fit(dir, "reference.toml", fit_toml(dir / "ref", 2, (dir / "ref-ckpt").string(), ""), env);
+  REQUIRE_MESSAGE(reference.exit_code == 0, reference.output);
+  const std::string last_dir = (dir / "last").string();
+  const ProcessRun killed =
+      fit(dir, "killed.toml", killed_async_toml(dir / "l", plugins, last_dir, true, "last"), delayed);
+  INFO(killed.output);
+  REQUIRE(killed.exit_code == -SIGKILL);
+  const std::vector<std::string> at_kill = checkpoint_names(dir / "last");
+  REQUIRE(std::count(at_kill.begin(), at_kill.end(), "last.ckpt") == 1);
+  for (const std::string& name : at_kill) {
+    INFO(name);
+    CHECK(fulgur::test::job::checkpoint_dict(dir / "last" / name).at("global_step").toInt() > 0);
+  }
+  const ProcessRun resumed =
+      fit(dir, "killed.toml", killed_async_toml(dir / "l", plugins, last_dir, true, "last"), env);
+  REQUIRE_MESSAGE(resumed.exit_code == 0, resumed.output);
+  CHECK(fulgur::test::job::checkpoint_dict(dir / "last" / "last.ckpt").at("global_step").toInt() == 8);
+  CHECK(fulgur::test::job::same_weights(dir / "last" / "last.ckpt", dir / "ref-ckpt" / "last.ckpt"));
+
+  // On object storage, where moto_server is installed: the same window, the same answer.
+  if (!fs::exists(moto_executable())) return;
+  MotoServer server(dir);
+  std::map<std::string, std::string> s3_env = server.env();
+  s3_env["FULGUR_FAULT_INJECT"] = "async_checkpoint_delay:3000";
+  const ProcessRun s3 =
+      fit(dir, "s3.toml", killed_async_toml(dir / "s", plugins, "s3://ckpts/killed", false, ""), s3_env);
+  INFO(s3.output);
+  REQUIRE(s3.exit_code == -SIGKILL);
+  CHECK(server.keys("killed/") == std::vector<std::string>{"killed/epoch=0-step=2.ckpt"});
+}
+
+namespace {
+
+// A TCP forwarder in front of moto_server: killing it is the S3 server going away for the client,
+// while the bucket behind it (moto keeps it in memory) stays to be inspected.
+constexpr const char* kProxy = R"(
+import socket, sys, threading
+listen_port, target_port = int(sys.argv[1]), int(sys.argv[2])
+server = socket.socket()
+server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+server.bind(("127.0.0.1", listen_port))
+server.listen(64)
+def pipe(source, target):
+    try:
+        while True:
+            data = source.recv(65536)
+            if not data:
+                break
+            target.sendall(data)
+    except OSError:
+        pass
+    try:
+        target.shutdown(socket.SHUT_WR)
+    except OSError:
+        pass
+while True:
+    client, _ = server.accept()
+    upstream = socket.create_connection(("127.0.0.1", target_port))
+    threading.Thread(target=pipe, args=(client, upstream), daemon=True).start()
+    threading.Thread(target=pipe, args=(upstream, client), daemon=True).start()
+)";
+
+}  // namespace
+
+TEST_CASE("async_checkpoint: the S3 server killed during a background save fails the run, naming the checkpoint") {
+  if (moto_missing()) return;
+  if (!FULGUR_TEST_FAULT_INJECTION) {
+    fulgur::test::skip_test("this build has no fault injection (configure with -DFULGUR_FAULT_INJECTION=ON)");
+    return;
+  }
+  TempDir dir;
+  MotoServer server(dir);
+  const int moto_port = std::stoi(server.url().substr(server.url().rfind(':') + 1));
+  const int proxy_port = free_port();
+  fulgur::test::write_bytes(dir / "proxy.py", kProxy);
+  const pid_t proxy = fulgur::test::spawn_process(
+      {FULGUR_TEST_PYTHON, (dir / "proxy.py").string(), std::to_string(proxy_port), std::to_string(moto_port)}, {},
+      dir.path(), dir / "proxy.log");
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(120);  // safety nets only
+  while (!listening(proxy_port)) {
+    REQUIRE_MESSAGE(std::chrono::steady_clock::now() < until, fulgur::test::read_bytes(dir / "proxy.log"));
+    timespec pause{0, 50'000'000};
+    ::nanosleep(&pause, nullptr);
+  }
+
+  // One epoch, saves at steps 2 and 4 (save_top_k = 1, no last.ckpt), each held 8 s before it
+  // writes: step 4's save starts when step 2's is complete, and the server goes while it waits.
+  std::string toml = fit_toml(dir.path(), 1, "s3://ckpts/gone", "");
+  toml.insert(toml.find("[trainer]\n") + 10, "async_checkpoint = true\n");
+  toml.replace(toml.find("save_last = true"), 16, "save_last = false");
+  fulgur::test::write_bytes(dir / "gone.toml", toml);
+  std::map<std::string, std::string> env = server.env();
+  env["AWS_ENDPOINT_URL"] = fmt::format("http://127.0.0.1:{}", proxy_port);
+  env["FULGUR_FAULT_INJECT"] = "async_checkpoint_delay:8000";
+  env["FULGUR_S3_MAX_RETRIES"] = "1";
+  const pid_t run = fulgur::test::spawn_process({FULGUR_TEST_FULGUR_BIN, "fit", "--config", "gone.toml"}, env,
+                                                dir.path(), dir / "gone.log");
+  while (server.keys("gone/").empty()) {
+    int status = 0;
+    REQUIRE_MESSAGE(::waitpid(run, &status, WNOHANG) == 0, fulgur::test::read_bytes(dir / "gone.log"));
+    REQUIRE_MESSAGE(std::chrono::steady_clock::now() < until, "step 2's checkpoint never arrived");
+  }
+  ::kill(proxy, SIGKILL);
+  int proxy_status = 0;
+  ::waitpid(proxy, &proxy_status, 0);
+
+  int status = 0;
+  REQUIRE(::waitpid(run, &status, 0) == run);
+  const std::string output = fulgur::test::read_bytes(dir / "gone.log");
+  INFO(output);
+  CHECK(WIFEXITED(status));
+  CHECK(WEXITSTATUS(status) != 0);
+  FULGUR_CHECK_CONTAINS(output,
+                        "the checkpoint 's3://ckpts/gone/epoch=0-step=4.ckpt' saved in the background "
+                        "([trainer] async_checkpoint) failed");
+  FULGUR_CHECK_CONTAINS(output, "cannot reach");
+  // The previous checkpoint is whole and still there: its removal waited for a save that failed.
+  CHECK(server.keys("gone/") == std::vector<std::string>{"gone/epoch=0-step=2.ckpt"});
+  server.client({"get", "gone/epoch=0-step=2.ckpt", (dir / "previous.ckpt").string()});
+  CHECK(fulgur::test::job::checkpoint_dict(dir / "previous.ckpt").at("global_step").toInt() == 2);
+}
+
+TEST_CASE("s3 storage: the csv and tensorboard loggers' files go to save_dir = s3://, staged and uploaded") {
+  if (moto_missing()) return;
+  TempDir dir;
+  MotoServer server(dir);
+  auto toml = [&](const fs::path& root) {
+    return fit_toml(root, 1, (root / "ckpt").string(), "") +
+           "\n[[loggers]]\nlogger = \"csv\"\nsave_dir = \"s3://ckpts/logs\"\nflush_logs_every_n_steps = 2\n\n"
+           "[[loggers]]\nlogger = \"tensorboard\"\nsave_dir = \"s3://ckpts/logs\"\n";
+  };
+  const ProcessRun first = fit(dir, "first.toml", toml(dir / "a"), server.env());
+  REQUIRE_MESSAGE(first.exit_code == 0, first.output);
+  // Staged under default_root_dir (log_dir), uploaded whole: the objects are the local files.
+  const fs::path staged = dir / "a" / "runs" / "lightning_logs" / "version_0";
+  const std::vector<std::string> keys = server.keys("logs/");
+  REQUIRE(keys.size() == 3);
+  CHECK(keys[0] ==
+        "logs/lightning_logs/version_0/events.out.tfevents." + keys[0].substr(keys[0].rfind("tfevents.") + 9));
+  CHECK(keys[1] == "logs/lightning_logs/version_0/hparams.yaml");
+  CHECK(keys[2] == "logs/lightning_logs/version_0/metrics.csv");
+  for (const std::string& key : keys) {
+    INFO(key);
+    const std::string name = key.substr(key.rfind('/') + 1);
+    server.client({"get", key, (dir / name).string()});
+    CHECK(fulgur::test::read_bytes(dir / name) == fulgur::test::read_bytes(staged / name));
+  }
+  CHECK(fulgur::test::read_csv(dir / "metrics.csv").at("step").size() >= 2);
+  FULGUR_CHECK_CONTAINS(fulgur::test::read_bytes(dir / "hparams.yaml"), "model.lr: 0.002");
+
+  // A second run in a fresh local directory takes the next version on the bucket.
+  const ProcessRun second = fit(dir, "second.toml", toml(dir / "b"), server.env());
+  REQUIRE_MESSAGE(second.exit_code == 0, second.output);
+  CHECK(server.keys("logs/lightning_logs/version_1/").size() == 3);
+  CHECK(fs::exists(dir / "b" / "runs" / "lightning_logs" / "version_1" / "metrics.csv"));
+}
+
+namespace {
+
+// fit_toml's run under ddp on 2 processes (Gloo), every checkpoint kept, no last.ckpt.
+std::string ddp_async_toml(const fs::path& root, const std::string& dirpath, bool async) {
+  std::string toml = async_toml(fit_toml(root, 2, dirpath, ""), async);
+  toml.replace(toml.find("save_last = true"), 16, "save_last = false");
+  toml.insert(toml.find("[trainer]\n") + 10, "accelerator = \"cpu\"\nstrategy = \"ddp\"\ndevices = 2\n");
+  return toml;
+}
+
+constexpr const char* kSavedSynchronously = "saves its checkpoints synchronously";
+
+}  // namespace
+
+TEST_CASE("async_checkpoint: ddp on 2 ranks writes in the background what a synchronous run writes, local and s3") {
+  TempDir dir;
+  std::map<std::string, std::string> env = {{"FULGUR_LOG_LEVEL", "warn"}, {"FULGUR_PLUGIN_PATH", ""}};
+  const ProcessRun sync = fit(dir, "sync.toml", ddp_async_toml(dir / "s", (dir / "sync").string(), false), env);
+  REQUIRE_MESSAGE(sync.exit_code == 0, sync.output);
+  // Each background save waits 300 ms before it writes (where the build has the seam): the next
+  // steps, and their gradient all-reduces, surely run meanwhile.
+  if (FULGUR_TEST_FAULT_INJECTION) env["FULGUR_FAULT_INJECT"] = "async_checkpoint_delay:300";
+  const ProcessRun async = fit(dir, "async.toml", ddp_async_toml(dir / "a", (dir / "async").string(), true), env);
+  REQUIRE_MESSAGE(async.exit_code == 0, async.output);
+  INFO(async.output);
+  // Saved in the background (ddp offers fulgur.strategy.async_save/1), not synchronously.
+  CHECK(!contains(async.output, kSavedSynchronously));
+  const std::vector<std::string> names = fulgur::test::job::files_in(dir / "sync");
+  REQUIRE(names == std::vector<std::string>{"epoch=0-step=2.ckpt", "epoch=0-step=4.ckpt", "epoch=1-step=6.ckpt",
+                                            "epoch=1-step=8.ckpt"});
+  CHECK(fulgur::test::job::files_in(dir / "async") == names);
+  for (const std::string& name : names) {
+    INFO(name);
+    check_same_tensors(dir / "async" / name, dir / "sync" / name);
+  }
+
+  // The same to object storage, where moto_server is installed.
+  if (!fs::exists(moto_executable())) return;
+  MotoServer server(dir);
+  std::map<std::string, std::string> s3_env = server.env();
+  if (FULGUR_TEST_FAULT_INJECTION) s3_env["FULGUR_FAULT_INJECT"] = "async_checkpoint_delay:300";
+  const ProcessRun s3 = fit(dir, "s3.toml", ddp_async_toml(dir / "3", "s3://ckpts/ddp", true), s3_env);
+  REQUIRE_MESSAGE(s3.exit_code == 0, s3.output);
+  CHECK(!contains(s3.output, kSavedSynchronously));
+  std::vector<std::string> keys;
+  for (const std::string& name : names) keys.push_back("ddp/" + name);
+  CHECK(server.keys("ddp/") == keys);
+  for (const std::string& name : names) {
+    INFO(name);
+    server.client({"get", "ddp/" + name, (dir / ("s3-" + name)).string()});
+    check_same_tensors(dir / ("s3-" + name), dir / "sync" / name);
+  }
+}
+
+TEST_CASE("async_checkpoint: a background save failing on one ddp rank fails every rank, naming checkpoint and rank") {
+  if (!FULGUR_TEST_FAULT_INJECTION) {
+    fulgur::test::skip_test("this build has no fault injection (configure with -DFULGUR_FAULT_INJECTION=ON)");
+    return;
+  }
+  TempDir dir;
+  // save_top_k = 1: step 4's save replaces step 2's file. Rank 1's part of it (the second
+  // background save there) fails; step 6's save finds out, on both ranks.
+  std::string toml = ddp_async_toml(dir.path(), (dir / "ckpt").string(), true);
+  toml.replace(toml.find("save_top_k = -1"), 15, "save_top_k = 1");
+  const ProcessRun run = fit(
+      dir, "failing.toml", toml,
+      {{"FULGUR_LOG_LEVEL", "warn"}, {"FULGUR_PLUGIN_PATH", ""}, {"FULGUR_FAULT_INJECT", "async_checkpoint_fail:1:2"}});
+  INFO(run.output);
+  CHECK(run.exit_code != 0);
+  const std::string named = "the checkpoint '" + (dir / "ckpt" / "epoch=0-step=4.ckpt").string() +
+                            "' saved in the background ([trainer] async_checkpoint) failed on rank 1";
+  // Both ranks fail with this message (rank 0 learns rank 1's reason from it).
+  FULGUR_CHECK_CONTAINS(run.output, named + ": injected failure of background save 2 on rank 1");
+  // The checkpoint step 4's was to replace is still there and whole: its removal waited for a save
+  // that failed.
+  const std::vector<std::string> files = fulgur::test::job::files_in(dir / "ckpt");
+  REQUIRE(std::count(files.begin(), files.end(), "epoch=0-step=2.ckpt") == 1);
+  CHECK(fulgur::test::job::checkpoint_dict(dir / "ckpt" / "epoch=0-step=2.ckpt").at("global_step").toInt() == 2);
+  CHECK(std::count(files.begin(), files.end(), "epoch=0-step=6.ckpt") == 0);
+}
+
+namespace {
+
+// fit_toml's run under fsdp on 2 processes writing sharded (DCP) checkpoints, every one kept, no
+// last.ckpt.
+std::string fsdp_async_toml(const fs::path& root, const std::string& dirpath, bool async) {
+  std::string toml = async_toml(fit_toml(root, 2, dirpath, ""), async);
+  toml.replace(toml.find("save_last = true"), 16, "save_last = false");
+  return fsdp_toml(toml);
+}
+
+}  // namespace
+
+TEST_CASE("async_checkpoint: fsdp on 2 ranks writes sharded checkpoints in the background as sync does, local and s3") {
+  TempDir dir;
+  std::map<std::string, std::string> env = {{"FULGUR_LOG_LEVEL", "warn"}, {"FULGUR_PLUGIN_PATH", ""}};
+  const ProcessRun sync = fit(dir, "sync.toml", fsdp_async_toml(dir / "s", (dir / "sync").string(), false), env);
+  REQUIRE_MESSAGE(sync.exit_code == 0, sync.output);
+  if (FULGUR_TEST_FAULT_INJECTION) env["FULGUR_FAULT_INJECT"] = "async_checkpoint_delay:300";
+  const ProcessRun async = fit(dir, "async.toml", fsdp_async_toml(dir / "a", (dir / "async").string(), true), env);
+  REQUIRE_MESSAGE(async.exit_code == 0, async.output);
+  INFO(async.output);
+  CHECK(!contains(async.output, kSavedSynchronously));
+  const std::vector<std::string> names = fulgur::test::job::files_in(dir / "sync");
+  REQUIRE(names == std::vector<std::string>{"epoch=0-step=2.ckpt", "epoch=0-step=4.ckpt", "epoch=1-step=6.ckpt",
+                                            "epoch=1-step=8.ckpt"});
+  // Each a DCP directory with every rank's data file and .metadata; no temporary directory left.
+  CHECK(fulgur::test::job::files_in(dir / "async") == names);
+  for (const auto& entry : fs::directory_iterator(dir / "async"))
+    CHECK(!entry.path().filename().string().starts_with("."));
+  for (const std::string& name : names) {
+    INFO(name);
+    CHECK(fs::exists(dir / "async" / name / ".metadata"));
+    check_same_tensors(dir / "async" / name, dir / "sync" / name);
+  }
+
+  // The same to object storage, where moto_server is installed: each checkpoint a prefix.
+  if (!fs::exists(moto_executable())) return;
+  MotoServer server(dir);
+  std::map<std::string, std::string> s3_env = server.env();
+  if (FULGUR_TEST_FAULT_INJECTION) s3_env["FULGUR_FAULT_INJECT"] = "async_checkpoint_delay:300";
+  const ProcessRun s3 = fit(dir, "s3.toml", fsdp_async_toml(dir / "3", "s3://ckpts/fsdp", true), s3_env);
+  REQUIRE_MESSAGE(s3.exit_code == 0, s3.output);
+  CHECK(!contains(s3.output, kSavedSynchronously));
+  std::vector<std::string> keys;
+  for (const std::string& name : names)
+    for (const char* file : {"/.metadata", "/__0_0.distcp", "/__1_0.distcp"}) keys.push_back("fsdp/" + name + file);
+  CHECK(server.keys("fsdp/") == keys);
+  for (const std::string& name : names) {
+    INFO(name);
+    server.client({"getprefix", "fsdp/" + name + "/", (dir / ("s3-" + name)).string()});
+    check_same_tensors(dir / ("s3-" + name), dir / "sync" / name);
+  }
+}
+
+TEST_CASE("async_checkpoint: a sharded fsdp save failing on one rank fails every rank and leaves no checkpoint") {
+  if (!FULGUR_TEST_FAULT_INJECTION) {
+    fulgur::test::skip_test("this build has no fault injection (configure with -DFULGUR_FAULT_INJECTION=ON)");
+    return;
+  }
+  TempDir dir;
+  std::string toml = fsdp_async_toml(dir.path(), (dir / "ckpt").string(), true);
+  toml.replace(toml.find("save_top_k = -1"), 15, "save_top_k = 1");
+  const ProcessRun run = fit(
+      dir, "failing.toml", toml,
+      {{"FULGUR_LOG_LEVEL", "warn"}, {"FULGUR_PLUGIN_PATH", ""}, {"FULGUR_FAULT_INJECT", "async_checkpoint_fail:1:2"}});
+  INFO(run.output);
+  CHECK(run.exit_code != 0);
+  const std::string named = "the checkpoint '" + (dir / "ckpt" / "epoch=0-step=4.ckpt").string() +
+                            "' saved in the background ([trainer] async_checkpoint) failed on rank 1";
+  FULGUR_CHECK_CONTAINS(run.output, named + ": injected failure of background save 2 on rank 1");
+  // Step 4's checkpoint does not exist (rank 0's data file went with the temporary directory);
+  // step 2's, which it was to replace, is whole.
+  std::vector<std::string> entries;
+  for (const auto& entry : fs::directory_iterator(dir / "ckpt")) entries.push_back(entry.path().filename().string());
+  CHECK(entries == std::vector<std::string>{"epoch=0-step=2.ckpt"});
+  CHECK(fulgur::test::job::checkpoint_dict(dir / "ckpt" / "epoch=0-step=2.ckpt").at("global_step").toInt() == 2);
+
+  // The same on object storage: step 4's prefix holds nothing (no .metadata, no data files).
+  if (!fs::exists(moto_executable())) return;
+  MotoServer server(dir);
+  std::string s3_toml = fsdp_async_toml(dir / "3", "s3://ckpts/failing", true);
+  s3_toml.replace(s3_toml.find("save_top_k = -1"), 15, "save_top_k = 1");
+  std::map<std::string, std::string> env = server.env();
+  env["FULGUR_FAULT_INJECT"] = "async_checkpoint_fail:1:2";
+  const ProcessRun s3 = fit(dir, "s3.toml", s3_toml, env);
+  INFO(s3.output);
+  CHECK(s3.exit_code != 0);
+  FULGUR_CHECK_CONTAINS(s3.output,
+                        "the checkpoint 's3://ckpts/failing/epoch=0-step=4.ckpt' saved in the background "
+                        "([trainer] async_checkpoint) failed on rank 1: injected failure");
+  CHECK(server.keys("failing/") == std::vector<std::string>{"failing/epoch=0-step=2.ckpt/.metadata",
+                                                            "failing/epoch=0-step=2.ckpt/__0_0.distcp",
+                                                            "failing/epoch=0-step=2.ckpt/__1_0.distcp"});
+  server.client({"getprefix", "failing/epoch=0-step=2.ckpt/", (dir / "s3-step2").string()});
+  CHECK(fulgur::test::job::checkpoint_dict(dir / "s3-step2").at("global_step").toInt() == 2);
+}
+
+TEST_CASE("async_checkpoint: fsdp on 2 ranks writes full-state checkpoints in the background, as a synchronous run") {
+  TempDir dir;
+  // state_dict_type = "full" (the default): rank 0 writes one file of gathered tensors.
+  auto full_toml = [](const fs::path& root, const std::string& dirpath, bool async) {
+    std::string toml = fsdp_async_toml(root, dirpath, async);
+    return toml.replace(toml.find("state_dict_type = \"sharded\""), 27, "state_dict_type = \"full\"");
+  };
+  std::map<std::string, std::string> env = {{"FULGUR_LOG_LEVEL", "warn"}, {"FULGUR_PLUGIN_PATH", ""}};
+  const ProcessRun sync = fit(dir, "sync.toml", full_toml(dir / "s", (dir / "sync").string(), false), env);
+  REQUIRE_MESSAGE(sync.exit_code == 0, sync.output);
+  if (FULGUR_TEST_FAULT_INJECTION) env["FULGUR_FAULT_INJECT"] = "async_checkpoint_delay:300";
+  const ProcessRun async = fit(dir, "async.toml", full_toml(dir / "a", (dir / "async").string(), true), env);
+  REQUIRE_MESSAGE(async.exit_code == 0, async.output);
+  INFO(async.output);
+  CHECK(!contains(async.output, kSavedSynchronously));
+  const std::vector<std::string> names = fulgur::test::job::files_in(dir / "sync");
+  REQUIRE(names.size() == 4);
+  CHECK(fulgur::test::job::files_in(dir / "async") == names);
+  for (const std::string& name : names) {
+    INFO(name);
+    CHECK(fs::is_regular_file(dir / "async" / name));
+    check_same_tensors(dir / "async" / name, dir / "sync" / name);
+  }
 }
 
 // ---- Storage plugins (SDK 1.5): a plugin kind named after its URL scheme, configured by [storage] ----

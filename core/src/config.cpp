@@ -128,7 +128,8 @@ const std::vector<OptionSchema>& trainer_option_schema() {
         {"async_checkpoint", T::boolean, "false",
          "Write checkpoints in a background thread (Lightning's AsyncCheckpointIO): the state is copied to host "
          "memory at the save point and training goes on; one save in flight at most, awaited at the next save and "
-         "at the end of fit; a failed save fails the run. Single-process runs (several processes save as usual)"},
+         "at the end of fit; a failed save fails the run. Several processes (ddp, fsdp) write their parts in the "
+         "background too; a strategy without fulgur.strategy.async_save/1 saves synchronously, with a warning"},
         {"strict_loading", T::boolean, "true",
          "Loading a checkpoint's weights: refuse missing or unexpected keys (false: load those that match, "
          "warn about the rest)"},
@@ -509,15 +510,17 @@ Config config_from_root(std::shared_ptr<toml::table> root, const fs::path& origi
     fs::path root_dir = config.trainer.get_string("default_root_dir");
     const auto given = config.trainer_locations.find("default_root_dir");
     const fs::path root_base = given == config.trainer_locations.end() ? base : base_of(given->second);
-    // Loggers write local files under default_root_dir; object storage reaches checkpoints only so
-    // far (fulgur/storage.h), so a URL here would leave logs in a local directory named "s3:".
+    // default_root_dir is where loggers, profilers and finders write local files (a logger whose
+    // save_dir is a URL stages its files there), so a URL here would leave them in a local
+    // directory named "s3:". Checkpoints and logs reach object storage through their own options.
     if (is_storage_url(root_dir.string()))
       throw Error(ErrorKind::config,
-                  fmt::format("{}: [trainer] default_root_dir = \"{}\": logs cannot go to object storage yet; keep "
-                              "default_root_dir local and send the checkpoints there with the checkpoint callback's "
-                              "dirpath = \"{}/checkpoints\" (ckpt_path = \"last\" finds them there)",
+                  fmt::format("{}: [trainer] default_root_dir = \"{}\": must be a local directory (logs are staged "
+                              "there); send the checkpoints to object storage with the checkpoint callback's "
+                              "dirpath = \"{}/checkpoints\" (ckpt_path = \"last\" finds them there) and the logs "
+                              "with the csv or tensorboard logger's save_dir = \"{}\"",
                               given == config.trainer_locations.end() ? std::string("[trainer]") : given->second.str(),
-                              root_dir.string(), root_dir.string()));
+                              root_dir.string(), root_dir.string(), root_dir.string()));
     if (!root_dir.is_absolute())
       config.trainer.set("default_root_dir", (root_base / root_dir).lexically_normal().string());
     // init_weights and a ckpt_path file like default_root_dir: relative to the file (or flag) that

@@ -399,7 +399,7 @@ void TrainerEngine::finish_stage(Stage stage, RunStatus status) {
   // A background save still in flight (a failure or a signal ended the stage) is completed before
   // the process may exit; its own failure is reported beside the one that ended the run.
   try {
-    checkpoints_.wait_for_pending_save();
+    checkpoints_.wait_for_pending_save(/*collective=*/status == RunStatus::success);
   } catch (const std::exception& e) {
     if (status == RunStatus::success) {
       if (!first) first = std::current_exception();

@@ -12,6 +12,7 @@
 //                               its own state and state dict
 #pragma once
 
+#include <fulgur/checkpoint_queue.h>
 #include <fulgur/data_module.h>
 #include <fulgur/module.h>
 #include <fulgur/scheduler_names.h>
@@ -37,7 +38,7 @@
 
 namespace fulgur {
 
-class TrainerEngine final : public WithExtensions<TrainerContext, SchedulerNames> {
+class TrainerEngine final : public WithExtensions<TrainerContext, SchedulerNames, CheckpointSaveQueue> {
  public:
   explicit TrainerEngine(Config config);
   ~TrainerEngine() override;
@@ -82,6 +83,9 @@ class TrainerEngine final : public WithExtensions<TrainerContext, SchedulerNames
   std::vector<torch::optim::Optimizer*> optimizers() override { return optimizer_ptrs_; }
   // ---- SchedulerNames -------------------------------------------------------------------------
   std::vector<std::string> scheduler_names() const override;
+  // ---- CheckpointSaveQueue ([trainer] async_checkpoint) ---------------------------------------
+  std::string pending_save() const override { return checkpoints_.pending_save(); }
+  void after_pending_save(std::function<void()> action) override { checkpoints_.after_pending_save(std::move(action)); }
 
   int64_t global_rank() const { return environment_ready_ ? plugins_.strategy->cluster().global_rank : 0; }
   // The process group every rank joined (null with one process): the loops' own votes use it.

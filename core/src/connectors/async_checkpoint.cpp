@@ -10,6 +10,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <thread>
 #include <unordered_map>
 #include <utility>
@@ -66,21 +67,36 @@ c10::IValue copy_value(const c10::IValue& value, StorageCopies& copies) {
   return value;
 }
 
-// Test-only fault injection (compiled in with FULGUR_FAULT_INJECTION, as the SDK's seams):
-// FULGUR_FAULT_INJECT = "async_checkpoint_delay:MS" holds every background save MS milliseconds
-// before it writes, so that training surely moves on meanwhile (tests/storage_test.cpp: the files
-// must still hold the state of their own step).
-int injected_delay_ms() {
+// Test-only fault injection (compiled in with FULGUR_FAULT_INJECTION, as the SDK's seams), a
+// comma-separated list in FULGUR_FAULT_INJECT:
+// "async_checkpoint_delay:MS" holds every background save MS milliseconds before it writes, so that
+// training surely moves on meanwhile (tests/storage_test.cpp: the files must still hold the state
+// of their own step); "async_checkpoint_fail:RANK:N" makes the N-th background save (from 1) of
+// global rank RANK throw, the others writing as usual (a failure on one rank of several).
+struct InjectedFaults {
+  int delay_ms = 0;
+  int64_t fail_rank = -1;
+  int fail_save = 0;
+};
+
+const InjectedFaults& injected_faults() {
+  static const InjectedFaults faults = [] {
+    InjectedFaults f;
 #if defined(FULGUR_FAULT_INJECTION)
-  static const int ms = [] {
-    int v = 0;
     const char* spec = std::getenv("FULGUR_FAULT_INJECT");
-    return spec && std::sscanf(spec, "async_checkpoint_delay:%d", &v) == 1 ? v : 0;
-  }();
-  return ms;
-#else
-  return 0;
+    for (const char* item = spec; item && *item; item = std::strchr(item, ',') ? std::strchr(item, ',') + 1 : nullptr) {
+      long rank = 0;
+      int v = 0;
+      if (std::sscanf(item, "async_checkpoint_delay:%d", &v) == 1) f.delay_ms = v;
+      if (std::sscanf(item, "async_checkpoint_fail:%ld:%d", &rank, &v) == 2) {
+        f.fail_rank = rank;
+        f.fail_save = v;
+      }
+    }
 #endif
+    return f;
+  }();
+  return faults;
 }
 
 }  // namespace
@@ -99,11 +115,19 @@ AsyncCheckpointWriter::~AsyncCheckpointWriter() {
   }
 }
 
-void AsyncCheckpointWriter::start(std::string path, std::function<void()> write) {
+void AsyncCheckpointWriter::start(std::string path, std::function<void()> write, int64_t rank) {
   if (path_)
     throw Error(ErrorKind::runtime,
                 fmt::format("asynchronous checkpoint '{}' started while '{}' is still being written", path, *path_));
-  if (const int ms = injected_delay_ms(); ms > 0)
+  const InjectedFaults& faults = injected_faults();
+  ++started_;
+  if (faults.fail_rank == rank && faults.fail_save == started_)
+    write = [rank, n = started_] {
+      throw Error(ErrorKind::io, fmt::format("injected failure of background save {} on rank {} "
+                                             "(FULGUR_FAULT_INJECT=async_checkpoint_fail)",
+                                             n, rank));
+    };
+  if (const int ms = faults.delay_ms; ms > 0)
     write = [write = std::move(write), ms] {
       std::this_thread::sleep_for(std::chrono::milliseconds(ms));
       write();
@@ -114,15 +138,25 @@ void AsyncCheckpointWriter::start(std::string path, std::function<void()> write)
 
 std::optional<std::string> AsyncCheckpointWriter::wait() {
   if (!path_) return std::nullopt;
-  std::optional<std::string> path = std::exchange(path_, std::nullopt);
+  std::optional<std::string> path = path_;
+  if (const std::string failure = wait_for_failure(); !failure.empty())
+    throw Error(ErrorKind::checkpoint,
+                fmt::format("the checkpoint '{}' saved in the background ([trainer] async_checkpoint) failed: {}",
+                            *path, failure));
+  return path;
+}
+
+std::string AsyncCheckpointWriter::wait_for_failure() {
+  if (!path_) return {};
+  path_.reset();
   try {
     done_.get();
   } catch (const std::exception& e) {
-    throw Error(ErrorKind::checkpoint,
-                fmt::format("the checkpoint '{}' saved in the background ([trainer] async_checkpoint) failed: {}",
-                            *path, e.what()));
+    return e.what()[0] != 0 ? e.what() : "unknown error";
+  } catch (...) {
+    return "unknown error";
   }
-  return path;
+  return {};
 }
 
 }  // namespace fulgur

@@ -6,6 +6,7 @@
 
 #include <ATen/core/ivalue.h>
 
+#include <cstdint>
 #include <functional>
 #include <future>
 #include <optional>
@@ -28,17 +29,21 @@ class AsyncCheckpointWriter {
   ~AsyncCheckpointWriter();
 
   // Runs `write` (which saves `path`) on a background thread. The previous save must have been
-  // awaited (wait()).
-  void start(std::string path, std::function<void()> write);
+  // awaited (wait()). `rank` is this process's global rank (for the test-only fault seam).
+  void start(std::string path, std::function<void()> write, int64_t rank = 0);
   // The path of the save in flight, or nullopt.
   const std::optional<std::string>& in_flight() const { return path_; }
   // Waits for the save in flight, if any, and returns its path; a failed save throws
   // fulgur::Error(checkpoint) naming the checkpoint and why.
   std::optional<std::string> wait();
+  // Waits for the save in flight, if any, and returns why it failed ("" when it succeeded or
+  // none was in flight), without throwing: a multi-process run first agrees which ranks failed.
+  std::string wait_for_failure();
 
  private:
   std::optional<std::string> path_;
   std::future<void> done_;
+  int started_ = 0;  // saves started, for the test-only fault seam
 };
 
 }  // namespace fulgur

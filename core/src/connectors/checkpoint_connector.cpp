@@ -9,6 +9,7 @@
 #include <fulgur/state_dict.h>
 
 #include <ATen/core/ivalue.h>
+#include <ATen/ops/full.h>
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 #include <spdlog/spdlog.h>
@@ -135,17 +136,20 @@ void CheckpointConnector::save(const std::string& path, bool weights_only) {
   c10::IValue metadata = dump_metadata(weights_only);
   const SavedCheckpoint saved{path, t.global_step(), t.current_epoch(), weights_only};
   if (t.trainer_config_.async_checkpoint) {
-    if (strategy.cluster().world_size == 1) {
-      save_in_background(path, std::move(model_state), std::move(optimizer_states), std::move(metadata), saved);
+    const bool single = strategy.cluster().world_size == 1;
+    AsyncSaveStrategy* split = single ? nullptr : find_extension<AsyncSaveStrategy>(strategy);
+    if (single || split) {
+      save_in_background(path, std::move(model_state), std::move(optimizer_states), std::move(metadata), saved, split);
       return;
     }
     // The strategy's save may be a collective (a barrier, every rank writing its shards), which
-    // must not run beside the training step's collectives on another thread.
+    // must not run beside the training step's collectives on another thread; a strategy that
+    // splits it (AsyncSaveStrategy) keeps the collectives on this thread.
     if (!warned_async_multiprocess_ && t.global_rank() == 0)
       spdlog::warn(
-          "[trainer] async_checkpoint applies to single-process runs; this run of {} processes saves its "
-          "checkpoints synchronously",
-          strategy.cluster().world_size);
+          "[trainer] async_checkpoint: strategy '{}' does not offer fulgur.strategy.async_save/1 (a save split "
+          "into collective and background parts), so this run of {} processes saves its checkpoints synchronously",
+          t.config_.trainer.get_string("strategy"), strategy.cluster().world_size);
     warned_async_multiprocess_ = true;
   }
   strategy.save_checkpoint(CheckpointParts{&model_state, &optimizer_states, &metadata}, path);
@@ -156,7 +160,7 @@ void CheckpointConnector::save(const std::string& path, bool weights_only) {
 
 void CheckpointConnector::save_in_background(const std::string& path, c10::IValue model_state,
                                              std::vector<c10::IValue> optimizer_states, c10::IValue metadata,
-                                             const SavedCheckpoint& saved) {
+                                             const SavedCheckpoint& saved, AsyncSaveStrategy* split) {
   // One save in flight: the previous one completes (or fails the run) before this one starts.
   wait_for_pending_save();
   // Training goes on and changes the weights and optimizer state in place: the background thread
@@ -172,17 +176,85 @@ void CheckpointConnector::save_in_background(const std::string& path, c10::IValu
   model_state = c10::IValue();
   optimizer_states.clear();
   Strategy& strategy = *trainer_.plugins_.strategy;
-  async_writer_.start(path, [&strategy, host, path] {
-    strategy.save_checkpoint(CheckpointParts{&host->model_state, &host->optimizer_states, &host->metadata}, path);
-  });
+  const CheckpointParts parts{&host->model_state, &host->optimizer_states, &host->metadata};
+  std::function<void()> write;
+  if (split) {
+    // The collective part here, on every rank; the write (this rank's bytes) in the background.
+    // The write may keep pointers into `host`, which lives as long as it does.
+    write = [host, rank_write = split->prepare_save(parts, path)] {
+      if (rank_write) rank_write();
+    };
+  } else {
+    write = [&strategy, host, parts, path] { strategy.save_checkpoint(parts, path); };
+  }
+  async_writer_.start(path, std::move(write), trainer_.global_rank());
   pending_ = saved;
+  split_ = split;
 }
 
-void CheckpointConnector::wait_for_pending_save() {
+std::vector<int64_t> CheckpointConnector::failed_ranks(bool failed) {
+  Strategy& strategy = *trainer_.plugins_.strategy;
+  const at::Tensor mine =
+      at::full({1}, failed ? 1 : 0, at::TensorOptions().dtype(at::kLong).device(strategy.root_device()));
+  std::vector<int64_t> out;
+  const std::vector<at::Tensor> all = strategy.all_gather(mine);
+  for (size_t rank = 0; rank < all.size(); ++rank)
+    if (all[rank].item<int64_t>() != 0) out.push_back(static_cast<int64_t>(rank));
+  return out;
+}
+
+void CheckpointConnector::wait_for_pending_save(bool collective) {
   if (!async_writer_.in_flight()) return;
+  const std::string path = *async_writer_.in_flight();
   std::optional<SavedCheckpoint> saved = std::exchange(pending_, std::nullopt);
-  async_writer_.wait();
+  // A failed save drops the deferred work: what it was to replace (a top-k file) stays.
+  std::vector<std::function<void()>> actions = std::exchange(after_save_, {});
+  if (AsyncSaveStrategy* split = std::exchange(split_, nullptr)) {
+    const std::string failure = async_writer_.wait_for_failure();
+    // The run already failed on this rank: the others may never reach the agreement below.
+    if (!collective) {
+      if (!failure.empty())
+        throw Error(ErrorKind::checkpoint,
+                    fmt::format("the checkpoint '{}' saved in the background ([trainer] async_checkpoint) failed on "
+                                "rank {}: {}",
+                                path, trainer_.global_rank(), failure));
+      return;
+    }
+    // Every rank learns whether every rank's write succeeded, then the strategy completes the
+    // checkpoint (or cleans up) on all of them: the checkpoint exists only when every part does.
+    const std::vector<int64_t> failed = failed_ranks(!failure.empty());
+    // Every rank says why it failed (the failing rank's log may be cut short when the launcher
+    // stops it): the failing ranks send their reason, before finish_save's own collectives.
+    std::vector<std::string> reasons;
+    for (const int64_t rank : failed)
+      reasons.push_back(fmt::format("rank {}: {}", rank, trainer_.plugins_.strategy->broadcast_string(failure, rank)));
+    std::string finish_failure;
+    try {
+      split->finish_save(path, failed.empty());
+    } catch (const std::exception& e) {
+      if (failed.empty()) throw;
+      finish_failure = e.what();
+    }
+    if (!failed.empty()) {
+      std::string message =
+          fmt::format("the checkpoint '{}' saved in the background ([trainer] async_checkpoint) failed on {}", path,
+                      fmt::join(reasons, "; "));
+      if (!finish_failure.empty()) message += fmt::format("; cleaning it up failed too: {}", finish_failure);
+      throw Error(ErrorKind::checkpoint, message);
+    }
+  } else {
+    async_writer_.wait();
+  }
   if (saved) trainer_.logging_.after_save_checkpoint(*saved);
+  for (auto& action : actions) action();
+}
+
+void CheckpointConnector::after_pending_save(std::function<void()> action) {
+  if (!action) return;
+  if (async_writer_.in_flight())
+    after_save_.push_back(std::move(action));
+  else
+    action();
 }
 
 std::string CheckpointConnector::resolve(const std::string& ckpt_path, Stage stage) {

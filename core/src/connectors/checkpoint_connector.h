@@ -3,6 +3,7 @@
 // checkpoint-provider callbacks), and restoring a run from one.
 #pragma once
 
+#include <fulgur/async_save.h>
 #include <fulgur/logger.h>
 #include <fulgur/trainer.h>
 #include <fulgur/types.h>
@@ -12,6 +13,7 @@
 
 #include "async_checkpoint.h"
 
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -31,11 +33,19 @@ class CheckpointConnector {
   };
 
   // TrainerContext::save_checkpoint: the strategy's parts plus dump_metadata, written by the strategy
-  // (in the background with [trainer] async_checkpoint in a single-process run).
+  // (in the background with [trainer] async_checkpoint: in a single-process run, or where the
+  // strategy offers AsyncSaveStrategy, fulgur/async_save.h).
   void save(const std::string& path, bool weights_only);
   // Waits for a background save still in flight; throws fulgur::Error(checkpoint) naming it when it
   // failed. The loggers hear of a background save (after_save_checkpoint) here, once it is complete.
-  void wait_for_pending_save();
+  // A save split by AsyncSaveStrategy is completed here, which is a collective: every rank agrees
+  // which ranks' writes failed, then the strategy's finish_save runs. `collective` = false (the
+  // run already failed, other ranks may never come) only waits for this rank's write.
+  void wait_for_pending_save(bool collective = true);
+  // CheckpointSaveQueue (fulgur/checkpoint_queue.h): the background save's path ("" when none),
+  // and work run once it is complete (at once when none is in flight; dropped when it fails).
+  std::string pending_save() const { return async_writer_.in_flight().value_or(std::string()); }
+  void after_pending_save(std::function<void()> action);
   // A path, "last" or "best" as a file. "" when ckpt_path is "last" in fit and no last
   // checkpoint exists yet (a first run starts fresh, with a warning, as Lightning does).
   std::string resolve(const std::string& ckpt_path, Stage stage);
@@ -76,12 +86,18 @@ class CheckpointConnector {
   void restore_weights_only(const std::string& path, const TensorMap& tensors);
   // save() with [trainer] async_checkpoint: copies the parts to host memory and has the strategy
   // write them on a background thread (after the previous save completed).
+  // `split`: the strategy's AsyncSaveStrategy in a multi-process run (its prepare_save runs here,
+  // its write in the background), else nullptr (Strategy::save_checkpoint in the background).
   void save_in_background(const std::string& path, c10::IValue model_state, std::vector<c10::IValue> optimizer_states,
-                          c10::IValue metadata, const SavedCheckpoint& saved);
+                          c10::IValue metadata, const SavedCheckpoint& saved, AsyncSaveStrategy* split);
+  // The global ranks whose background write failed (`failed` is this rank's answer): one all-gather.
+  std::vector<int64_t> failed_ranks(bool failed);
 
   TrainerEngine& trainer_;
   AsyncCheckpointWriter async_writer_;
-  std::optional<SavedCheckpoint> pending_;  // the background save's, for the loggers
+  std::optional<SavedCheckpoint> pending_;         // the background save's, for the loggers
+  std::vector<std::function<void()>> after_save_;  // after_pending_save's actions, in order
+  AsyncSaveStrategy* split_ = nullptr;             // the pending save's finish_save, where split
   bool warned_async_multiprocess_ = false;
 };
 

@@ -4,6 +4,7 @@
 // its state. It is the Trainer's checkpoint provider: ckpt_path = "best" / "last" ask it, and a new
 // process finds the newest last*.ckpt where it saves.
 #include <fulgur/checkpoint_io.h>
+#include <fulgur/checkpoint_queue.h>
 #include <fulgur/distributed_checkpoint.h>
 #include <fulgur/plugin.h>
 #include <fulgur/storage.h>
@@ -627,7 +628,7 @@ class ModelCheckpoint final : public fulgur::Callback, public fulgur::Checkpoint
           "Epoch {}, global step {}: '{}' reached {:.5f} (best {:.5f}), saving model to '{}' as top {}",
           epoch_of(candidates), step_of(candidates), monitor_, current, *top_k_.best_model_score, filepath, k));
     save_checkpoint(trainer, filepath, before);
-    if (!removed_path.empty() && should_remove(removed_path, filepath)) remove_checkpoint(trainer, removed_path);
+    if (!removed_path.empty() && should_remove(removed_path, filepath)) remove_after_save(trainer, removed_path);
   }
 
   void save_without_monitor(fulgur::TrainerContext& trainer, const Candidates& candidates) {
@@ -639,7 +640,7 @@ class ModelCheckpoint final : public fulgur::Callback, public fulgur::Checkpoint
                                     step_of(candidates), filepath));
     save_checkpoint(trainer, filepath, before);
     if (save_top_k_ == 1 && !previous.empty() && should_remove(previous, filepath))
-      remove_checkpoint(trainer, previous);
+      remove_after_save(trainer, previous);
   }
 
   void save_last(fulgur::TrainerContext& trainer, const Candidates& candidates) {
@@ -648,7 +649,7 @@ class ModelCheckpoint final : public fulgur::Callback, public fulgur::Checkpoint
     std::string filepath = unique_filepath(trainer, kLastFilename, candidates, top_k_.last_model_path);
     std::string previous = std::exchange(top_k_.last_model_path, filepath);
     save_checkpoint(trainer, filepath, before);
-    if (!previous.empty() && should_remove(previous, filepath)) remove_checkpoint(trainer, previous);
+    if (!previous.empty() && should_remove(previous, filepath)) remove_after_save(trainer, previous);
   }
 
   std::string checkpoint_path(std::string_view filename, const Candidates& candidates, int64_t version) const {
@@ -692,6 +693,16 @@ class ModelCheckpoint final : public fulgur::Callback, public fulgur::Checkpoint
   // Only files in this callback's own directory are ever deleted (not, say, one resumed from).
   bool should_remove(const std::string& previous, const std::string& current) const {
     return previous != current && is_inside(previous, dirpath_);
+  }
+
+  // The checkpoint that `path` was replaced by may still be being written in the background
+  // ([trainer] async_checkpoint): `path` goes once that save is complete, so that a process killed
+  // meanwhile still has it. A host without CheckpointSaveQueue (SDK < 1.5) saves synchronously.
+  static void remove_after_save(fulgur::TrainerContext& trainer, const std::string& path) {
+    if (auto* queue = fulgur::find_extension<fulgur::CheckpointSaveQueue>(trainer))
+      queue->after_pending_save([&trainer, path] { remove_checkpoint(trainer, path); });
+    else
+      remove_checkpoint(trainer, path);
   }
 
   static void remove_checkpoint(fulgur::TrainerContext& trainer, const std::string& path) {

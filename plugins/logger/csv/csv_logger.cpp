@@ -6,7 +6,8 @@
 //
 // Rows are buffered and written every `flush_logs_every_n_steps` steps and on save()/finalize().
 // When a row brings a key not in the header, the file is rewritten (atomically) with the wider
-// header; cells of rows that lack a key stay empty.
+// header; cells of rows that lack a key stay empty. A save_dir URL (s3://bucket/prefix) stages the
+// files under default_root_dir and uploads them whole after every flush (common/storage_mirror.h).
 #include <fulgur/checkpoint_io.h>
 #include <fulgur/csv.h>
 #include <fulgur/plugin.h>
@@ -31,6 +32,7 @@
 #include <unistd.h>
 
 #include "../common/run_directory.h"
+#include "../common/storage_mirror.h"
 
 namespace fs = std::filesystem;
 
@@ -101,7 +103,11 @@ std::string read_file(const fs::path& path) {
 
 class CsvLogger final : public fulgur::Logger {
  public:
-  FULGUR_OPTIONS(Options, (string, save_dir, "Root directory; empty means the Trainer's default_root_dir", ""),
+  FULGUR_OPTIONS(Options,
+                 (string, save_dir,
+                  "Root directory; empty means the Trainer's default_root_dir; a URL (s3://bucket/prefix): files "
+                  "staged under default_root_dir and uploaded on every flush",
+                  ""),
                  (string, name, "Experiment name: the directory under save_dir", "lightning_logs"),
                  (integer, version, "Run version; -1 picks the next free version_N", -1),
                  (string, prefix, "Prepended to every metric name, joined with '-'", ""),
@@ -128,10 +134,18 @@ class CsvLogger final : public fulgur::Logger {
   void setup(const fulgur::LoggerSetup& setup) override {
     writes_ = setup.global_rank == 0;
     if (log_dir_.empty()) {
-      const fs::path root = fs::path(save_dir_.empty() ? setup.root_dir : save_dir_) / name_;
+      // A URL: staged locally under default_root_dir, uploaded on every flush (storage_mirror.h).
+      const bool remote = fulgur::is_storage_url(save_dir_);
+      const fs::path root = fs::path(save_dir_.empty() || remote ? setup.root_dir : save_dir_) / name_;
+      const std::string remote_root = remote ? fulgur::join_storage_path(save_dir_, name_) : std::string();
       // Every rank computes the same path; only rank zero creates it.
-      const int64_t version = version_ >= 0 ? version_ : fulgur::run_directory::next_free_version(root);
+      int64_t version = version_;
+      if (version < 0) {
+        version = fulgur::run_directory::next_free_version(root);
+        if (remote) version = std::max(version, fulgur::run_directory::next_free_version_at(remote_root));
+      }
       log_dir_ = (root / fmt::format("version_{}", version)).string();
+      if (remote) mirror_.start(log_dir_, fulgur::join_storage_path(remote_root, fmt::format("version_{}", version)));
     }
     if (!writes_) return;
     prepare_directory();
@@ -213,6 +227,7 @@ class CsvLogger final : public fulgur::Logger {
       append(path, rows_text(header_));
     }
     pending_.clear();
+    mirror_.upload("logger 'csv'", path.string());
   }
 
   // A new key widens the header: existing rows are re-laid out under it and the file replaced.
@@ -285,6 +300,7 @@ class CsvLogger final : public fulgur::Logger {
       if (fulgur::run_directory::is_module_hparam(key))
         content += fmt::format("{}: {}\n", yaml_key(key), yaml_value(value));
     atomic_write(fs::path(log_dir_) / kHparamsFile, content);
+    mirror_.upload("logger 'csv'", (fs::path(log_dir_) / kHparamsFile).string());
   }
 
   std::string save_dir_;
@@ -298,6 +314,7 @@ class CsvLogger final : public fulgur::Logger {
   std::vector<std::string> header_;  // columns of metrics.csv as written; empty: no file yet
   std::vector<Row> pending_;
   std::map<std::string, std::string> hparams_;
+  fulgur::run_directory::StorageMirror mirror_;  // save_dir on object storage
 };
 
 }  // namespace

@@ -12,6 +12,7 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <chrono>
 #include <filesystem>
 #include <map>
@@ -21,6 +22,7 @@
 #include <vector>
 
 #include "../common/run_directory.h"
+#include "../common/storage_mirror.h"
 #include "event_file.h"
 #include "summaries.h"
 
@@ -55,7 +57,11 @@ std::string hparams_table(const std::map<std::string, std::string>& hparams) {
 
 class TensorBoardLogger final : public fulgur::Logger {
  public:
-  FULGUR_OPTIONS(Options, (string, save_dir, "Root directory; empty means the Trainer's default_root_dir", ""),
+  FULGUR_OPTIONS(Options,
+                 (string, save_dir,
+                  "Root directory; empty means the Trainer's default_root_dir; a URL (s3://bucket/prefix): files "
+                  "staged under default_root_dir and uploaded on every flush",
+                  ""),
                  (string, name, "Experiment name: the directory under save_dir", "lightning_logs"),
                  (integer, version, "Run version; -1 picks the next free version_N", -1),
                  (string, sub_dir, "Optional directory under version_N for the event files", ""),
@@ -84,6 +90,7 @@ class TensorBoardLogger final : public fulgur::Logger {
     // A run that dies without finalize() should still leave its buffered events on disk.
     try {
       file_.close();
+      if (!file_.path().empty()) mirror_.upload(kOwner, file_.path());
     } catch (const std::exception& e) {
       fulgur::log::error(e.what());
     }
@@ -92,11 +99,20 @@ class TensorBoardLogger final : public fulgur::Logger {
   void setup(const fulgur::LoggerSetup& setup) override {
     writes_ = setup.global_rank == 0;
     if (version_dir_.empty()) {
-      const fs::path root = fs::path(save_dir_.empty() ? setup.root_dir : save_dir_) / name_;
+      // A URL: staged locally under default_root_dir, uploaded on every flush (storage_mirror.h).
+      const bool remote = fulgur::is_storage_url(save_dir_);
+      const fs::path root = fs::path(save_dir_.empty() || remote ? setup.root_dir : save_dir_) / name_;
+      const std::string remote_root = remote ? fulgur::join_storage_path(save_dir_, name_) : std::string();
       // Every rank computes the same path; only rank zero creates it.
-      const int64_t version = version_ >= 0 ? version_ : support::next_free_version(root);
+      int64_t version = version_;
+      if (version < 0) {
+        version = support::next_free_version(root);
+        if (remote) version = std::max(version, support::next_free_version_at(remote_root));
+      }
       version_dir_ = (root / fmt::format("version_{}", version)).string();
       log_dir_ = sub_dir_.empty() ? version_dir_ : (fs::path(version_dir_) / sub_dir_).string();
+      if (remote)
+        mirror_.start(version_dir_, fulgur::join_storage_path(remote_root, fmt::format("version_{}", version)));
     }
     if (!writes_ || file_.is_open()) return;
     // Checked now; the event file itself is created by the first write, so that the directory
@@ -132,14 +148,15 @@ class TensorBoardLogger final : public fulgur::Logger {
     file_.write(builder_.hparams_session_start(now, hparams_));
     // Lightning's default_hp_metric: a placeholder the user overwrites by logging "hp_metric".
     if (default_hp_metric_) file_.write(builder_.scalars(now, 0, {{kHpMetric, -1.0}}));
-    file_.flush();
+    flush();
   }
 
   void save() override {
     if (!writes_) return;
-    file_.flush();
+    flush();
     if (hparams_dirty_ && !version_dir_.empty()) {
       support::write_hparams_yaml(log_dir_, hparams_);
+      mirror_.upload(kOwner, (fs::path(log_dir_) / "hparams.yaml").string());
       hparams_dirty_ = false;
     }
   }
@@ -166,10 +183,16 @@ class TensorBoardLogger final : public fulgur::Logger {
     file_.write(event);
     const auto now = std::chrono::steady_clock::now();
     if (++queued_ >= max_queue_ || std::chrono::duration<double>(now - last_flush_).count() >= flush_secs_) {
-      file_.flush();
+      flush();
       queued_ = 0;
       last_flush_ = now;
     }
+  }
+
+  // The event file to disk, and to object storage when save_dir is a URL.
+  void flush() {
+    file_.flush();
+    if (file_.is_open()) mirror_.upload(kOwner, file_.path());
   }
 
   // Options.
@@ -193,6 +216,7 @@ class TensorBoardLogger final : public fulgur::Logger {
   bool hparams_dirty_ = false;
   int64_t queued_ = 0;
   std::chrono::steady_clock::time_point last_flush_;
+  support::StorageMirror mirror_;  // save_dir on object storage
 };
 
 }  // namespace

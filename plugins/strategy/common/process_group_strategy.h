@@ -3,8 +3,12 @@
 // Header-only: each strategy is its own plugin library and may use only the SDK.
 #pragma once
 
+#include <fulgur/async_save.h>
+#include <fulgur/checkpoint_io.h>
 #include <fulgur/communicator.h>
 #include <fulgur/plugin.h>
+#include <fulgur/state_dict.h>
+#include <fulgur/storage.h>
 
 #include <ATen/ops/empty.h>
 #include <ATen/ops/from_blob.h>
@@ -13,12 +17,14 @@
 
 #include <chrono>
 #include <cmath>
+#include <filesystem>
+#include <functional>
 #include <memory>
 #include <string>
 
 namespace fulgur::process_group {
 
-class ProcessGroupStrategy : public WithExtensions<Strategy, DeviceStepStrategy> {
+class ProcessGroupStrategy : public WithExtensions<Strategy, DeviceStepStrategy, AsyncSaveStrategy> {
  public:
   // `name` is the plugin's, for messages; `backend` and `timeout` are its options of those names.
   ProcessGroupStrategy(std::string name, const Options& options)
@@ -119,6 +125,25 @@ class ProcessGroupStrategy : public WithExtensions<Strategy, DeviceStepStrategy>
   void teardown() override {
     if (accelerator_) accelerator_->teardown();
   }
+
+  // [trainer] async_checkpoint (fulgur/async_save.h) for Strategy::save_checkpoint's one file:
+  // rank 0 writes the joined parts (replicas are identical) in the background, the others
+  // nothing. The file is written atomically (fulgur/checkpoint_io.h), so there is no marker to
+  // add once every rank is done, and nothing to remove when a write failed: the file at `path`
+  // is either rank 0's complete one or the one it was to replace.
+  std::function<void()> prepare_save(const CheckpointParts& parts, const std::string& path) override {
+    if (cluster_.global_rank != 0) return {};
+    // As save_checkpoint: a checkpoint may go to a directory that does not exist yet.
+    const std::filesystem::path parent =
+        is_storage_url(path) ? std::filesystem::path() : std::filesystem::path(path).parent_path();
+    std::error_code error;
+    if (!parent.empty()) std::filesystem::create_directories(parent, error);
+    if (error)
+      throw Error(ErrorKind::io, fmt::format("cannot write checkpoint '{}': creating directory '{}' failed: {}", path,
+                                             parent.string(), error.message()));
+    return [parts, path] { write_checkpoint_file(join_checkpoint(parts), path); };
+  }
+  void finish_save(const std::string&, bool) override {}
 
  protected:
   std::string name_;

@@ -113,6 +113,63 @@ void save_to_storage(const std::string& target, const c10::IValue& state,
   throw_first_failure(all_gather(error.empty() ? "k" : "e" + error, rank, world_size, broadcast), url);
 }
 
+SplitStorageSave::SplitStorageSave(const std::string& target, int64_t rank, int64_t world_size,
+                                   const BroadcastString& broadcast)
+    : url_(trimmed(target)), rank_(rank), world_size_(world_size) {
+  std::string error = outcome([&] {
+    if (rank == 0) storage_for(url_).remove(join_storage_path(url_, kMetadata));
+    local_ = local_directory("save");
+  });
+  try {
+    throw_first_failure(all_gather(error.empty() ? "k" : "e" + error, rank, world_size, broadcast), url_);
+  } catch (...) {
+    if (!local_.empty()) remove_directory(local_);
+    throw;
+  }
+}
+
+SplitStorageSave::~SplitStorageSave() { remove_directory(local_); }
+
+void SplitStorageSave::write(const c10::IValue& state, const std::map<std::string, dcp::Chunk>& placements) {
+  mine_ = dcp::write_rank_file(local_, rank_, state, placements);
+  storage_for(url_).write(join_storage_path(url_, mine_.file),
+                          local_storage().read(join_storage_path(local_, mine_.file)));
+}
+
+void SplitStorageSave::finish(bool all_written, const BroadcastString& broadcast) {
+  Storage& storage = storage_for(url_);
+  if (!all_written) {
+    // No .metadata: not a checkpoint. What some ranks uploaded goes too (best effort).
+    if (rank_ == 0) {
+      std::string ignored = outcome([&] {
+        for (const StorageObject& object : storage.list(join_storage_path(url_, "")))
+          if (object.url.find('/', url_.size() + 1) == std::string::npos) storage.remove(object.url);
+      });
+    }
+    return;
+  }
+  const std::vector<std::string> messages =
+      all_gather(rank_ == 0 ? "k" : "k" + mine_.serialize(), rank_, world_size_, broadcast);
+  std::string error;
+  if (rank_ == 0) {
+    error = outcome([&] {
+      std::vector<dcp::RankWrite> ranks{mine_};
+      for (int64_t r = 1; r < world_size_; ++r)
+        ranks.push_back(dcp::RankWrite::deserialize(std::string_view(messages[r]).substr(1)));
+      // As save_to_storage: data files of ranks a previous, larger run had are removed.
+      for (const StorageObject& object : storage.list(join_storage_path(url_, ""))) {
+        const std::string name = object.url.substr(url_.size() + 1);
+        const bool ours = name == kMetadata || std::any_of(ranks.begin(), ranks.end(),
+                                                           [&](const dcp::RankWrite& w) { return w.file == name; });
+        if (!ours && name.find('/') == std::string::npos) storage.remove(object.url);
+      }
+      dcp::write_metadata(local_, ranks);
+      storage.write(join_storage_path(url_, kMetadata), local_storage().read(join_storage_path(local_, kMetadata)));
+    });
+  }
+  throw_first_failure(all_gather(error.empty() ? "k" : "e" + error, rank_, world_size_, broadcast), url_);
+}
+
 bool is_stored_checkpoint(const std::string& url) {
   return storage_for(url).exists(join_storage_path(trimmed(url), kMetadata));
 }

@@ -27,6 +27,31 @@ void save_to_storage(const std::string& url, const c10::IValue& state,
                      const std::map<std::string, dcp::Chunk>& placements, int64_t rank, int64_t world_size,
                      const BroadcastString& broadcast);
 
+/// save_to_storage split in three for [trainer] async_checkpoint (fulgur/async_save.h), so that
+/// only the part that talks to no other rank runs in the background.
+class SplitStorageSave {
+ public:
+  /// Training thread, a collective: rank 0 removes the old checkpoint's .metadata (from here until
+  /// finish() there is none at `url`), every rank makes its local staging directory. A failure on
+  /// any rank throws fulgur::Error(checkpoint) on every rank.
+  SplitStorageSave(const std::string& url, int64_t rank, int64_t world_size, const BroadcastString& broadcast);
+  ~SplitStorageSave();
+  SplitStorageSave(const SplitStorageSave&) = delete;
+  SplitStorageSave& operator=(const SplitStorageSave&) = delete;
+  /// Background thread, no collectives: this rank's data file, written locally and uploaded.
+  void write(const c10::IValue& state, const std::map<std::string, dcp::Chunk>& placements);
+  /// Training thread, a collective, once every rank's write() returned: with `all_written`, rank 0
+  /// gathers what each rank wrote, removes data files that are not this checkpoint's and uploads
+  /// .metadata last; without, it removes the data files uploaded under `url` (no checkpoint is
+  /// there). A failure throws fulgur::Error(checkpoint) on every rank.
+  void finish(bool all_written, const BroadcastString& broadcast);
+
+ private:
+  std::string url_, local_;
+  int64_t rank_, world_size_;
+  dcp::RankWrite mine_;
+};
+
 /// True when `url` is a complete sharded checkpoint on object storage (its .metadata exists).
 bool is_stored_checkpoint(const std::string& url);
 

@@ -86,6 +86,7 @@
 
 #include "../common/process_group_strategy.h"
 #include "auto_wrap.h"
+#include "dcp_async.h"
 #include "dcp_storage.h"
 #include "fsdp_state.h"
 #include "gradient_buckets.h"
@@ -428,12 +429,36 @@ class FsdpStrategy final : public fulgur::process_group::ProcessGroupStrategy, p
     }
     if (fulgur::is_storage_url(path)) {
       fulgur::fsdp::save_to_storage(path, fulgur::join_checkpoint(parts), placements_, cluster_.global_rank,
-                                    cluster_.world_size, [this](const std::string& value, int64_t src) {
-                                      return communicator_ ? broadcast_string(value, src) : value;
-                                    });
+                                    cluster_.world_size, string_broadcast());
       return;
     }
     fulgur::dcp::save(path, fulgur::join_checkpoint(parts), placements_, communicator_.get());
+  }
+
+  // [trainer] async_checkpoint (fulgur/async_save.h). The full-state file is ProcessGroupStrategy's
+  // (rank 0 writes it in the background). A sharded save is split in three, on disk (dcp_async.h)
+  // or object storage (dcp_storage.h): each rank writes its data file in the background, and the
+  // metadata that makes the checkpoint one comes last, in finish_save.
+  std::function<void()> prepare_save(const fulgur::CheckpointParts& parts, const std::string& path) override {
+    if (!sharded_checkpoints_) return ProcessGroupStrategy::prepare_save(parts, path);
+    if (fulgur::is_storage_url(path)) {
+      auto save = std::make_shared<fulgur::fsdp::SplitStorageSave>(path, cluster_.global_rank, cluster_.world_size,
+                                                                   string_broadcast());
+      pending_finish_[path] = [this, save](bool all_written) { save->finish(all_written, string_broadcast()); };
+      return [save, parts, placements = placements_] { save->write(fulgur::join_checkpoint(parts), placements); };
+    }
+    auto save = std::make_shared<fulgur::fsdp::SplitDcpSave>(path, cluster_.global_rank, cluster_.world_size,
+                                                             string_broadcast());
+    pending_finish_[path] = [this, save](bool all_written) { save->finish(all_written, string_broadcast()); };
+    return [save, parts, placements = placements_] { save->write(fulgur::join_checkpoint(parts), placements); };
+  }
+
+  void finish_save(const std::string& path, bool all_written) override {
+    const auto it = pending_finish_.find(path);
+    if (it == pending_finish_.end()) return;  // full-state: nothing to complete
+    const std::function<void(bool)> finish = std::move(it->second);
+    pending_finish_.erase(it);
+    finish(all_written);
   }
 
   // A sharded checkpoint on object storage is a prefix whose .metadata marks it complete.
@@ -501,6 +526,12 @@ class FsdpStrategy final : public fulgur::process_group::ProcessGroupStrategy, p
   }
 
  private:
+  // broadcast_string, or the identity in a process of its own.
+  fulgur::fsdp::BroadcastString string_broadcast() {
+    return
+        [this](const std::string& value, int64_t src) { return communicator_ ? broadcast_string(value, src) : value; };
+  }
+
   ShardedParameter& shard_of(const at::Tensor& parameter) {
     return shards_.of(parameter, group_, /*own_storage=*/sharding_.zero_stage == 3);
   }
@@ -874,6 +905,8 @@ class FsdpStrategy final : public fulgur::process_group::ProcessGroupStrategy, p
   // what their gathers moved since the last step.
   std::map<const c10::TensorImpl*, fulgur::optim::MuonRowShard> muon_rows_;
   std::vector<std::weak_ptr<torch::optim::Optimizer>> muons_;
+  // [trainer] async_checkpoint: the sharded saves prepared and not yet finished, by path.
+  std::map<std::string, std::function<void(bool all_written)>> pending_finish_;
   struct {
     int64_t matrices = 0, sent = 0, received = 0;
   } muon_traffic_;

@@ -278,6 +278,14 @@ class ModelParallelStrategy final : public fulgur::process_group::ProcessGroupSt
   // module_state_dict and optimizer_state_dict stay the default (this rank's tp shards, which the
   // loaders below take back as they are); the layout is made when they are written.
 
+  // [trainer] async_checkpoint: without tensor parallelism the checkpoint is ProcessGroupStrategy's
+  // one file, written in the background (fulgur/async_save.h); the tp layout below is one
+  // collective dcp::save, which the host then runs synchronously (with its warning).
+  void* extension(std::string_view id) noexcept override {
+    if (split() && id == fulgur::AsyncSaveStrategy::kExtensionId) return nullptr;
+    return ProcessGroupStrategy::extension(id);
+  }
+
   void save_checkpoint(const fulgur::CheckpointParts& parts, const std::string& path) override {
     if (!split()) {
       ProcessGroupStrategy::save_checkpoint(parts, path);
