@@ -299,17 +299,19 @@ class ModelParallelStrategy final : public fulgur::process_group::ProcessGroupSt
                                         path, parts.optimizer_states->size(), optimizers_.size()));
       for (size_t i = 0; i < parts.optimizer_states->size(); ++i) {
         const c10::IValue& state = (*parts.optimizer_states)[i];
-        // LibTorch's own archive of another optimizer (LBFGS, ...): one opaque blob per rank, which
-        // rank 0 alone would write; each tp rank's shard state would be lost. (Lion's and Muon's
-        // per-element tensors are in "state" instead, optimizer_state_dict below.)
+        // LibTorch's own archive of another optimizer (SophiaG, a third party's): one opaque blob
+        // per rank, which rank 0 alone would write; each tp rank's shard state would be lost.
+        // (Lion's and Muon's per-element tensors are in "state" instead: optimizer_state_dict.
+        // LBFGS, whose history is over the whole flattened parameter vector, is refused before
+        // training: it needs a closure, which this strategy's step does not run.)
         if (state.isGenericDict() && state.toGenericDict().contains("fulgur_archive") && !archived(*optimizers_[i]))
-          throw fulgur::Error(
-              fulgur::ErrorKind::checkpoint,
-              fmt::format("strategy 'model_parallel': cannot save '{}': optimizer {} keeps its state in one LibTorch "
-                          "archive that cannot be split by tensor-parallel shard (LBFGS's history holds whole "
-                          "flattened gradients, not tensors shaped like each parameter); use Adam, AdamW, SGD, "
-                          "fulgur::optim::Lion or fulgur::optim::Muon with tensor_parallel_size > 1",
-                          path, i));
+          throw fulgur::Error(fulgur::ErrorKind::checkpoint,
+                              fmt::format("strategy 'model_parallel': cannot save '{}': optimizer {} keeps its state "
+                                          "in one LibTorch archive, which the strategy cannot split by "
+                                          "tensor-parallel shard (it splits fulgur::optim's Lion and Muon, whose "
+                                          "state tensors are shaped like their parameters); use Adam, AdamW, SGD, "
+                                          "Lion or Muon with tensor_parallel_size > 1",
+                                          path, i));
         optimizer_states.push_back(fulgur::model_parallel::sharded_optimizer_state(
             (*parts.optimizer_states)[i], orders_[i], static_cast<int64_t>(i), pieces_, coordinate(), placements));
       }
