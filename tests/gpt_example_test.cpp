@@ -8,6 +8,7 @@
 #include <fulgur/checkpoint_io.h>
 #include <fulgur/data/token_file.h>
 #include <fulgur/distributed_checkpoint.h>
+#include <fulgur/weights.h>
 
 #include <doctest/doctest.h>
 #include <fmt/format.h>
@@ -919,6 +920,28 @@ TEST_CASE(
     if (key.starts_with("state_dict.")) split_names.insert(key.substr(std::string_view("state_dict.").size()));
   CHECK(whole_names.contains("blocks.1.attn.v.weight"));
   CHECK(split_names == whole_names);
+  // And their safetensors exports (`fulgur weights convert`; the split one consolidated first by
+  // `fulgur checkpoint consolidate`) name the same tensors.
+  auto cli = [&](const std::vector<std::string>& args) {
+    std::vector<std::string> command{FULGUR_TEST_FULGUR_BIN};
+    command.insert(command.end(), args.begin(), args.end());
+    const ProcessRun run = fulgur::test::run_process(command, {}, job.dir.path());
+    INFO(run.output);
+    REQUIRE(run.exit_code == 0);
+  };
+  const fs::path consolidated = job.dir / "tp2.pt";
+  cli({"checkpoint", "consolidate", split_checkpoint.string(), consolidated.string()});
+  std::vector<std::set<std::string>> exported;
+  for (const fs::path& checkpoint : {whole_checkpoint, consolidated}) {
+    const fs::path out =
+        job.dir / (checkpoint.parent_path().filename().string() + checkpoint.stem().string() + ".safetensors");
+    cli({"weights", "convert", checkpoint.string(), out.string()});
+    std::set<std::string> names;
+    for (const auto& [name, tensor] : fulgur::read_weights(out.string())) names.insert(name);
+    exported.push_back(names);
+  }
+  CHECK(exported[0] == exported[1]);
+  CHECK(exported[0].contains("blocks.0.attn.q.weight"));
   // One process's checkpoint, resumed at tp 2, and tp 2's in one process: 10 more AdamW steps each.
   const double tp2_from_single = apart(fit("tp2_from_single", tp2, whole_checkpoint).first, uninterrupted);
   const double single_from_tp2 = apart(fit("single_from_tp2", {}, split_checkpoint).first, uninterrupted);
