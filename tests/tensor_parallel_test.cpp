@@ -340,6 +340,7 @@ struct JobExtras {
   std::string trainer;
   std::string checkpoint;  // default: a last.ckpt after each epoch
   std::string callbacks;
+  std::string optimizer = "adamw";  // tp_mlp's: "adamw", "sgd", "muon" or "lbfgs"
 };
 
 // `fulgur fit` of tp_mlp (AdamW, so the optimizer has per-parameter state) on tp_regression in
@@ -355,12 +356,12 @@ fulgur::test::ProcessRun fit_checkpointed(const fs::path& dir, const fs::path& p
                   "log_every_n_steps = 1\ngradient_clip_val = 0.5\nenable_progress_bar = false\n"
                   "enable_model_summary = false\naccelerator = \"cpu\"\ndevices = {}\n"
                   "default_root_dir = \"{}\"\n{}\n[strategy]\n{}\n\n"
-                  "[model]\nname = \"tp_mlp\"\nlr = 0.01\noptimizer = \"adamw\"\n\n"
+                  "[model]\nname = \"tp_mlp\"\nlr = 0.01\noptimizer = \"{}\"\n\n"
                   "[data]\nname = \"tp_regression\"\nbatch_size = 16\n\n[[loggers]]\nname = \"csv\"\n\n"
                   "[[callbacks]]\nname = \"model_checkpoint\"\ndirpath = \"{}\"\nsave_top_k = 0\n"
                   "save_last = true\n{}\n{}",
-                  epochs, devices, (dir / "runs").string(), extras.trainer, strategy, (dir / "ckpt").string(),
-                  extras.checkpoint, extras.callbacks));
+                  epochs, devices, (dir / "runs").string(), extras.trainer, strategy, extras.optimizer,
+                  (dir / "ckpt").string(), extras.checkpoint, extras.callbacks));
   fulgur::test::ProcessRun run = fulgur::test::run_process(
       {FULGUR_TEST_FULGUR_BIN, "fit", "--config", "run.toml"},
       {{"FULGUR_LOG_LEVEL", "info"}, {"FULGUR_PLUGIN_PATH", plugins.string()}, {"OMP_NUM_THREADS", "1"}}, dir);
@@ -506,6 +507,57 @@ TEST_CASE("model_parallel: zero_stage 2 writes the dp 2 x tp 2 layout, read by o
   require_close(resume("single_from_zero2", "name = \"single_device\"", 1, zero2), single_from_mesh, 1e-5);
   // And dp 2 x tp 2 without sharding over dp resumes from it as from its own.
   require_close(resume("mesh_from_zero2", kTp2Dp2, 4, zero2), resume("mesh_from_mesh", kTp2Dp2, 4, mesh), 1e-5);
+}
+
+TEST_CASE(
+    "model_parallel: Muon's state is saved chunked like the parameters at tp 2 and resumes bit for bit after SIGKILL; "
+    "LBFGS is refused with the reason") {
+  TempDir dir;
+  const fs::path plugins = tp_plugins(dir);
+  const fs::path reference = dir / "reference", work = dir / "work";
+  JobExtras extras{"ckpt_path = \"last\"", "every_n_train_steps = 4", "", "muon"};
+  fit_checkpointed(reference, plugins, kTp2, 2, 2, extras);
+  // Muon's momentum (the weights) and AdamW moments (the biases) in the FSDP2 + TP layout: whole
+  // tensors of the parameters' shapes, each tp rank having written its shard.
+  {
+    const fulgur::dcp::Reader written((reference / "ckpt" / "last.ckpt").string());
+    std::map<std::string, std::vector<int64_t>> shapes;
+    for (const std::string& key : written.keys())
+      if (key.starts_with("optimizer_states.0.state.")) shapes[key] = written.shape(key);
+    // Groups: [col.weight, row.weight] (Muon), [col.bias, row.bias] (AdamW).
+    CHECK(shapes["optimizer_states.0.state.0.momentum_buffer"] == std::vector<int64_t>{32, 8});
+    CHECK(shapes["optimizer_states.0.state.1.momentum_buffer"] == std::vector<int64_t>{4, 32});
+    CHECK(shapes["optimizer_states.0.state.2.exp_avg"] == std::vector<int64_t>{32});
+    CHECK(shapes["optimizer_states.0.state.3.exp_avg_sq"] == std::vector<int64_t>{4});
+  }
+  // Every rank SIGKILLs itself after step 6: last.ckpt holds step 4, mid-epoch.
+  extras.callbacks = fmt::format("[[callbacks]]\nname = \"fixture_kill_at_step\"\nstep = 6\nmarker = \"{}\"\n",
+                                 (work / "killed").string());
+  const auto killed = fit_checkpointed(work, plugins, kTp2, 2, 2, extras, /*must_succeed=*/false);
+  INFO(killed.output);
+  REQUIRE(killed.exit_code == -SIGKILL);
+  const auto resumed = fit_checkpointed(work, plugins, kTp2, 2, 2, extras);
+  CHECK(fulgur::test::contains(resumed.output, "global step 4, 4 batches into the epoch"));
+  // The weights, Muon's momenta and the biases' AdamW moments (+ the archive: see below).
+  const fulgur::dcp::Reader a((reference / "ckpt" / "last.ckpt").string()), b((work / "ckpt" / "last.ckpt").string());
+  int64_t compared = 0;
+  for (const std::string& key : a.keys()) {
+    if (!(key.starts_with("state_dict.") || key.starts_with("optimizer_states.")) || !a.is_tensor(key)) continue;
+    // The archive keeps Muon's step counts and the groups' options under the parameters'
+    // addresses, which differ from run to run.
+    if (key.ends_with(".fulgur_archive")) continue;
+    INFO(key);
+    REQUIRE(b.contains(key));
+    CHECK(at::equal(a.read(key), b.read(key)));
+    ++compared;
+  }
+  CHECK(compared == 4 + 2 + 2 * 2);
+  // LBFGS keeps a history over the whole flattened parameter vector (no per-parameter shard to
+  // write) and needs a closure: refused before training, with the reason.
+  const auto lbfgs = fit_checkpointed(dir / "lbfgs", plugins, kTp2, 2, 1, {"", "", "", "lbfgs"}, false);
+  INFO(lbfgs.output);
+  CHECK(lbfgs.exit_code != 0);
+  CHECK(fulgur::test::contains(lbfgs.output, "LBFGS keeps its curvature history over the whole parameter vector"));
 }
 
 TEST_CASE(

@@ -121,6 +121,12 @@ tp::RowParallelLinear row_of(const fulgur::nn::Linear& whole, const TensorParall
 
 // Multi-head self-attention where position t sees positions <= t only (the causal mask of
 // scaled_dot_product_attention, which also picks the fused CPU kernel).
+//
+// q, k and v are three layers, `attn.q`, `attn.k` and `attn.v`, in one process as under tensor
+// parallelism (where each is column-parallel): a checkpoint has one set of names whatever strategy
+// wrote it, so one trained under ddp resumes under model_parallel and the reverse, and exports
+// (`fulgur weights`, safetensors) name the same tensors. They are drawn as one whole [3C, C] layer
+// and cut into rows, so the initial values are those of a fused qkv.
 class CausalSelfAttentionImpl : public nn::Module {
  public:
   CausalSelfAttentionImpl(int64_t n_embd, int64_t n_head, double dropout) : n_head_(n_head), dropout_(dropout) {
@@ -129,20 +135,38 @@ class CausalSelfAttentionImpl : public nn::Module {
     resid_drop = register_module("resid_drop", nn::Dropout(dropout));
   }
 
-  // Tensor parallelism as Megatron splits attention: each rank computes n_head / tp heads, q, k and
-  // v column-parallel (its heads' rows of qkv), the output projection row-parallel (its heads'
-  // columns), whose all-reduce makes the output whole. Made from this layer's whole weights.
+  // After the whole layers are drawn: q, k and v from the rows of qkv. In one process they are
+  // plain Linears; under tensor parallelism as Megatron splits attention: each rank computes
+  // n_head / tp heads, q, k and v column-parallel (its heads' rows), the output projection
+  // row-parallel (its heads' columns), whose all-reduce makes the output whole.
   void split(const TensorParallel& tp) {
     KeepDefaultGenerator keep;
     const int64_t C = proj->weight.size(0);
-    const fulgur::nn::Linear whole_qkv = qkv, whole_proj = proj;
+    const fulgur::nn::Linear whole_qkv = qkv;
     unregister_module("qkv");
-    unregister_module("proj");
     qkv = nullptr;
+    if (tp.size == 1) {
+      auto rows = [&](int64_t first) {
+        fulgur::nn::Linear layer(C, C);
+        assign(layer->weight, whole_qkv->weight.narrow(0, first, C));
+        assign(layer->bias, whole_qkv->bias.narrow(0, first, C));
+        return layer;
+      };
+      // Registered after the rest, as under tensor parallelism: the same parameter order.
+      const fulgur::nn::Linear whole_proj = proj;
+      unregister_module("proj");
+      q = register_module("q", rows(0));
+      k = register_module("k", rows(C));
+      v = register_module("v", rows(2 * C));
+      proj = register_module("proj", whole_proj);
+      return;
+    }
+    const fulgur::nn::Linear whole_proj = proj;
+    unregister_module("proj");
     proj = nullptr;
-    q = register_module("q", column_of(whole_qkv, 0, C, tp));
-    k = register_module("k", column_of(whole_qkv, C, C, tp));
-    v = register_module("v", column_of(whole_qkv, 2 * C, C, tp));
+    q_tp = register_module("q", column_of(whole_qkv, 0, C, tp));
+    k_tp = register_module("k", column_of(whole_qkv, C, C, tp));
+    v_tp = register_module("v", column_of(whole_qkv, 2 * C, C, tp));
     proj_tp = register_module("proj", row_of(whole_proj, tp));
     local_heads_ = n_head_ / tp.size;
     tp_ = tp;
@@ -150,7 +174,7 @@ class CausalSelfAttentionImpl : public nn::Module {
 
   at::Tensor forward(const at::Tensor& x) {
     const int64_t B = x.size(0), C = x.size(2);
-    if (q) {  // split: this rank's heads
+    if (q_tp) {  // split: this rank's heads
       // One entry into the tensor-parallel region for q, k and v rather than one in each
       // column-parallel layer: an all-reduce of their summed input gradient in backward, or, under
       // sequence parallelism, an all-gather of the sequence (a reduce-scatter in backward).
@@ -162,7 +186,8 @@ class CausalSelfAttentionImpl : public nn::Module {
       const bool drops = is_training() && dropout_ > 0;
       // This rank's heads: a sharded region.
       const at::Tensor y = in_sharded_region(tp_, drops, whole, [&] {
-        return at::scaled_dot_product_attention(heads(q), heads(k), heads(v), /*attn_mask=*/{}, drops ? dropout_ : 0.0,
+        return at::scaled_dot_product_attention(heads(q_tp), heads(k_tp), heads(v_tp), /*attn_mask=*/{},
+                                                drops ? dropout_ : 0.0,
                                                 /*is_causal=*/true);
       });
       // Row-parallel: the all-reduce (or reduce-scatter along the sequence) of the heads' outputs,
@@ -170,28 +195,30 @@ class CausalSelfAttentionImpl : public nn::Module {
       const at::Tensor out = proj_tp->forward(y.transpose(1, 2).reshape({B, T, local_heads_ * head}));
       return in_sharded_region(tp_, drops && tp_.sequence_parallel, out, [&] { return resid_drop->forward(out); });
     }
+    if (!q) throw Error(ErrorKind::runtime, "CausalSelfAttention::forward before split(), which makes q, k and v");
     const int64_t T = x.size(1);
-    // [B, T, 3C] -> three [B, heads, T, C / heads]
-    std::vector<at::Tensor> parts =
-        qkv->forward(x).view({B, T, 3, n_head_, C / n_head_}).permute({2, 0, 3, 1, 4}).unbind(0);
-    at::Tensor y = at::scaled_dot_product_attention(parts[0], parts[1], parts[2], /*attn_mask=*/{},
+    // [B, T, C] -> [B, heads, T, C / heads] each
+    auto heads = [&](fulgur::nn::Linear& part) {
+      return part->forward(x).view({B, T, n_head_, C / n_head_}).transpose(1, 2);
+    };
+    at::Tensor y = at::scaled_dot_product_attention(heads(q), heads(k), heads(v), /*attn_mask=*/{},
                                                     is_training() ? dropout_ : 0.0, /*is_causal=*/true);
     y = y.transpose(1, 2).reshape({B, T, C});
     return resid_drop->forward(proj->forward(y));
   }
 
   // fulgur::nn::Linear: torch::nn::Linear's layer, which the fp8 precision can train in FP8 and
-  // `fulgur quantize` can store as int8/int4.
-  fulgur::nn::Linear qkv{nullptr}, proj{nullptr};
-  tp::ColumnParallelLinear q{nullptr}, k{nullptr}, v{nullptr};  // split only
-  tp::RowParallelLinear proj_tp{nullptr};                       // split only
+  // `fulgur quantize` can store as int8/int4. qkv exists only until split().
+  fulgur::nn::Linear qkv{nullptr}, q{nullptr}, k{nullptr}, v{nullptr}, proj{nullptr};
+  tp::ColumnParallelLinear q_tp{nullptr}, k_tp{nullptr}, v_tp{nullptr};  // tensor-parallel only
+  tp::RowParallelLinear proj_tp{nullptr};                                // tensor-parallel only
   nn::Dropout resid_drop{nullptr};
 
  private:
   int64_t n_head_;
   int64_t local_heads_ = 0;
   double dropout_;
-  TensorParallel tp_;  // split only
+  TensorParallel tp_;  // tensor-parallel only
 };
 TORCH_MODULE(CausalSelfAttention);
 
@@ -209,9 +236,11 @@ class BlockImpl : public nn::Module {
   }
 
   // Tensor parallelism: attention split by heads, the MLP's fc column-parallel and proj
-  // row-parallel (Megatron's MLP: one all-reduce); LayerNorms stay whole on every rank.
+  // row-parallel (Megatron's MLP: one all-reduce); LayerNorms stay whole on every rank. In one
+  // process only attention's qkv is cut into q, k and v.
   void split(const TensorParallel& tp) {
     attn->split(tp);
+    if (tp.size == 1) return;
     KeepDefaultGenerator keep;
     const fulgur::nn::Linear whole_fc = fc, whole_proj = proj;
     unregister_module("fc");
@@ -361,8 +390,9 @@ void GptModel::configure_model() {
   for (int64_t i = 0; i < n_layer; ++i) {
     Block block(n_embd, n_head, dropout);
     init_weights(*block, n_layer);
-    // Split after the whole block is drawn: the split model starts as one process's.
-    if (l.tp.size > 1) block->split(l.tp);
+    // Split after the whole block is drawn: the split model starts as one process's (in one
+    // process only qkv is cut, into q, k and v).
+    block->split(l.tp);
     blocks->push_back(fulgur::built_block(block));
     l.blocks.push_back(block);
   }

@@ -19,6 +19,8 @@
 #include <fulgur/log.h>
 #include <fulgur/model_parallel.h>
 #include <fulgur/nn/tensor_parallel.h>
+#include <fulgur/optim/lion.h>
+#include <fulgur/optim/muon.h>
 #include <fulgur/plugin.h>
 #include <fulgur/precision.h>
 #include <fulgur/state_dict.h>
@@ -26,6 +28,7 @@
 #include <ATen/ops/cat.h>
 #include <ATen/ops/zeros.h>
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <torch/nn/module.h>
 #include <torch/optim/adam.h>
 #include <torch/optim/adamw.h>
@@ -304,13 +307,18 @@ class ModelParallelStrategy final : public fulgur::process_group::ProcessGroupSt
                                         path, parts.optimizer_states->size(), optimizers_.size()));
       for (size_t i = 0; i < parts.optimizer_states->size(); ++i) {
         const c10::IValue& state = (*parts.optimizer_states)[i];
-        // LibTorch's own archive (Lion, Muon, LBFGS, ...): one opaque blob per rank, which rank 0
-        // alone would write; each tp rank's shard state would be lost.
-        if (state.isGenericDict() && state.toGenericDict().contains("fulgur_archive"))
+        // LibTorch's own archive of another optimizer (SophiaG, a third party's): one opaque blob
+        // per rank, which rank 0 alone would write; each tp rank's shard state would be lost.
+        // (Lion's and Muon's per-element tensors are in "state" instead: optimizer_state_dict.
+        // LBFGS, whose history is over the whole flattened parameter vector, is refused before
+        // training: it needs a closure, which this strategy's step does not run.)
+        if (state.isGenericDict() && state.toGenericDict().contains("fulgur_archive") && !archived(*optimizers_[i]))
           throw fulgur::Error(fulgur::ErrorKind::checkpoint,
                               fmt::format("strategy 'model_parallel': cannot save '{}': optimizer {} keeps its state "
-                                          "in one LibTorch archive, which cannot be split by tensor-parallel shard; "
-                                          "use Adam, AdamW or SGD with tensor_parallel_size > 1",
+                                          "in one LibTorch archive, which the strategy cannot split by "
+                                          "tensor-parallel shard (it splits fulgur::optim's Lion and Muon, whose "
+                                          "state tensors are shaped like their parameters); use Adam, AdamW, SGD, "
+                                          "Lion or Muon with tensor_parallel_size > 1",
                                           path, i));
         optimizer_states.push_back(fulgur::model_parallel::sharded_optimizer_state(
             (*parts.optimizer_states)[i], orders_[i], static_cast<int64_t>(i), pieces_, coordinate(), placements));
@@ -350,17 +358,56 @@ class ModelParallelStrategy final : public fulgur::process_group::ProcessGroupSt
       p->shard.copy_(p->rows_of(p->full_alias, p->begin, p->local_rows()).reshape(p->shard_shape()));
   }
 
+  // Lion and Muon (fulgur::optim) keep their state in LibTorch's archive of the optimizer, whose
+  // tensors here are this rank's tp shards. Under tensor parallelism their per-element tensors
+  // (shaped like the parameter) leave the archive for torch.optim's "state" layout, where the
+  // checkpoint chunks them like the parameter as it does AdamW's; the archive keeps the rest
+  // (Muon's step counts, the groups' options).
+  c10::IValue optimizer_state_dict(torch::optim::Optimizer& optimizer) override {
+    if (tensor_parallel_size_ == 1 || !archived(optimizer))
+      return ProcessGroupStrategy::optimizer_state_dict(optimizer);
+    std::vector<std::pair<at::Tensor*, at::Tensor>> held;  // taken out of the archive, put back after
+    std::map<int64_t, std::vector<std::pair<std::string, at::Tensor>>> tensors;
+    int64_t index = 0;
+    for (auto& group : optimizer.param_groups())
+      for (const at::Tensor& p : group.params()) {
+        if (auto found = optimizer.state().find(p.unsafeGetTensorImpl()); found != optimizer.state().end())
+          for (auto& [name, t] : archived_tensors(*found->second))
+            if (t->defined()) {
+              tensors[index].emplace_back(name, *t);
+              held.emplace_back(t, *t);
+              *t = at::Tensor();  // an undefined tensor is left out of the archive
+            }
+        ++index;
+      }
+    c10::IValue state;
+    try {
+      state = ProcessGroupStrategy::optimizer_state_dict(optimizer);
+    } catch (...) {
+      for (auto& [t, value] : held) *t = value;
+      throw;
+    }
+    for (auto& [t, value] : held) *t = value;
+    auto per_parameter = state.toGenericDict().at("state").toGenericDict();
+    for (auto& [i, list] : tensors) {
+      auto entry = per_parameter.contains(i) ? per_parameter.at(i).toGenericDict()
+                                             : c10::impl::GenericDict(c10::StringType::get(), c10::AnyType::get());
+      for (auto& [name, t] : list) entry.insert_or_assign(name, t);
+      per_parameter.insert_or_assign(i, entry);
+    }
+    return state;
+  }
+
   void load_optimizer_state_dict(torch::optim::Optimizer& optimizer, const c10::IValue& state,
                                  const std::string& origin) override {
     const auto position = std::find(optimizers_.begin(), optimizers_.end(), &optimizer);
     if (position == optimizers_.end())
       throw fulgur::Error(fulgur::ErrorKind::runtime,
                           "strategy 'model_parallel': an optimizer that setup_optimizers never saw");
-    ProcessGroupStrategy::load_optimizer_state_dict(
-        optimizer,
-        fulgur::model_parallel::local_optimizer_state(
-            state, orders_[static_cast<size_t>(position - optimizers_.begin())], pieces_),
-        origin);
+    const fulgur::model_parallel::StepOrder& order = orders_[static_cast<size_t>(position - optimizers_.begin())];
+    const c10::IValue local = fulgur::model_parallel::local_optimizer_state(state, order, pieces_);
+    ProcessGroupStrategy::load_optimizer_state_dict(optimizer, local, origin);
+    if (archived(optimizer)) load_archived_tensors(optimizer, local, order, origin);
   }
 
   void teardown() override {
@@ -379,6 +426,53 @@ class ModelParallelStrategy final : public fulgur::process_group::ProcessGroupSt
   // and under dp sharding (no rank holds all of the optimizer state).
   bool split() const { return (tensor_parallel_size_ > 1 || zero()) && module_ != nullptr; }
   bool zero() const { return sharding_.zero_stage > 0; }
+
+  static bool archived(const torch::optim::Optimizer& optimizer) {
+    return dynamic_cast<const fulgur::optim::Lion*>(&optimizer) || dynamic_cast<const fulgur::optim::Muon*>(&optimizer);
+  }
+
+  // Lion's and Muon's per-element state tensors, by their names in the archive (undefined ones
+  // included: Muon keeps either a momentum buffer or AdamW's moments).
+  static std::vector<std::pair<std::string, at::Tensor*>> archived_tensors(torch::optim::OptimizerParamState& state) {
+    if (auto* lion = dynamic_cast<fulgur::optim::LionParamState*>(&state)) return {{"exp_avg", &lion->exp_avg()}};
+    if (auto* muon = dynamic_cast<fulgur::optim::MuonParamState*>(&state))
+      return {{"momentum_buffer", &muon->momentum_buffer()},
+              {"exp_avg", &muon->exp_avg()},
+              {"exp_avg_sq", &muon->exp_avg_sq()}};
+    return {};
+  }
+
+  // After the archive is loaded: the tensors optimizer_state_dict moved to "state" (this rank's
+  // shards, cut by local_optimizer_state) go back into the parameter states; an archive that kept
+  // them (one process's, whole tensors) has them cut to this rank's shard.
+  void load_archived_tensors(torch::optim::Optimizer& optimizer, const c10::IValue& local,
+                             const fulgur::model_parallel::StepOrder& order, const std::string& origin) {
+    const auto per_parameter = local.toGenericDict().at("state").toGenericDict();
+    torch::NoGradGuard no_grad;
+    for (size_t index = 0; index < order.size(); ++index) {
+      const at::Tensor& parameter = order[index].parameter;
+      auto found = optimizer.state().find(parameter.unsafeGetTensorImpl());
+      if (found == optimizer.state().end()) continue;
+      const auto saved = per_parameter.contains(static_cast<int64_t>(index))
+                             ? per_parameter.at(static_cast<int64_t>(index)).toGenericDict()
+                             : c10::impl::GenericDict(c10::StringType::get(), c10::AnyType::get());
+      for (auto& [name, t] : archived_tensors(*found->second)) {
+        if (saved.contains(name) && saved.at(name).isTensor())
+          *t = saved.at(name).toTensor().clone();
+        else if (t->defined())
+          *t = fulgur::model_parallel::local_state_tensor(*t, pieces_, parameter);
+        if (!t->defined()) continue;
+        if (t->sizes() != parameter.sizes())
+          throw fulgur::Error(
+              fulgur::ErrorKind::checkpoint,
+              fmt::format("{}: optimizer state '{}' of parameter {} has shape [{}], the parameter "
+                          "(this rank's tensor-parallel shard) [{}]; the checkpoint belongs to another "
+                          "model",
+                          origin, name, index, fmt::join(t->sizes(), ", "), fmt::join(parameter.sizes(), ", ")));
+        *t = t->to(parameter.device());
+      }
+    }
+  }
 
   // By norm under dp sharding: the norm of the whole gradient, each element once: split
   // parameters' rows summed over dp and tp, replicated ones' over dp (tp rank 0's), in one

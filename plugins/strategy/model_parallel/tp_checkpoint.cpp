@@ -204,6 +204,10 @@ c10::IValue local_module_state(const c10::IValue& state, const Pieces& pieces) {
   return out;
 }
 
+at::Tensor local_state_tensor(const at::Tensor& tensor, const Pieces& pieces, const at::Tensor& parameter) {
+  return cut(tensor, piece_of(pieces, parameter));
+}
+
 c10::IValue local_optimizer_state(const c10::IValue& state, const StepOrder& order, const Pieces& pieces) {
   return map_parameter_states(state, order, pieces,
                               [](const Stepped& stepped, const Piece* piece, int64_t, const std::string&,

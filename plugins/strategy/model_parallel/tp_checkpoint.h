@@ -88,6 +88,9 @@ c10::IValue sharded_optimizer_state(const c10::IValue& local, const StepOrder& o
 /// A model state with every whole tensor of a split parameter cut to this rank's shard (tensors of
 /// the shard's shape pass as they are).
 c10::IValue local_module_state(const c10::IValue& state, const Pieces& pieces);
+/// One tensor of `parameter`'s optimizer state: cut to this rank's shard when it is the whole
+/// tensor of a split parameter, as it is otherwise.
+at::Tensor local_state_tensor(const at::Tensor& tensor, const Pieces& pieces, const at::Tensor& parameter);
 /// The same for an optimizer's per-parameter state, then cut to this rank's rows under dp sharding.
 c10::IValue local_optimizer_state(const c10::IValue& state, const StepOrder& order, const Pieces& pieces);
 
