@@ -9,8 +9,10 @@
 // takes), add a probe for it here and store that release's baseline (scripts/abi_check.sh --help).
 #include <fulgur/abi.h>
 #include <fulgur/accelerator.h>
+#include <fulgur/async_save.h>
 #include <fulgur/blocks.h>
 #include <fulgur/callback.h>
+#include <fulgur/checkpoint_queue.h>
 #include <fulgur/closure_step.h>
 #include <fulgur/communicator.h>
 #include <fulgur/data_module.h>
@@ -118,6 +120,14 @@ FULGUR_ABI_PROBE(nn_tensor_parallel_rng, fulgur::nn::TensorParallelRng)
 // SDK 1.4: FP8 training of linear layers (fulgur/nn/float8.h).
 FULGUR_ABI_PROBE(nn_float8_options, fulgur::nn::Float8Options)
 FULGUR_ABI_PROBE(nn_float8_tensor, fulgur::nn::Float8Tensor)
+
+// SDK 1.5: storage plugins (FULGUR_KIND_STORAGE, probed through fulgur_kind above), checkpoints
+// saved in the background (fulgur/checkpoint_queue.h, fulgur/async_save.h), activation
+// fake-quantization and learned scales in quantization-aware training (fulgur/nn/linear.h).
+FULGUR_ABI_PROBE(checkpoint_save_queue, fulgur::CheckpointSaveQueue)
+FULGUR_ABI_PROBE(async_save_strategy, fulgur::AsyncSaveStrategy)
+FULGUR_ABI_PROBE(nn_activation_quantization, fulgur::nn::ActivationQuantization)
+FULGUR_ABI_PROBE(nn_qat_options, fulgur::nn::QatOptions)
 
 // The Trainer as callbacks see it.
 FULGUR_ABI_PROBE(trainer_context, fulgur::TrainerContext)
