@@ -614,7 +614,7 @@ std::vector<std::string> checkpoint_names(const fs::path& dir) {
 
 }  // namespace
 
-TEST_CASE("async_checkpoint: SIGKILL while a save is in flight keeps the top-k file it replaces; last resumes") {
+TEST_CASE("async_checkpoint: SIGKILL while a save is in flight keeps the top-k file it replaces, and last resumes") {
   if (!FULGUR_TEST_FAULT_INJECTION) {
     fulgur::test::skip_test("this build has no fault injection (configure with -DFULGUR_FAULT_INJECTION=ON)");
     return;

@@ -510,8 +510,8 @@ TEST_CASE("model_parallel: zero_stage 2 writes the dp 2 x tp 2 layout, read by o
 }
 
 TEST_CASE(
-    "model_parallel: Muon's state is saved chunked like the parameters at tp 2 and resumes bit for bit after SIGKILL; "
-    "LBFGS is refused with the reason") {
+    "model_parallel: Muon's state is saved chunked like the parameters at tp 2 and resumes bit for bit after SIGKILL, "
+    "and LBFGS is refused with the reason") {
   TempDir dir;
   const fs::path plugins = tp_plugins(dir);
   const fs::path reference = dir / "reference", work = dir / "work";

@@ -172,8 +172,8 @@ void CheckpointConnector::prepare_learned_scales(const TensorMap& state, const s
     throw Error(ErrorKind::checkpoint,
                 fmt::format("ckpt_path {}: the layers {} learned their quantization scales (LSQ) in the run that "
                             "wrote it, and this fit's model has no such parameters for its optimizers to train; "
-                            "resume with the same quantization-aware training: the qat callback with "
-                            "learnable_scales = true ([[callbacks]] name = \"qat\"), or "
+                            "resume with the same quantization-aware training: the callback that trained it with "
+                            "learnable scales on, or "
                             "fulgur::nn::quantization_aware_training(..., QatOptions(...).learnable_scales(true)) "
                             "in the model's constructor",
                             path, fmt::join(layers, ", ")));
