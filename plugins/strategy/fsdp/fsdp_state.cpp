@@ -41,15 +41,6 @@ std::optional<dcp::Chunk> chunk_of(const ShardedParameter& p) {
 
 }  // namespace
 
-c10::IValue with_copied_tensors(const c10::IValue& state) {
-  const auto entries = state.toGenericDict();
-  auto copies = c10::impl::GenericDict(entries.keyType(), entries.valueType());
-  for (const auto& entry : entries)
-    copies.insert(entry.key(),
-                  entry.value().isTensor() ? c10::IValue(entry.value().toTensor().clone()) : entry.value());
-  return copies;
-}
-
 c10::IValue sharded_module_state(torch::nn::Module& module, const Shards& shards, Placements& placements) {
   placements.clear();
   auto state = c10::impl::GenericDict(c10::StringType::get(), c10::AnyType::get());

@@ -25,10 +25,6 @@ namespace fulgur::fsdp {
 /// Where each split tensor of the next sharded save sits in its whole tensor, by flattened key.
 using Placements = std::map<std::string, dcp::Chunk>;
 
-/// `state` (a model state dict) with every tensor copied: stage 3's whole parameters outlive the
-/// fulgur::FullParameters guard that gathered them.
-c10::IValue with_copied_tensors(const c10::IValue& state);
-
 /// state_dict_type = "sharded": the parameters as this rank holds them (its rows: no copy, no
 /// collective), buffers whole; `placements` is made anew for them.
 c10::IValue sharded_module_state(torch::nn::Module& module, const Shards& shards, Placements& placements);

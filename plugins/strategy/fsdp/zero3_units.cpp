@@ -394,4 +394,13 @@ void Zero3Units::land_reduction(InFlightReduce& reduction) {
   }
 }
 
+c10::IValue with_copied_tensors(const c10::IValue& state) {
+  const auto entries = state.toGenericDict();
+  auto copies = c10::impl::GenericDict(entries.keyType(), entries.valueType());
+  for (const auto& entry : entries)
+    copies.insert(entry.key(),
+                  entry.value().isTensor() ? c10::IValue(entry.value().toTensor().clone()) : entry.value());
+  return copies;
+}
+
 }  // namespace fulgur::fsdp

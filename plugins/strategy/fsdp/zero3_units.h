@@ -144,4 +144,8 @@ class Zero3Units {
   std::vector<Unit*> forward_order_, this_forward_;
 };
 
+/// `state` (a model state dict) with every tensor copied: stage 3's whole parameters outlive the
+/// fulgur::FullParameters guard that gathered them.
+c10::IValue with_copied_tensors(const c10::IValue& state);
+
 }  // namespace fulgur::fsdp

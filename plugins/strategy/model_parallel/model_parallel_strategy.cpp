@@ -160,13 +160,7 @@ class ModelParallelStrategy final : public fulgur::process_group::ProcessGroupSt
     if (sharding_.zero_stage != 3) return ProcessGroupStrategy::module_state_dict(module);
     fulgur::FullParameters whole(module);
     const c10::IValue state = ProcessGroupStrategy::module_state_dict(module);
-    if (!state.isGenericDict()) return state;
-    const auto entries = state.toGenericDict();
-    auto copied = c10::impl::GenericDict(entries.keyType(), entries.valueType());
-    for (const auto& entry : entries)
-      copied.insert(entry.key(),
-                    entry.value().isTensor() ? c10::IValue(entry.value().toTensor().clone()) : entry.value());
-    return copied;
+    return state.isGenericDict() ? fulgur::fsdp::with_copied_tensors(state) : state;
   }
 
   void backward(const at::Tensor& loss, fulgur::Precision& precision, bool sync_gradients) override {
