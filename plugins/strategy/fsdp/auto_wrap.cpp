@@ -11,6 +11,7 @@
 #include <torch/nn/modules/container/modulelist.h>
 #include <torch/nn/modules/container/sequential.h>
 
+#include <algorithm>
 #include <map>
 #include <memory>
 #include <set>
@@ -99,6 +100,13 @@ AutoWrapped auto_wrap(torch::nn::Module& model, const AutoWrapPolicy& policy) {
         if (class_matches(*item.value(), wanted)) selected.emplace(item.value().get(), item.key());
   }
 
+  // Reported in the model's own order: `selected` is ordered by address, which differs between runs.
+  std::vector<const torch::nn::Module*> in_model_order;
+  for (const auto& item : model.named_modules("", /*include_self=*/false))
+    if (selected.contains(item.value().get()) &&
+        std::ranges::find(in_model_order, item.value().get()) == in_model_order.end())
+      in_model_order.push_back(item.value().get());
+
   // Route each selected element of a Sequential through run_block; an element routed on an earlier
   // stage counts as routed.
   std::set<const torch::nn::Module*> routed;
@@ -120,8 +128,8 @@ AutoWrapped auto_wrap(torch::nn::Module& model, const AutoWrapPolicy& policy) {
   }
 
   std::vector<std::string> unreachable;
-  for (const auto& [module, name] : selected)
-    if (!routed.contains(module)) unreachable.push_back(describe(*module, name));
+  for (const torch::nn::Module* module : in_model_order)
+    if (!routed.contains(module)) unreachable.push_back(describe(*module, selected.at(module)));
   const std::string policy_text =
       policy.kind == AutoWrapPolicy::Kind::size
           ? fmt::format("auto_wrap_policy = \"size\" (auto_wrap_min_params = {})", policy.min_params)
@@ -147,7 +155,7 @@ AutoWrapped auto_wrap(torch::nn::Module& model, const AutoWrapPolicy& policy) {
   result.units = static_cast<int64_t>(routed.size());
   if (log::enabled(log::Level::debug)) {
     std::vector<std::string> names;
-    for (const auto& [module, name] : selected) names.push_back(describe(*module, name));
+    for (const torch::nn::Module* module : in_model_order) names.push_back(describe(*module, selected.at(module)));
     log::debug(
         fmt::format("strategy 'fsdp': {} makes {} unit(s): {}", policy_text, result.units, fmt::join(names, ", ")));
   }
