@@ -9,7 +9,7 @@
 
 #include <ATen/core/Dict.h>
 #include <ATen/core/ivalue.h>
-#include <ATen/ops/equal.h>
+#include <ATen/ATen.h>
 #include <dirent.h>
 #include <signal.h>
 #include <sys/wait.h>
@@ -66,17 +66,37 @@ inline c10::impl::GenericDict checkpoint_dict(const fs::path& path) {
   return value.toGenericDict();
 }
 
-// True when both checkpoints hold the same model tensors, bit for bit.
+// True when both checkpoints hold the same model tensors, bit for bit. Otherwise the test's log
+// says where they part: a missing key, or a tensor's largest difference and how many elements
+// differ (a rounding-sized difference in every tensor reads differently from a wrong step).
 inline bool same_weights(const fs::path& a, const fs::path& b) {
   const auto wa = checkpoint_dict(a).at("state_dict").toGenericDict();
   const auto wb = checkpoint_dict(b).at("state_dict").toGenericDict();
-  if (wa.size() != wb.size()) return false;
+  if (wa.size() != wb.size()) {
+    MESSAGE(a.string() << " holds " << wa.size() << " tensors, " << b.string() << " " << wb.size());
+    return false;
+  }
+  bool same = true;
   for (const auto& entry : wa) {
     auto other = wb.find(entry.key());
-    if (other == wb.end()) return false;
-    if (!at::equal(entry.value().toTensor(), other->value().toTensor())) return false;
+    if (other == wb.end()) {
+      MESSAGE(entry.key().toStringRef() << " is missing from " << b.string());
+      return false;
+    }
+    const at::Tensor ta = entry.value().toTensor(), tb = other->value().toTensor();
+    if (at::equal(ta, tb)) continue;
+    same = false;
+    if (ta.sizes() != tb.sizes() || ta.scalar_type() != tb.scalar_type()) {
+      MESSAGE(entry.key().toStringRef() << ": " << ta.sizes() << " " << ta.scalar_type() << " against " << tb.sizes()
+                                        << " " << tb.scalar_type());
+      continue;
+    }
+    const at::Tensor difference = (ta.to(at::kDouble) - tb.to(at::kDouble)).abs();
+    MESSAGE(entry.key().toStringRef() << ": " << difference.ne(0).sum().item<int64_t>() << " of " << ta.numel()
+                                      << " elements differ, by at most " << difference.max().item<double>()
+                                      << " (largest magnitude " << ta.abs().max().item<double>() << ")");
   }
-  return true;
+  return same;
 }
 
 inline std::vector<std::string> files_in(const fs::path& dir) {
