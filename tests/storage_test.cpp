@@ -1155,6 +1155,35 @@ TEST_CASE("s3 storage: the [storage] table configures endpoint, credentials and 
   CHECK(bare.exit_code != 0);
   FULGUR_CHECK_CONTAINS(bare.output, "s3: no credentials");
 
+  // `fulgur weights` and `fulgur checkpoint` take [storage] from the run's TOML with --config; without
+  // it they read the same environment as the bare run and find no credentials either.
+  const auto fulgur_cli = [&](std::vector<std::string> args) {
+    args.insert(args.begin(), FULGUR_TEST_FULGUR_BIN);
+    return fulgur::test::run_process(args, env, dir.path());
+  };
+  const ProcessRun inspected =
+      fulgur_cli({"weights", "inspect", "s3://ckpts/configured/last.ckpt", "--config", "configured.toml"});
+  REQUIRE_MESSAGE(inspected.exit_code == 0, inspected.output);
+  FULGUR_CHECK_CONTAINS(inspected.output, "s3://ckpts/configured/last.ckpt: torch.save, 4 tensors");
+  const ProcessRun converted = fulgur_cli({"weights", "convert", "--config", "configured.toml",
+                                           "s3://ckpts/configured/last.ckpt", "s3://ckpts/configured/model.safetensors"});
+  REQUIRE_MESSAGE(converted.exit_code == 0, converted.output);
+  CHECK(server.keys("configured/") == std::vector<std::string>{"configured/epoch=0-step=4.ckpt",
+                                                               "configured/last.ckpt", "configured/model.safetensors"});
+  const ProcessRun unconfigured = fulgur_cli({"weights", "inspect", "s3://ckpts/configured/last.ckpt"});
+  CHECK(unconfigured.exit_code != 0);
+  FULGUR_CHECK_CONTAINS(unconfigured.output, "s3: no credentials");
+  // A flag these commands do not take is refused, not ignored.
+  const ProcessRun flagged = fulgur_cli({"checkpoint", "inspect", "s3://ckpts/configured", "--all"});
+  CHECK(flagged.exit_code != 0);
+  FULGUR_CHECK_CONTAINS(flagged.output, "fulgur checkpoint takes no flag but --config");
+  // A [storage] value the plugin refuses fails before any download, naming the table.
+  fulgur::test::write_bytes(dir / "bad-storage.toml", "[storage]\nname = \"s3\"\npart_size_mb = 3\n");
+  const ProcessRun bad = fulgur_cli({"weights", "inspect", "s3://ckpts/configured/last.ckpt", "--config", "bad-storage.toml"});
+  CHECK(bad.exit_code != 0);
+  FULGUR_CHECK_CONTAINS(bad.output, "storage 's3'");
+  FULGUR_CHECK_CONTAINS(bad.output, "S3 parts are 5 to 5120 MiB");
+
   // part_size_mb: 6 MiB in parts of 5 MiB is a 2-part upload (S3's ETag ends in "-2").
   const auto s3 = [&](std::vector<std::pair<std::string, fulgur::OptionValue>> options) {
     options.emplace_back("endpoint", server.url());

@@ -25,7 +25,7 @@ constexpr const char* kCheckpointUsage =
     "usage:\n"
     "  fulgur checkpoint consolidate DIR OUT   (a distributed checkpoint directory into one torch.save file)\n"
     "  fulgur checkpoint inspect DIR           (keys, dtypes, shapes and writer files)\n"
-    "DIR and OUT may be s3:// URLs.\n";
+    "DIR and OUT may be s3:// URLs; --config FILE takes [storage] (endpoint, profile...) from a run's TOML.\n";
 
 // DIR and OUT may be s3:// URLs (storage_paths.h).
 int consolidate(const std::string& dir, const std::string& out) {

@@ -12,6 +12,7 @@
 //   fulgur weights convert IN OUT  (between .pt / .ckpt and .safetensors)
 //   fulgur weights inspect FILE    (names, dtypes, shapes)
 //   fulgur checkpoint consolidate DIR OUT | inspect DIR   (distributed checkpoint directories)
+//                                  (weights, checkpoint: --config FILE for its [storage] table)
 //   fulgur fit | validate | test | predict --config FILE ...   (fulgur/cli.h: runs training with the
 //                                  model and datamodule plugins that [model] / [data] name)
 #include <fulgur/cli.h>
@@ -23,6 +24,7 @@
 
 #include "checkpoint_command.h"
 #include "plugin_check.h"
+#include "storage_paths.h"
 #include "weights_command.h"
 
 #include <fmt/format.h>
@@ -51,10 +53,12 @@ constexpr const char* kUsage =
     "  fulgur plugins load NAME [--kind KIND] [--config FILE]\n"
     "  fulgur plugins check [NAME | --all] [--kind KIND] [--config FILE] [--timeout SECONDS] [--force]\n"
     "  fulgur config check FILE\n"
-    "  fulgur weights convert IN OUT\n"
-    "  fulgur weights inspect FILE\n"
-    "  fulgur checkpoint consolidate DIR OUT\n"
-    "  fulgur checkpoint inspect DIR\n";
+    "  fulgur weights convert IN OUT [--config FILE]\n"
+    "  fulgur weights inspect FILE [--config FILE]\n"
+    "  fulgur checkpoint consolidate DIR OUT [--config FILE]\n"
+    "  fulgur checkpoint inspect DIR [--config FILE]\n"
+    "  (weights and checkpoint: paths may be URLs such as s3://; --config FILE takes the storage plugins\n"
+    "  and the [storage] table from the TOML of the run that wrote them)\n";
 
 struct Args {
   std::vector<std::string> positional;
@@ -311,8 +315,13 @@ int main(int argc, char** argv) {
     if (p.size() >= 2 && p[0] == "plugins" && p[1] == "load") return load_plugin(args);
     if (p.size() >= 2 && p[0] == "plugins" && p[1] == "check") return check_plugins(args);
     if (p.size() >= 2 && p[0] == "config" && p[1] == "check") return check_config(args);
-    if (!p.empty() && p[0] == "weights") return cli::weights_main(p);
-    if (!p.empty() && p[0] == "checkpoint") return cli::checkpoint_main(p);
+    if (!p.empty() && (p[0] == "weights" || p[0] == "checkpoint")) {
+      if (args.kind || args.all || args.force || args.json || args.timeout)
+        throw Error(ErrorKind::invalid_argument, fmt::format("fulgur {} takes no flag but --config\n{}", p[0], kUsage));
+      // --config: the storage plugins and [storage] options of the run that wrote the files.
+      cli::configure_storage(args.config);
+      return p[0] == "weights" ? cli::weights_main(p) : cli::checkpoint_main(p);
+    }
     if (!p.empty()) {
       const std::vector<std::string> commands = {"fit",     "validate", "test",    "predict",   "quantize",
                                                  "plugins", "config",   "weights", "checkpoint"};

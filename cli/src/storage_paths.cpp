@@ -1,5 +1,6 @@
 #include "storage_paths.h"
 
+#include <fulgur/config.h>
 #include <fulgur/error.h>
 #include <fulgur/registry/registry.h>
 #include <fulgur/registry/storage_loader.h>
@@ -20,14 +21,12 @@ namespace {
 
 namespace fs = std::filesystem;
 
-// The first URL of a scheme loads libfulgur-storage-<scheme>.so from the plugin search path, as
-// for fulgur fit (world-writable libraries refused).
+// Set by configure_storage; otherwise the first URL of a scheme installs the loader over the
+// plugin search path, as for fulgur fit (world-writable libraries refused).
+bool storage_configured = false;
+
 void install_storage_loader() {
-  static const bool installed = [] {
-    fulgur::install_storage_loader(plugin_search_path(SearchPathOptions{}), /*allow_writable=*/false);
-    return true;
-  }();
-  (void)installed;
+  if (!storage_configured) configure_storage(std::nullopt);
 }
 
 std::string temporary_directory() {
@@ -52,6 +51,41 @@ void remove_tree(const std::string& path) {
 }
 
 }  // namespace
+
+void configure_storage(const std::optional<std::string>& config_file) {
+  if (!config_file) {
+    fulgur::install_storage_loader(plugin_search_path(SearchPathOptions{}), /*allow_writable=*/false);
+    storage_configured = true;
+    return;
+  }
+  Config config = load_config(*config_file);
+  SearchPathOptions search;
+  search.config_paths = config.plugin_paths;
+  RegistryOptions registry_options;
+  registry_options.allow_writable = config.allow_writable_plugins;
+  const PluginRegistry registry(plugin_search_path(search), registry_options);
+  std::optional<ConfiguredStorage> storage;
+  if (config.storage) {
+    // Only [storage] matters here: the file's model, loggers and callbacks need not be reachable.
+    Config storage_only;
+    storage_only.file = config.file;
+    storage_only.plugin_paths = config.plugin_paths;
+    storage_only.accelerator = config.accelerator;
+    storage_only.strategy = config.strategy;
+    storage_only.precision = config.precision;
+    storage_only.storage = config.storage;
+    validate_plugins(storage_only, registry);
+    storage = ConfiguredStorage{storage_only.storage->name, storage_only.storage->options};
+  }
+  try {
+    fulgur::install_storage_loader(registry.search_path(), config.allow_writable_plugins, storage);
+  } catch (const Error& e) {
+    if (!config.storage) throw;
+    throw Error(e.kind(),
+                fmt::format("{}: storage '{}': {}", config.storage->where.str(), config.storage->name, e.what()));
+  }
+  storage_configured = true;
+}
 
 LocalInput::LocalInput(const std::string& path_or_url) : local_(path_or_url) {
   if (!is_storage_url(path_or_url)) return;

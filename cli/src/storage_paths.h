@@ -4,9 +4,16 @@
 // library is loaded from the plugin search path, as `fulgur fit` loads it.
 #pragma once
 
+#include <optional>
 #include <string>
 
 namespace fulgur::cli {
+
+/// Where `fulgur weights` and `fulgur checkpoint` find their storage plugins, and with which
+/// options: with `config_file` (--config, the TOML `fulgur fit` ran with), its plugin directories
+/// and its [storage] table, whose plugin is created now (a bad value fails before any download);
+/// without, the plugin search path and each plugin's defaults. Call before the first LocalInput.
+void configure_storage(const std::optional<std::string>& config_file);
 
 /// A local path for an input that may be a URL: the path itself, or a temporary copy of the URL's
 /// file or sharded checkpoint (its .metadata marks one), removed with this object.

@@ -24,7 +24,7 @@ constexpr const char* kWeightsUsage =
     "usage:\n"
     "  fulgur weights convert IN OUT   (.pt / .ckpt / .safetensors, by OUT's extension)\n"
     "  fulgur weights inspect FILE     (names, dtypes and shapes)\n"
-    "IN, OUT and FILE may be s3:// URLs.\n";
+    "IN, OUT and FILE may be s3:// URLs; --config FILE takes [storage] (endpoint, profile...) from a run's TOML.\n";
 
 std::string dtype_name(c10::ScalarType type) { return std::string(c10::toString(type)); }
 
