@@ -12,6 +12,10 @@
 #                                                256 x 4, batch 8 x 64 tokens: ~3.3 M parameters,
 #                                                ~40 MB per checkpoint with AdamW)
 #   CKPT_DIR=s3://bucket/bench bench/async_checkpoint.sh   checkpoints to object storage (AWS_*)
+#   STRATEGY=ddp bench/async_checkpoint.sh      2 processes (DEVICES=N for another count): rank 0
+#                                                writes in the background (AsyncSaveStrategy)
+#   STRATEGY=fsdp STATE_DICT_TYPE=sharded bench/async_checkpoint.sh   every rank writes its shard
+#                                                in the background (STATE_DICT_TYPE=full: rank 0)
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 source "$here/../scripts/env.sh"
@@ -23,6 +27,16 @@ every="${3:-3}"
 work="$(mktemp -d)"
 trap 'rm -rf "$work"' EXIT
 ckpt_dir="${CKPT_DIR:-$work/ckpt}"
+# Several processes when STRATEGY names a multi-process strategy (ddp, fsdp); the simple profiler's
+# figures are then rank 0's.
+processes=""
+strategy_table=""
+if [[ -n "${STRATEGY:-}" ]]; then
+  processes="strategy = \"$STRATEGY\"
+devices = ${DEVICES:-2}"
+  [[ -n "${STATE_DICT_TYPE:-}" ]] && strategy_table="[strategy]
+state_dict_type = \"$STATE_DICT_TYPE\""
+fi
 
 write_toml() {  # write_toml FILE ASYNC RUN
   cat >"$1" <<TOML
@@ -37,6 +51,7 @@ enable_progress_bar = false
 enable_model_summary = false
 default_root_dir = "$work/root"
 async_checkpoint = $2
+$processes
 
 [model]
 name = "gpt"
@@ -58,6 +73,8 @@ seed = 42
 
 [profiler]
 name = "simple"
+
+$strategy_table
 
 [[callbacks]]
 name = "model_checkpoint"
@@ -92,10 +109,12 @@ for i in $(seq 1 "$pairs"); do
   ratios+=("$r")
   printf "| %d | %.2f | %.2f | %.3f | %.3f | %.3f |\n" "$i" "$s" "$a" "$r" "$(stalled "sync$i")" "$(stalled "async$i")"
 done
-printf '%s\n' "${ratios[@]}" | sort -g | awk -v steps="$steps" -v every="$every" '
+label=""
+[[ -n "${STRATEGY:-}" ]] && label=", $STRATEGY on ${DEVICES:-2} processes${STATE_DICT_TYPE:+ ($STATE_DICT_TYPE)}"
+printf '%s\n' "${ratios[@]}" | sort -g | awk -v steps="$steps" -v every="$every" -v label="$label" '
   { r[NR] = $1 }
   END {
     median = NR % 2 ? r[(NR + 1) / 2] : (r[NR / 2] + r[NR / 2 + 1]) / 2
-    printf "\nasync/sync wall time, %d steps, a checkpoint every %d: median %.3f [%.3f, %.3f] over %d pairs\n",
-           steps, every, median, r[1], r[NR], NR
+    printf "\nasync/sync wall time, %d steps, a checkpoint every %d%s: median %.3f [%.3f, %.3f] over %d pairs\n",
+           steps, every, label, median, r[1], r[NR], NR
   }'
