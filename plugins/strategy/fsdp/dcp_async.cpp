@@ -20,37 +20,14 @@ namespace {
 
 namespace fs = std::filesystem;
 
-// Every rank's `mine`, in rank order (one broadcast per rank: small strings, few ranks).
-std::vector<std::string> gather(const std::string& mine, int64_t rank, int64_t world_size,
-                                const BroadcastString& broadcast) {
-  std::vector<std::string> out;
-  for (int64_t r = 0; r < world_size; ++r) out.push_back(broadcast(r == rank ? mine : std::string(), r));
-  return out;
-}
-
 // Every rank throws the first rank's error ("" where a rank had none).
 void agree_on_errors(const std::string& mine, int64_t rank, int64_t world_size, const BroadcastString& broadcast,
                      const std::string& dir) {
-  const std::vector<std::string> errors = gather(mine, rank, world_size, broadcast);
+  const std::vector<std::string> errors = gather_strings(mine, rank, world_size, broadcast);
   for (size_t r = 0; r < errors.size(); ++r)
     if (!errors[r].empty())
       throw Error(ErrorKind::checkpoint,
                   fmt::format("saving sharded checkpoint '{}' failed on rank {}: {}", dir, r, errors[r]));
-}
-
-template <class F>
-std::string outcome(F&& step) {
-  try {
-    step();
-    return {};
-  } catch (const std::exception& e) {
-    return e.what();
-  }
-}
-
-void remove_tree(const fs::path& path) {
-  std::error_code ignored;
-  fs::remove_all(path, ignored);
 }
 
 [[noreturn]] void fail(const fs::path& target, const std::string& what) {
@@ -121,7 +98,7 @@ void SplitDcpSave::finish(bool all_written, const BroadcastString& broadcast) {
     return;
   }
   const std::vector<std::string> records =
-      gather(rank_ == 0 ? std::string() : mine_.serialize(), rank_, world_size_, broadcast);
+      gather_strings(rank_ == 0 ? std::string() : mine_.serialize(), rank_, world_size_, broadcast);
   std::string error;
   if (rank_ == 0) {
     error = outcome([&] {

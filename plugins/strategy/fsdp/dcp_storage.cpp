@@ -38,30 +38,6 @@ std::string local_directory(std::string_view what) {
   return pattern;
 }
 
-void remove_directory(const std::string& dir) {
-  std::error_code ignored;
-  fs::remove_all(dir, ignored);
-}
-
-// The error message of `step`, empty when it succeeded.
-template <class F>
-std::string outcome(F&& step) {
-  try {
-    step();
-    return {};
-  } catch (const std::exception& e) {
-    return e.what();
-  }
-}
-
-// Every rank's `mine`, in rank order.
-std::vector<std::string> all_gather(const std::string& mine, int64_t rank, int64_t world_size,
-                                    const BroadcastString& broadcast) {
-  std::vector<std::string> out;
-  for (int64_t r = 0; r < world_size; ++r) out.push_back(broadcast(r == rank ? mine : std::string(), r));
-  return out;
-}
-
 void throw_first_failure(const std::vector<std::string>& messages, const std::string& url) {
   for (size_t r = 0; r < messages.size(); ++r)
     if (!messages[r].empty() && messages[r][0] == 'e')
@@ -78,7 +54,7 @@ void save_to_storage(const std::string& target, const c10::IValue& state,
   Storage& storage = storage_for(url);
   // 1. Rank 0 takes the old checkpoint's .metadata away: from here until step 3 there is none.
   std::string error = rank == 0 ? outcome([&] { storage.remove(join_storage_path(url, kMetadata)); }) : std::string();
-  throw_first_failure(all_gather(error.empty() ? "k" : "e" + error, rank, world_size, broadcast), url);
+  throw_first_failure(gather_strings(error.empty() ? "k" : "e" + error, rank, world_size, broadcast), url);
 
   // 2. Every rank writes its data file locally and uploads it; rank 0 learns what each wrote.
   const std::string local = local_directory("save");
@@ -87,8 +63,8 @@ void save_to_storage(const std::string& target, const c10::IValue& state,
     mine = dcp::write_rank_file(local, rank, state, placements);
     storage.write(join_storage_path(url, mine.file), local_storage().read(join_storage_path(local, mine.file)));
   });
-  const std::vector<std::string> messages =
-      all_gather(error.empty() ? (rank == 0 ? "k" : "k" + mine.serialize()) : "e" + error, rank, world_size, broadcast);
+  const std::vector<std::string> messages = gather_strings(
+      error.empty() ? (rank == 0 ? "k" : "k" + mine.serialize()) : "e" + error, rank, world_size, broadcast);
   // 3. Rank 0 writes .metadata locally and uploads it last; everyone learns the outcome.
   error.clear();
   if (rank == 0 && std::none_of(messages.begin(), messages.end(), [](const std::string& m) { return m[0] == 'e'; })) {
@@ -108,9 +84,9 @@ void save_to_storage(const std::string& target, const c10::IValue& state,
       storage.write(join_storage_path(url, kMetadata), local_storage().read(join_storage_path(local, kMetadata)));
     });
   }
-  remove_directory(local);
+  remove_tree(local);
   throw_first_failure(messages, url);
-  throw_first_failure(all_gather(error.empty() ? "k" : "e" + error, rank, world_size, broadcast), url);
+  throw_first_failure(gather_strings(error.empty() ? "k" : "e" + error, rank, world_size, broadcast), url);
 }
 
 SplitStorageSave::SplitStorageSave(const std::string& target, int64_t rank, int64_t world_size,
@@ -121,14 +97,14 @@ SplitStorageSave::SplitStorageSave(const std::string& target, int64_t rank, int6
     local_ = local_directory("save");
   });
   try {
-    throw_first_failure(all_gather(error.empty() ? "k" : "e" + error, rank, world_size, broadcast), url_);
+    throw_first_failure(gather_strings(error.empty() ? "k" : "e" + error, rank, world_size, broadcast), url_);
   } catch (...) {
-    if (!local_.empty()) remove_directory(local_);
+    if (!local_.empty()) remove_tree(local_);
     throw;
   }
 }
 
-SplitStorageSave::~SplitStorageSave() { remove_directory(local_); }
+SplitStorageSave::~SplitStorageSave() { remove_tree(local_); }
 
 void SplitStorageSave::write(const c10::IValue& state, const std::map<std::string, dcp::Chunk>& placements) {
   mine_ = dcp::write_rank_file(local_, rank_, state, placements);
@@ -149,7 +125,7 @@ void SplitStorageSave::finish(bool all_written, const BroadcastString& broadcast
     return;
   }
   const std::vector<std::string> messages =
-      all_gather(rank_ == 0 ? "k" : "k" + mine_.serialize(), rank_, world_size_, broadcast);
+      gather_strings(rank_ == 0 ? "k" : "k" + mine_.serialize(), rank_, world_size_, broadcast);
   std::string error;
   if (rank_ == 0) {
     error = outcome([&] {
@@ -167,7 +143,7 @@ void SplitStorageSave::finish(bool all_written, const BroadcastString& broadcast
       storage.write(join_storage_path(url_, kMetadata), local_storage().read(join_storage_path(local_, kMetadata)));
     });
   }
-  throw_first_failure(all_gather(error.empty() ? "k" : "e" + error, rank_, world_size_, broadcast), url_);
+  throw_first_failure(gather_strings(error.empty() ? "k" : "e" + error, rank_, world_size_, broadcast), url_);
 }
 
 bool is_stored_checkpoint(const std::string& url) {
@@ -188,11 +164,11 @@ StagedCheckpoint::StagedCheckpoint(const std::string& target) : dir_(local_direc
       local_storage().write(join_storage_path(dir_, name), storage.read(object.url));
     }
   } catch (...) {
-    remove_directory(dir_);
+    remove_tree(dir_);
     throw;
   }
 }
 
-StagedCheckpoint::~StagedCheckpoint() { remove_directory(dir_); }
+StagedCheckpoint::~StagedCheckpoint() { remove_tree(dir_); }
 
 }  // namespace fulgur::fsdp

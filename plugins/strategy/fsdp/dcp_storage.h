@@ -15,10 +15,9 @@
 #include <map>
 #include <string>
 
-namespace fulgur::fsdp {
+#include "rank_outcome.h"
 
-/// `value` sent by rank `src` to every rank (a collective; the identity in a single process).
-using BroadcastString = std::function<std::string(const std::string& value, int64_t src)>;
+namespace fulgur::fsdp {
 
 /// The collective save of `state` (this rank's part, `placements` as for dcp::save) to `url`.
 /// A previous checkpoint at `url` loses its .metadata first: it is gone, not half replaced, until
