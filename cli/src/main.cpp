@@ -319,7 +319,12 @@ int main(int argc, char** argv) {
       if (args.kind || args.all || args.force || args.json || args.timeout)
         throw Error(ErrorKind::invalid_argument, fmt::format("fulgur {} takes no flag but --config\n{}", p[0], kUsage));
       // --config: the storage plugins and [storage] options of the run that wrote the files.
-      cli::configure_storage(args.config);
+      if (args.config) {
+        const std::optional<Config> config = load_config(*args.config);
+        cli::configure_storage(*config, *make_registry(config));
+      } else {
+        cli::configure_storage();
+      }
       return p[0] == "weights" ? cli::weights_main(p) : cli::checkpoint_main(p);
     }
     if (!p.empty()) {

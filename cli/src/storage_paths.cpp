@@ -13,6 +13,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <optional>
 #include <vector>
 
 namespace fulgur::cli {
@@ -20,14 +21,6 @@ namespace fulgur::cli {
 namespace {
 
 namespace fs = std::filesystem;
-
-// Set by configure_storage; otherwise the first URL of a scheme installs the loader over the
-// plugin search path, as for fulgur fit (world-writable libraries refused).
-bool storage_configured = false;
-
-void install_storage_loader() {
-  if (!storage_configured) configure_storage(std::nullopt);
-}
 
 std::string temporary_directory() {
   const char* tmp = std::getenv("TMPDIR");
@@ -52,18 +45,12 @@ void remove_tree(const std::string& path) {
 
 }  // namespace
 
-void configure_storage(const std::optional<std::string>& config_file) {
-  if (!config_file) {
-    fulgur::install_storage_loader(plugin_search_path(SearchPathOptions{}), /*allow_writable=*/false);
-    storage_configured = true;
-    return;
-  }
-  Config config = load_config(*config_file);
-  SearchPathOptions search;
-  search.config_paths = config.plugin_paths;
-  RegistryOptions registry_options;
-  registry_options.allow_writable = config.allow_writable_plugins;
-  const PluginRegistry registry(plugin_search_path(search), registry_options);
+void configure_storage() {
+  // As for fulgur fit without a config: the plugin search path, world-writable libraries refused.
+  fulgur::install_storage_loader(plugin_search_path(SearchPathOptions{}), /*allow_writable=*/false);
+}
+
+void configure_storage(const Config& config, const PluginRegistry& registry) {
   std::optional<ConfiguredStorage> storage;
   if (config.storage) {
     // Only [storage] matters here: the file's model, loggers and callbacks need not be reachable.
@@ -84,12 +71,10 @@ void configure_storage(const std::optional<std::string>& config_file) {
     throw Error(e.kind(),
                 fmt::format("{}: storage '{}': {}", config.storage->where.str(), config.storage->name, e.what()));
   }
-  storage_configured = true;
 }
 
 LocalInput::LocalInput(const std::string& path_or_url) : local_(path_or_url) {
   if (!is_storage_url(path_or_url)) return;
-  install_storage_loader();
   const std::string url = trimmed(path_or_url);
   Storage& storage = storage_for(url);
   temporary_ = temporary_directory();
@@ -119,7 +104,6 @@ LocalInput::~LocalInput() { remove_tree(temporary_); }
 
 LocalOutput::LocalOutput(const std::string& path_or_url) : target_(path_or_url), local_(path_or_url) {
   if (!is_storage_url(path_or_url)) return;
-  install_storage_loader();
   storage_for(path_or_url);  // an unknown scheme is refused before any work
   temporary_ = temporary_directory();
   local_ = join_storage_path(temporary_, base_name(trimmed(path_or_url)));

@@ -4,16 +4,21 @@
 // library is loaded from the plugin search path, as `fulgur fit` loads it.
 #pragma once
 
-#include <optional>
+#include <fulgur/config.h>
+#include <fulgur/registry/registry.h>
+
 #include <string>
 
 namespace fulgur::cli {
 
-/// Where `fulgur weights` and `fulgur checkpoint` find their storage plugins, and with which
-/// options: with `config_file` (--config, the TOML `fulgur fit` ran with), its plugin directories
-/// and its [storage] table, whose plugin is created now (a bad value fails before any download);
-/// without, the plugin search path and each plugin's defaults. Call before the first LocalInput.
-void configure_storage(const std::optional<std::string>& config_file);
+/// Where `fulgur weights` and `fulgur checkpoint` find their storage plugins, with each plugin's
+/// defaults: the plugin search path. Call this or the overload below before the first LocalInput.
+void configure_storage();
+
+/// The same from `config` (--config, the TOML `fulgur fit` ran with) and the registry made from it:
+/// its plugin directories and its [storage] table, whose plugin is created now (a bad value fails
+/// before any download).
+void configure_storage(const Config& config, const PluginRegistry& registry);
 
 /// A local path for an input that may be a URL: the path itself, or a temporary copy of the URL's
 /// file or sharded checkpoint (its .metadata marks one), removed with this object.
