@@ -102,6 +102,12 @@ def load_init(model, path):
     from safetensors.torch import load_file
 
     state = load_file(path)
+    # Fulgur's GPT keeps attention's projections as attn.q / attn.k / attn.v (the rows of one fused
+    # qkv, so that checkpoints move across tensor-parallel degrees); this model keeps the fused qkv.
+    for name in [n for n in state if n.endswith(".attn.q.weight") or n.endswith(".attn.q.bias")]:
+        stem, kind = name[: -len(".q." + name.rsplit(".", 1)[1])], name.rsplit(".", 1)[1]
+        parts = [state.pop(f"{stem}.{p}.{kind}") for p in "qkv"]
+        state[f"{stem}.qkv.{kind}"] = torch.cat(parts, 0)
     missing, unexpected = model.load_state_dict(state, strict=False)
     if missing or unexpected:
         sys.exit(f"gpt_lightning: {path}: missing {missing}, unexpected {unexpected}")
