@@ -511,6 +511,20 @@ TEST_CASE("async_checkpoint: a background save that fails ends the run, naming i
 
 namespace {
 
+// `keys`: a sharded checkpoint at `prefix` saved over an earlier one (dcp_storage.h): its .metadata
+// and one data file per rank, each named __<rank>_0.<tag>.distcp.
+void check_replaced_sharded(const std::vector<std::string>& keys, const std::string& prefix, int64_t ranks) {
+  INFO(prefix);
+  REQUIRE(keys.size() == static_cast<size_t>(ranks + 1));
+  CHECK(keys[0] == prefix + ".metadata");
+  for (int64_t r = 0; r < ranks; ++r) {
+    INFO(keys[r + 1]);
+    CHECK(keys[r + 1].starts_with(fmt::format("{}__{}_0.", prefix, r)));
+    CHECK(keys[r + 1].ends_with(".distcp"));
+    CHECK(keys[r + 1] != fmt::format("{}__{}_0.distcp", prefix, r));
+  }
+}
+
 // fit_toml's run under fsdp on 2 processes, every rank writing its shards (state_dict_type = "sharded").
 std::string fsdp_toml(std::string toml) {
   toml.insert(toml.find("[trainer]\n") + 10, "accelerator = \"cpu\"\nstrategy = \"fsdp\"\ndevices = 2\n");
@@ -533,10 +547,13 @@ TEST_CASE("s3 storage: fsdp on 2 ranks saves sharded checkpoints to s3://, resum
   const std::string dirpath = "s3://ckpts/fsdp";
   const ProcessRun first = fit(dir, "first.toml", fsdp_toml(fit_toml(dir / "a", 1, dirpath, "")), server.env());
   REQUIRE_MESSAGE(first.exit_code == 0, first.output);
-  CHECK(server.keys("fsdp/") ==
-        std::vector<std::string>{"fsdp/epoch=0-step=4.ckpt/.metadata", "fsdp/epoch=0-step=4.ckpt/__0_0.distcp",
-                                 "fsdp/epoch=0-step=4.ckpt/__1_0.distcp", "fsdp/last.ckpt/.metadata",
-                                 "fsdp/last.ckpt/__0_0.distcp", "fsdp/last.ckpt/__1_0.distcp"});
+  CHECK(server.keys("fsdp/epoch=0-step=4.ckpt/") == std::vector<std::string>{"fsdp/epoch=0-step=4.ckpt/.metadata",
+                                                                             "fsdp/epoch=0-step=4.ckpt/__0_0.distcp",
+                                                                             "fsdp/epoch=0-step=4.ckpt/__1_0.distcp"});
+  // last.ckpt, saved at step 2 and again at step 4: the second save's data files have names of
+  // their own, so step 2's stayed whole until step 4's .metadata replaced its own.
+  check_replaced_sharded(server.keys("fsdp/last.ckpt/"), "fsdp/last.ckpt/", 2);
+  CHECK(server.keys("fsdp/").size() == 6);
 
   // Python's own tool consolidates the downloaded prefix; every tensor equals the local run's.
   server.client({"getprefix", "fsdp/epoch=0-step=4.ckpt/", (dir / "downloaded").string()});
@@ -794,6 +811,42 @@ TEST_CASE("s3 storage: the csv and tensorboard loggers' files go to save_dir = s
   REQUIRE_MESSAGE(second.exit_code == 0, second.output);
   CHECK(server.keys("logs/lightning_logs/version_1/").size() == 3);
   CHECK(fs::exists(dir / "b" / "runs" / "lightning_logs" / "version_1" / "metrics.csv"));
+}
+
+TEST_CASE("s3 storage: fsdp ranks SIGKILLed while they replace a sharded last.ckpt leave the previous one whole") {
+  if (moto_missing()) return;
+  if (!FULGUR_TEST_FAULT_INJECTION) {
+    fulgur::test::skip_test("this build has no fault injection (configure with -DFULGUR_FAULT_INJECTION=ON)");
+    return;
+  }
+  TempDir dir;
+  MotoServer server(dir);
+  const ProcessRun reference =
+      fit(dir, "reference.toml", fsdp_toml(fit_toml(dir / "ref", 2, (dir / "ref-ckpt").string(), "")), server.env());
+  REQUIRE_MESSAGE(reference.exit_code == 0, reference.output);
+
+  // Each rank's second data file of last.ckpt (step 4's, replacing step 2's) dies half sent.
+  const std::string dirpath = "s3://ckpts/sharded";
+  std::map<std::string, std::string> env = server.env();
+  env["FULGUR_FAULT_INJECT"] = "s3_upload:2:last.ckpt/__";
+  const ProcessRun killed = fit(dir, "killed.toml", fsdp_toml(fit_toml(dir / "k", 2, dirpath, "")), env);
+  INFO(killed.output);
+  REQUIRE(killed.exit_code != 0);
+  // Step 2's last.ckpt is whole: its .metadata and the data files it names.
+  const std::vector<std::string> last = server.keys("sharded/last.ckpt/");
+  CHECK(last == std::vector<std::string>{"sharded/last.ckpt/.metadata", "sharded/last.ckpt/__0_0.distcp",
+                                         "sharded/last.ckpt/__1_0.distcp"});
+  server.client({"getprefix", "sharded/last.ckpt/", (dir / "at-kill").string()});
+  CHECK(fulgur::test::job::checkpoint_dict(dir / "at-kill").at("global_step").toInt() == 2);
+
+  // Two new processes resume from it and end where the uninterrupted run did; the replaced files
+  // went once the new .metadata was in place.
+  const ProcessRun resumed = fit(dir, "resumed.toml", fsdp_toml(fit_toml(dir / "k", 2, dirpath, "last")), server.env());
+  REQUIRE_MESSAGE(resumed.exit_code == 0, resumed.output);
+  check_replaced_sharded(server.keys("sharded/last.ckpt/"), "sharded/last.ckpt/", 2);
+  server.client({"getprefix", "sharded/last.ckpt/", (dir / "final").string()});
+  CHECK(fulgur::test::job::checkpoint_dict(dir / "final").at("global_step").toInt() == 8);
+  CHECK(fulgur::test::job::same_weights(dir / "final", dir / "ref-ckpt" / "last.ckpt"));
 }
 
 namespace {
@@ -1165,11 +1218,12 @@ TEST_CASE("s3 storage: the [storage] table configures endpoint, credentials and 
       fulgur_cli({"weights", "inspect", "s3://ckpts/configured/last.ckpt", "--config", "configured.toml"});
   REQUIRE_MESSAGE(inspected.exit_code == 0, inspected.output);
   FULGUR_CHECK_CONTAINS(inspected.output, "s3://ckpts/configured/last.ckpt: torch.save, 4 tensors");
-  const ProcessRun converted = fulgur_cli({"weights", "convert", "--config", "configured.toml",
-                                           "s3://ckpts/configured/last.ckpt", "s3://ckpts/configured/model.safetensors"});
+  const ProcessRun converted =
+      fulgur_cli({"weights", "convert", "--config", "configured.toml", "s3://ckpts/configured/last.ckpt",
+                  "s3://ckpts/configured/model.safetensors"});
   REQUIRE_MESSAGE(converted.exit_code == 0, converted.output);
-  CHECK(server.keys("configured/") == std::vector<std::string>{"configured/epoch=0-step=4.ckpt",
-                                                               "configured/last.ckpt", "configured/model.safetensors"});
+  CHECK(server.keys("configured/") == std::vector<std::string>{"configured/epoch=0-step=4.ckpt", "configured/last.ckpt",
+                                                               "configured/model.safetensors"});
   const ProcessRun unconfigured = fulgur_cli({"weights", "inspect", "s3://ckpts/configured/last.ckpt"});
   CHECK(unconfigured.exit_code != 0);
   FULGUR_CHECK_CONTAINS(unconfigured.output, "s3: no credentials");
@@ -1179,7 +1233,8 @@ TEST_CASE("s3 storage: the [storage] table configures endpoint, credentials and 
   FULGUR_CHECK_CONTAINS(flagged.output, "fulgur checkpoint takes no flag but --config");
   // A [storage] value the plugin refuses fails before any download, naming the table.
   fulgur::test::write_bytes(dir / "bad-storage.toml", "[storage]\nname = \"s3\"\npart_size_mb = 3\n");
-  const ProcessRun bad = fulgur_cli({"weights", "inspect", "s3://ckpts/configured/last.ckpt", "--config", "bad-storage.toml"});
+  const ProcessRun bad =
+      fulgur_cli({"weights", "inspect", "s3://ckpts/configured/last.ckpt", "--config", "bad-storage.toml"});
   CHECK(bad.exit_code != 0);
   FULGUR_CHECK_CONTAINS(bad.output, "storage 's3'");
   FULGUR_CHECK_CONTAINS(bad.output, "S3 parts are 5 to 5120 MiB");

@@ -135,18 +135,26 @@ size_t collect_header(char* data, size_t size, size_t n, void* out) {
 // Test-only fault injection (compiled in with FULGUR_FAULT_INJECTION, as the SDK's
 // checkpoint_write seam): FULGUR_FAULT_INJECT = "s3_upload:N" kills this process with SIGKILL
 // once half of the body of its N-th object upload (1-based) has gone to the server, so that
-// tests/storage_test.cpp can show that an upload cut short leaves no object behind.
-long upload_to_kill() {
+// tests/storage_test.cpp can show that an upload cut short leaves no object behind;
+// "s3_upload:N:TEXT" counts only the uploads whose key contains TEXT (each rank of a sharded save
+// killed while it replaces its own data file, say).
+struct UploadToKill {
+  long n = 0;
+  std::string key_part;
+};
+
+const UploadToKill& upload_to_kill() {
+  static const UploadToKill kill = [] {
+    UploadToKill k;
 #if defined(FULGUR_FAULT_INJECTION)
-  static const long n = [] {
-    long v = 0;
     const char* spec = std::getenv("FULGUR_FAULT_INJECT");
-    return spec && std::sscanf(spec, "s3_upload:%ld", &v) == 1 ? v : 0L;
-  }();
-  return n;
-#else
-  return 0;
+    int consumed = 0;
+    if (spec && std::sscanf(spec, "s3_upload:%ld%n", &k.n, &consumed) == 1 && spec[consumed] == ':')
+      k.key_part = spec + consumed + 1;
 #endif
+    return k;
+  }();
+  return kill;
 }
 
 std::atomic<long> uploads_started{0};
@@ -320,8 +328,10 @@ Client::Response Client::send_once(const Request& request) {
   for (const std::string& header : request.headers) add(header);
   Upload upload{request.body, 0, false};
   if (request.method == "PUT") {
-    if (const long kill_at = upload_to_kill(); kill_at > 0 && request.query.find("partNumber") == std::string::npos)
-      upload.doomed = uploads_started.fetch_add(1) + 1 == kill_at;
+    if (const UploadToKill& kill = upload_to_kill(); kill.n > 0 &&
+                                                     request.query.find("partNumber") == std::string::npos &&
+                                                     request.key.find(kill.key_part) != std::string::npos)
+      upload.doomed = uploads_started.fetch_add(1) + 1 == kill.n;
     // No "Expect:" to skip the 100-continue round trip: curl 7.88 signs that blanked header
     // without sending it, and the server then refuses the signature.
     add("Content-Type: application/octet-stream");

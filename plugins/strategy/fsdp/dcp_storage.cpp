@@ -1,6 +1,7 @@
 #include "dcp_storage.h"
 
 #include <fulgur/error.h>
+#include <fulgur/log.h>
 #include <fulgur/storage.h>
 
 #include <fmt/format.h>
@@ -9,6 +10,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <chrono>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
@@ -38,6 +40,64 @@ std::string local_directory(std::string_view what) {
   return pattern;
 }
 
+// Step 1 of a save, on rank 0: the tag of this save's data files. A fresh prefix gets DCP's own
+// names (__<rank>_0.distcp, as torch writes them). A prefix that holds a checkpoint (last.ckpt,
+// saved again) gets names of their own, __<rank>_0.<tag>.distcp: the old .metadata names the old
+// files, so the old checkpoint stays whole until the new .metadata replaces it in one PUT, and a
+// process killed in between leaves it readable.
+std::string data_file_tag(Storage& storage, const std::string& url) {
+  if (!storage.exists(join_storage_path(url, kMetadata))) return {};
+  return fmt::format("{:x}", std::chrono::system_clock::now().time_since_epoch().count());
+}
+
+// `file` (DCP's "__<rank>_0.distcp") with `tag` before its extension.
+std::string tagged(const std::string& file, const std::string& tag) {
+  if (tag.empty()) return file;
+  const size_t dot = file.rfind('.');
+  return file.substr(0, dot) + "." + tag + file.substr(dot);
+}
+
+// Rank 0, once the new .metadata is in place: every object directly below `url` that it does not
+// name (the replaced checkpoint's files, or those of a save killed before its .metadata) goes.
+// The checkpoint is complete already, so a failure here only warns: the next save retries.
+void remove_unnamed(Storage& storage, const std::string& url, const std::vector<dcp::RankWrite>& ranks) {
+  const std::string error = outcome([&] {
+    for (const StorageObject& object : storage.list(join_storage_path(url, ""))) {
+      const std::string name = object.url.substr(url.size() + 1);
+      const bool ours = name == kMetadata || std::any_of(ranks.begin(), ranks.end(),
+                                                         [&](const dcp::RankWrite& w) { return w.file == name; });
+      if (!ours && name.find('/') == std::string::npos) storage.remove(object.url);
+    }
+  });
+  if (!error.empty())
+    log::warn(
+        fmt::format("sharded checkpoint '{}' is complete, but files it replaced could not be removed: {}", url, error));
+}
+
+// Writes this rank's data file into `local` and uploads it to `url` under its tagged name, which
+// the returned record carries (the name .metadata gives it).
+dcp::RankWrite write_and_upload(const std::string& local, const std::string& url, const std::string& tag, int64_t rank,
+                                const c10::IValue& state, const std::map<std::string, dcp::Chunk>& placements) {
+  dcp::RankWrite mine = dcp::write_rank_file(local, rank, state, placements);
+  const std::string written = mine.file;
+  mine.file = tagged(written, tag);
+  storage_for(url).write(join_storage_path(url, mine.file), local_storage().read(join_storage_path(local, written)));
+  return mine;
+}
+
+// Rank 0, after a failed save: the data files it uploaded go (best effort, never throws). With a
+// tag they are told by it, and a previous checkpoint at `url` keeps its own; without, the prefix
+// held no checkpoint and is left empty.
+void remove_failed_save(Storage& storage, const std::string& url, const std::string& tag) {
+  std::string ignored = outcome([&] {
+    for (const StorageObject& object : storage.list(join_storage_path(url, ""))) {
+      const std::string name = object.url.substr(url.size() + 1);
+      if (name.find('/') != std::string::npos) continue;
+      if (tag.empty() ? name != kMetadata : name.find("." + tag + ".") != std::string::npos) storage.remove(object.url);
+    }
+  });
+}
+
 void throw_first_failure(const std::vector<std::string>& messages, const std::string& url) {
   for (size_t r = 0; r < messages.size(); ++r)
     if (!messages[r].empty() && messages[r][0] == 'e')
@@ -52,39 +112,36 @@ void save_to_storage(const std::string& target, const c10::IValue& state,
                      const BroadcastString& broadcast) {
   const std::string url = trimmed(target);
   Storage& storage = storage_for(url);
-  // 1. Rank 0 takes the old checkpoint's .metadata away: from here until step 3 there is none.
-  std::string error = rank == 0 ? outcome([&] { storage.remove(join_storage_path(url, kMetadata)); }) : std::string();
-  throw_first_failure(gather_strings(error.empty() ? "k" : "e" + error, rank, world_size, broadcast), url);
+  // 1. Rank 0 tags this save's data files (data_file_tag); everyone learns the tag.
+  std::string tag;
+  std::string error = rank == 0 ? outcome([&] { tag = data_file_tag(storage, url); }) : std::string();
+  const std::vector<std::string> started =
+      gather_strings(error.empty() ? "k" + tag : "e" + error, rank, world_size, broadcast);
+  throw_first_failure(started, url);
+  tag = started[0].substr(1);
 
   // 2. Every rank writes its data file locally and uploads it; rank 0 learns what each wrote.
   const std::string local = local_directory("save");
   dcp::RankWrite mine;
-  error = outcome([&] {
-    mine = dcp::write_rank_file(local, rank, state, placements);
-    storage.write(join_storage_path(url, mine.file), local_storage().read(join_storage_path(local, mine.file)));
-  });
+  error = outcome([&] { mine = write_and_upload(local, url, tag, rank, state, placements); });
   const std::vector<std::string> messages = gather_strings(
       error.empty() ? (rank == 0 ? "k" : "k" + mine.serialize()) : "e" + error, rank, world_size, broadcast);
-  // 3. Rank 0 writes .metadata locally and uploads it last; everyone learns the outcome.
+  // 3. Rank 0 writes .metadata locally and uploads it last (replacing a previous checkpoint's in
+  // one PUT), then removes the files it does not name; everyone learns the outcome.
   error.clear();
   if (rank == 0 && std::none_of(messages.begin(), messages.end(), [](const std::string& m) { return m[0] == 'e'; })) {
     error = outcome([&] {
       std::vector<dcp::RankWrite> ranks{mine};
       for (int64_t r = 1; r < world_size; ++r)
         ranks.push_back(dcp::RankWrite::deserialize(std::string_view(messages[r]).substr(1)));
-      // Data files of ranks a previous, larger run had would be read with the new metadata's
-      // names only; they are removed so that the prefix holds one checkpoint.
-      for (const StorageObject& object : storage.list(join_storage_path(url, ""))) {
-        const std::string name = object.url.substr(url.size() + 1);
-        const bool ours = name == kMetadata || std::any_of(ranks.begin(), ranks.end(),
-                                                           [&](const dcp::RankWrite& w) { return w.file == name; });
-        if (!ours) storage.remove(object.url);
-      }
       dcp::write_metadata(local, ranks);
       storage.write(join_storage_path(url, kMetadata), local_storage().read(join_storage_path(local, kMetadata)));
+      remove_unnamed(storage, url, ranks);
     });
   }
   remove_tree(local);
+  if (rank == 0 && std::any_of(messages.begin(), messages.end(), [](const std::string& m) { return m[0] == 'e'; }))
+    remove_failed_save(storage, url, tag);
   throw_first_failure(messages, url);
   throw_first_failure(gather_strings(error.empty() ? "k" : "e" + error, rank, world_size, broadcast), url);
 }
@@ -93,11 +150,14 @@ SplitStorageSave::SplitStorageSave(const std::string& target, int64_t rank, int6
                                    const BroadcastString& broadcast)
     : url_(trimmed(target)), rank_(rank), world_size_(world_size) {
   std::string error = outcome([&] {
-    if (rank == 0) storage_for(url_).remove(join_storage_path(url_, kMetadata));
+    if (rank == 0) tag_ = data_file_tag(storage_for(url_), url_);
     local_ = local_directory("save");
   });
   try {
-    throw_first_failure(gather_strings(error.empty() ? "k" : "e" + error, rank, world_size, broadcast), url_);
+    const std::vector<std::string> started =
+        gather_strings(error.empty() ? "k" + tag_ : "e" + error, rank, world_size, broadcast);
+    throw_first_failure(started, url_);
+    tag_ = started[0].substr(1);
   } catch (...) {
     if (!local_.empty()) remove_tree(local_);
     throw;
@@ -107,21 +167,14 @@ SplitStorageSave::SplitStorageSave(const std::string& target, int64_t rank, int6
 SplitStorageSave::~SplitStorageSave() { remove_tree(local_); }
 
 void SplitStorageSave::write(const c10::IValue& state, const std::map<std::string, dcp::Chunk>& placements) {
-  mine_ = dcp::write_rank_file(local_, rank_, state, placements);
-  storage_for(url_).write(join_storage_path(url_, mine_.file),
-                          local_storage().read(join_storage_path(local_, mine_.file)));
+  mine_ = write_and_upload(local_, url_, tag_, rank_, state, placements);
 }
 
 void SplitStorageSave::finish(bool all_written, const BroadcastString& broadcast) {
   Storage& storage = storage_for(url_);
   if (!all_written) {
-    // No .metadata: not a checkpoint. What some ranks uploaded goes too (best effort).
-    if (rank_ == 0) {
-      std::string ignored = outcome([&] {
-        for (const StorageObject& object : storage.list(join_storage_path(url_, "")))
-          if (object.url.find('/', url_.size() + 1) == std::string::npos) storage.remove(object.url);
-      });
-    }
+    // No new .metadata: what this save uploaded goes; a checkpoint that was at `url` stays.
+    if (rank_ == 0) remove_failed_save(storage, url_, tag_);
     return;
   }
   const std::vector<std::string> messages =
@@ -132,15 +185,9 @@ void SplitStorageSave::finish(bool all_written, const BroadcastString& broadcast
       std::vector<dcp::RankWrite> ranks{mine_};
       for (int64_t r = 1; r < world_size_; ++r)
         ranks.push_back(dcp::RankWrite::deserialize(std::string_view(messages[r]).substr(1)));
-      // As save_to_storage: data files of ranks a previous, larger run had are removed.
-      for (const StorageObject& object : storage.list(join_storage_path(url_, ""))) {
-        const std::string name = object.url.substr(url_.size() + 1);
-        const bool ours = name == kMetadata || std::any_of(ranks.begin(), ranks.end(),
-                                                           [&](const dcp::RankWrite& w) { return w.file == name; });
-        if (!ours && name.find('/') == std::string::npos) storage.remove(object.url);
-      }
       dcp::write_metadata(local_, ranks);
       storage.write(join_storage_path(url_, kMetadata), local_storage().read(join_storage_path(local_, kMetadata)));
+      remove_unnamed(storage, url_, ranks);
     });
   }
   throw_first_failure(gather_strings(error.empty() ? "k" : "e" + error, rank_, world_size_, broadcast), url_);
