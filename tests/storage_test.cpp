@@ -361,19 +361,71 @@ TEST_CASE("storage: local paths and URLs are told apart, and an unknown scheme n
   CHECK(!local.exists((dir / "a.bin").string()));
 }
 
-TEST_CASE("storage: default_root_dir on object storage is refused with the way to get checkpoints there") {
+TEST_CASE("storage: staging_dir is refused beside a local default_root_dir") {
   TempDir dir;
-  std::string toml = fit_toml(dir.path(), 1, "s3://ckpts/run", "");
-  const std::string local = "default_root_dir = \"" + (dir / "runs").string() + "\"";
-  toml.replace(toml.find(local), local.size(), "default_root_dir = \"s3://ckpts/run\"");
-  const ProcessRun run = fit(dir, "root.toml", toml, {{"FULGUR_PLUGIN_PATH", ""}});
+  std::string toml = fit_toml(dir.path(), 1, (dir / "ckpt").string(), "");
+  toml.insert(toml.find("ckpt_path"), "staging_dir = \"stage\"\n");
+  const ProcessRun run = fit(dir, "staging.toml", toml, {{"FULGUR_PLUGIN_PATH", ""}});
   INFO(run.output);
   CHECK(run.exit_code != 0);
-  FULGUR_CHECK_CONTAINS(run.output, "root.toml:8:");
-  FULGUR_CHECK_CONTAINS(run.output, "must be a local directory (logs are staged there)");
-  FULGUR_CHECK_CONTAINS(run.output, "dirpath = \"s3://ckpts/run/checkpoints\"");
-  FULGUR_CHECK_CONTAINS(run.output, "logger's save_dir = \"s3://ckpts/run\"");
+  FULGUR_CHECK_CONTAINS(run.output, "staging.toml:9:");
+  FULGUR_CHECK_CONTAINS(run.output, "staging_dir applies only when default_root_dir is a URL");
+  CHECK(!fs::exists(dir / "stage"));
+}
+
+namespace {
+
+// fit_toml's run rooted at s3://ckpts/root: the csv logger and the checkpoint callback take their
+// places from default_root_dir (no save_dir, no dirpath), local files go to <root>/stage.
+std::string url_root_toml(const fs::path& root, int max_epochs, const std::string& ckpt_path) {
+  std::string toml = fit_toml(root, max_epochs, "", ckpt_path);
+  const std::string local = "default_root_dir = \"" + (root / "runs").string() + "\"";
+  toml.replace(toml.find(local), local.size(),
+               "default_root_dir = \"s3://ckpts/root\"\nstaging_dir = \"" + (root / "stage").string() + "\"");
+  const std::string no_dirpath = "dirpath = \"\"\n";
+  toml.erase(toml.find(no_dirpath), no_dirpath.size());
+  return toml + "\n[[loggers]]\nlogger = \"csv\"\nflush_logs_every_n_steps = 2\n";
+}
+
+}  // namespace
+
+TEST_CASE("s3 storage: default_root_dir = s3:// holds the logs and checkpoints, and ckpt_path = last resumes there") {
+  if (moto_missing()) return;
+  TempDir dir;
+  MotoServer server(dir);
+  const ProcessRun reference =
+      fit(dir, "reference.toml", fit_toml(dir / "ref", 2, (dir / "ref-ckpt").string(), ""), server.env());
+  REQUIRE_MESSAGE(reference.exit_code == 0, reference.output);
+
+  const ProcessRun first = fit(dir, "first.toml", url_root_toml(dir.path(), 1, ""), server.env());
+  REQUIRE_MESSAGE(first.exit_code == 0, first.output);
+  INFO(first.output);
+  // The checkpoints beside the logs, in the run directory on the bucket (Lightning's layout).
+  CHECK(server.keys("root/") ==
+        std::vector<std::string>{"root/lightning_logs/version_0/checkpoints/epoch=0-step=4.ckpt",
+                                 "root/lightning_logs/version_0/checkpoints/last.ckpt",
+                                 "root/lightning_logs/version_0/hparams.yaml",
+                                 "root/lightning_logs/version_0/metrics.csv"});
+  // The logs were staged in staging_dir, and nothing went to a local directory named "s3:".
+  const fs::path staged = dir / "stage" / "lightning_logs" / "version_0";
+  server.client({"get", "root/lightning_logs/version_0/metrics.csv", (dir / "metrics.csv").string()});
+  CHECK(fulgur::test::read_bytes(dir / "metrics.csv") == fulgur::test::read_bytes(staged / "metrics.csv"));
+  CHECK(!fs::exists(staged / "checkpoints"));
   CHECK(!fs::exists(dir / "s3:"));
+
+  // A new process finds "last" by listing the root, resumes, and ends where one run of 2 epochs did.
+  const ProcessRun resumed = fit(dir, "resumed.toml", url_root_toml(dir.path(), 2, "last"), server.env());
+  REQUIRE_MESSAGE(resumed.exit_code == 0, resumed.output);
+  INFO(resumed.output);
+  // Resumed from version_0's last.ckpt; the new run writes version_1, as Lightning's does.
+  FULGUR_CHECK_CONTAINS(resumed.output,
+                        "changed from s3://ckpts/root/lightning_logs/version_0/checkpoints to "
+                        "s3://ckpts/root/lightning_logs/version_1/checkpoints");
+  const std::vector<std::string> second = server.keys("root/lightning_logs/version_1/");
+  CHECK(std::find(second.begin(), second.end(), "root/lightning_logs/version_1/checkpoints/last.ckpt") != second.end());
+  server.client({"get", "root/lightning_logs/version_1/checkpoints/last.ckpt", (dir / "downloaded.ckpt").string()});
+  CHECK(fulgur::test::job::checkpoint_dict(dir / "downloaded.ckpt").at("global_step").toInt() == 8);
+  CHECK(fulgur::test::job::same_weights(dir / "downloaded.ckpt", dir / "ref-ckpt" / "last.ckpt"));
 }
 
 TEST_CASE("s3 storage: credentials from a profile of the shared credentials file (AWS_PROFILE)") {

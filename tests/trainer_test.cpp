@@ -964,6 +964,8 @@ TEST_CASE("every [trainer] key changes what a run does, or its value is rejected
       {"seed", "4", ""},
       {"fast_dev_run", "1", ""},
       {"default_root_dir", "\"elsewhere\"", ""},
+      // Beside a local root it is refused; what it changes with an s3:// root: storage_test.cpp.
+      {"staging_dir", "\"stage\"", "", "staging_dir applies only when default_root_dir is a URL"},
       {"enable_checkpointing", "true", ""},
       {"enable_progress_bar", "true", "", nullptr, "Epoch 0"},
       {"enable_model_summary", "true", "", nullptr, "Total params"},

@@ -107,7 +107,12 @@ const std::vector<OptionSchema>& trainer_option_schema() {
         {"seed", T::integer, "-1", "Seed for torch and data order (-1: not seeded)"},
         {"fast_dev_run", T::integer, "0",
          "Run N batches of each stage once, without loggers/checkpoints (0 or false: off; true: 1)"},
-        {"default_root_dir", T::string, "\".\"", "Where logs and checkpoints go (relative to the TOML file)"},
+        {"default_root_dir", T::string, "\".\"",
+         "Where logs and checkpoints go (relative to the TOML file); a URL (s3://bucket/prefix): checkpoints "
+         "and the csv/tensorboard loggers' files go there, other files to staging_dir"},
+        {"staging_dir", T::string, "\".\"",
+         "With a URL default_root_dir only: the local directory for files that stay on this machine (logs "
+         "staged before each upload, profiler traces, finder results); relative to the TOML file"},
         {"enable_checkpointing", T::boolean, "true",
          "Add the default checkpoint callback if no checkpoint callback is configured"},
         {"enable_progress_bar", T::boolean, "true", "Add the default progress bar callback if none is configured"},
@@ -167,9 +172,9 @@ const std::vector<OptionSchema>& trainer_option_schema() {
 
 namespace {
 
-constexpr std::string_view kKnownTables[] = {"plugins", "trainer",   "accelerator", "strategy", "precision", "profiler",
-                                             "loggers", "callbacks", "model",       "data",     "logging",   "links",
-                                             "storage"};
+constexpr std::string_view kKnownTables[] = {"plugins",  "trainer", "accelerator", "strategy", "precision",
+                                             "profiler", "loggers", "callbacks",   "model",    "data",
+                                             "logging",  "links",   "storage"};
 
 SourceLocation location_of(const toml::node& node, const std::string& fallback_file) {
   SourceLocation loc;
@@ -510,19 +515,27 @@ Config config_from_root(std::shared_ptr<toml::table> root, const fs::path& origi
     fs::path root_dir = config.trainer.get_string("default_root_dir");
     const auto given = config.trainer_locations.find("default_root_dir");
     const fs::path root_base = given == config.trainer_locations.end() ? base : base_of(given->second);
-    // default_root_dir is where loggers, profilers and finders write local files (a logger whose
-    // save_dir is a URL stages its files there), so a URL here would leave them in a local
-    // directory named "s3:". Checkpoints and logs reach object storage through their own options.
-    if (is_storage_url(root_dir.string()))
-      throw Error(ErrorKind::config,
-                  fmt::format("{}: [trainer] default_root_dir = \"{}\": must be a local directory (logs are staged "
-                              "there); send the checkpoints to object storage with the checkpoint callback's "
-                              "dirpath = \"{}/checkpoints\" (ckpt_path = \"last\" finds them there) and the logs "
-                              "with the csv or tensorboard logger's save_dir = \"{}\"",
-                              given == config.trainer_locations.end() ? std::string("[trainer]") : given->second.str(),
-                              root_dir.string(), root_dir.string(), root_dir.string()));
-    if (!root_dir.is_absolute())
-      config.trainer.set("default_root_dir", (root_base / root_dir).lexically_normal().string());
+    // A URL root stays as given (checkpoints and logs go there); the files that must stay local
+    // (staged logs, traces, finder results) go to staging_dir, which only such a root takes.
+    const auto staging = config.trainer_locations.find("staging_dir");
+    if (is_storage_url(root_dir.string())) {
+      const fs::path staging_dir = config.trainer.get_string("staging_dir");
+      const fs::path staging_base = staging == config.trainer_locations.end() ? base : base_of(staging->second);
+      if (staging_dir.empty())
+        throw Error(ErrorKind::config, fmt::format("{}: [trainer] staging_dir = \"\": give the local directory for "
+                                                   "the files that stay on this machine (default \".\")",
+                                                   staging->second.str()));
+      if (!staging_dir.is_absolute())
+        config.trainer.set("staging_dir", (staging_base / staging_dir).lexically_normal().string());
+    } else {
+      if (staging != config.trainer_locations.end())
+        throw Error(ErrorKind::config,
+                    fmt::format("{}: [trainer] staging_dir applies only when default_root_dir is a URL "
+                                "(s3://bucket/prefix); default_root_dir = \"{}\" is local, so remove staging_dir",
+                                staging->second.str(), root_dir.string()));
+      if (!root_dir.is_absolute())
+        config.trainer.set("default_root_dir", (root_base / root_dir).lexically_normal().string());
+    }
     // init_weights and a ckpt_path file like default_root_dir: relative to the file (or flag) that
     // gave them, absolute in the config a run saves (which then resumes from any directory).
     for (const char* key : {"init_weights", "ckpt_path"}) {
@@ -1003,9 +1016,10 @@ std::string bare_or_quoted_key(const std::string& key) {
 
 // Where `name` selects the plugin in its table, a plugin option of that name cannot be given in TOML
 // and is left out ([[loggers]] select with `logger`, so theirs is written).
-void write_options(std::string& out, const Options& options, bool in_plugin_table = true) {
+void write_options(std::string& out, const Options& options, bool in_plugin_table = true, std::string_view skip = {}) {
   for (const auto& [key, value] : options.values())
-    if (!in_plugin_table || key != "name") out += fmt::format("{} = {}\n", bare_or_quoted_key(key), toml_text(value));
+    if ((!in_plugin_table || key != "name") && key != skip)
+      out += fmt::format("{} = {}\n", bare_or_quoted_key(key), toml_text(value));
 }
 
 }  // namespace
@@ -1026,9 +1040,13 @@ std::string to_toml(const Config& config) {
   trainer.set("accelerator", config.accelerator.name);
   trainer.set("strategy", config.strategy.name);
   trainer.set("precision", config.precision.name);
-  trainer.set("default_root_dir", fs::absolute(trainer.get_string("default_root_dir")).lexically_normal().string());
+  for (const char* key : {"default_root_dir", "staging_dir"})
+    if (!is_storage_url(trainer.get_string(key)))
+      trainer.set(key, fs::absolute(trainer.get_string(key)).lexically_normal().string());
+  // staging_dir only goes with a URL root (and is refused beside a local one).
+  const bool url_root = is_storage_url(trainer.get_string("default_root_dir"));
   out += "[trainer]\n";
-  write_options(out, trainer, /*in_plugin_table=*/false);
+  write_options(out, trainer, /*in_plugin_table=*/false, url_root ? "" : "staging_dir");
   auto single = [&](const char* table, const PluginSelection& sel) {
     if (sel.options.values().empty()) return;
     out += fmt::format("\n[{}]\n", table);

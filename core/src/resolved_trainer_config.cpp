@@ -3,6 +3,7 @@
 #include "connectors/signal_connector.h"
 
 #include <fulgur/error.h>
+#include <fulgur/storage.h>
 
 #include <fmt/format.h>
 #include <spdlog/spdlog.h>
@@ -10,6 +11,7 @@
 #include <cmath>
 #include <filesystem>
 #include <system_error>
+#include <utility>
 
 namespace fulgur {
 
@@ -117,6 +119,15 @@ ResolvedTrainerConfig ResolvedTrainerConfig::from_config(const Config& config) {
   const Options& t = config.trainer;
   ResolvedTrainerConfig s;
   s.default_root_dir = t.get_string("default_root_dir");
+  if (is_storage_url(s.default_root_dir)) {
+    s.default_root_url = std::exchange(s.default_root_dir, t.get_string("staging_dir"));
+  } else if (t.get_string("staging_dir") != ".") {
+    // A code-built config (ConfigBuilder) can set it beside a local root; a TOML file cannot.
+    throw Error(ErrorKind::config,
+                fmt::format("[trainer] staging_dir = \"{}\" applies only when default_root_dir is a URL "
+                            "(s3://bucket/prefix); default_root_dir = \"{}\" is local",
+                            t.get_string("staging_dir"), s.default_root_dir));
+  }
   s.max_epochs = t.get_int("max_epochs");
   s.max_steps = t.get_int("max_steps");
   s.min_epochs = t.get_int("min_epochs");

@@ -26,7 +26,12 @@ struct ResolvedTrainerConfig {
   // 1000 when neither limit is set) and fast_dev_run's overrides applied.
   static ResolvedTrainerConfig from_config(const Config& config);
 
-  std::string default_root_dir;
+  // The local root every plugin sees (TrainerContext::default_root_dir): default_root_dir, or
+  // staging_dir when default_root_dir is a URL, which default_root_url then holds (else "").
+  std::string default_root_dir, default_root_url;
+  // Where files that follow default_root_dir go when they may live on object storage (the
+  // checkpoint written on a signal): default_root_url, else default_root_dir.
+  const std::string& checkpoint_root() const { return default_root_url.empty() ? default_root_dir : default_root_url; }
   int64_t max_epochs = -1, max_steps = -1, min_epochs = 0, min_steps = 0;
   int64_t reload_dataloaders_every_n_epochs = 0;
   int64_t check_val_every_n_epoch = 1, num_sanity_val_steps = 2, log_every_n_steps = 50;

@@ -16,6 +16,7 @@
 #include <fulgur/data_module.h>
 #include <fulgur/module.h>
 #include <fulgur/scheduler_names.h>
+#include <fulgur/storage_root.h>
 #include <fulgur/trainer.h>
 #include <fulgur/trainer_context.h>
 
@@ -38,7 +39,7 @@
 
 namespace fulgur {
 
-class TrainerEngine final : public WithExtensions<TrainerContext, SchedulerNames, CheckpointSaveQueue> {
+class TrainerEngine final : public WithExtensions<TrainerContext, SchedulerNames, CheckpointSaveQueue, StorageRoot> {
  public:
   explicit TrainerEngine(Config config);
   ~TrainerEngine() override;
@@ -86,6 +87,9 @@ class TrainerEngine final : public WithExtensions<TrainerContext, SchedulerNames
   // ---- CheckpointSaveQueue ([trainer] async_checkpoint) ---------------------------------------
   std::string pending_save() const override { return checkpoints_.pending_save(); }
   void after_pending_save(std::function<void()> action) override { checkpoints_.after_pending_save(std::move(action)); }
+  // ---- StorageRoot ([trainer] default_root_dir = "s3://...") ----------------------------------
+  std::string default_root_url() const override { return trainer_config_.default_root_url; }
+  std::string log_url() const override { return logging_.log_url(); }
 
   int64_t global_rank() const { return environment_ready_ ? plugins_.strategy->cluster().global_rank : 0; }
   // The process group every rank joined (null with one process): the loops' own votes use it.

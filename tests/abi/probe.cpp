@@ -34,6 +34,7 @@
 #include <fulgur/profiler.h>
 #include <fulgur/scheduler_names.h>
 #include <fulgur/storage.h>
+#include <fulgur/storage_root.h>
 #include <fulgur/strategy.h>
 #include <fulgur/trainer_context.h>
 #include <fulgur/types.h>
@@ -128,6 +129,10 @@ FULGUR_ABI_PROBE(checkpoint_save_queue, fulgur::CheckpointSaveQueue)
 FULGUR_ABI_PROBE(async_save_strategy, fulgur::AsyncSaveStrategy)
 FULGUR_ABI_PROBE(nn_activation_quantization, fulgur::nn::ActivationQuantization)
 FULGUR_ABI_PROBE(nn_qat_options, fulgur::nn::QatOptions)
+
+// SDK 1.6: runs rooted on object storage, default_root_dir = "s3://..." (fulgur/storage_root.h).
+FULGUR_ABI_PROBE(storage_root, fulgur::StorageRoot)
+FULGUR_ABI_PROBE(logger_storage_root, fulgur::LoggerStorageRoot)
 
 // The Trainer as callbacks see it.
 FULGUR_ABI_PROBE(trainer_context, fulgur::TrainerContext)

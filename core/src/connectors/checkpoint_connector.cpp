@@ -271,8 +271,9 @@ std::string CheckpointConnector::resolve(const std::string& ckpt_path, Stage sta
   // itself a provider); the first that knows one answers. For "last", a checkpoint written on a
   // signal (signal_connector.h) competes with it: the newer file wins, as in Lightning.
   const std::string interrupted =
-      ckpt_path == "last" ? t.broadcast(existing_interrupt_checkpoint(t.config_, t.trainer_config_.default_root_dir), 0)
-                          : std::string();
+      ckpt_path == "last"
+          ? t.broadcast(existing_interrupt_checkpoint(t.config_, t.trainer_config_.checkpoint_root()), 0)
+          : std::string();
   std::vector<std::string> looked;
   for (auto& slot : t.hooks_.slots()) {
     CheckpointProvider* provider = slot.callback->checkpoint_provider();

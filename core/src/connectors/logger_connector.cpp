@@ -1,9 +1,15 @@
 #include "logger_connector.h"
 
 #include <fulgur/error.h>
+#include <fulgur/extension.h>
+#include <fulgur/storage.h>
+#include <fulgur/storage_root.h>
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
+#include <spdlog/spdlog.h>
+
+#include <filesystem>
 
 #include <map>
 
@@ -28,12 +34,26 @@ void LoggerConnector::setup_once() {
   LoggerSetup setup;
   setup.root_dir = t.trainer_config_.default_root_dir;
   setup.global_rank = t.plugins_.strategy->cluster().global_rank;
+  const std::string& root_url = t.trainer_config_.default_root_url;
+  if (!root_url.empty())
+    for (size_t i = 0; i < loggers_.size(); ++i) {
+      // A URL root: each logger that can upload is told what its empty save_dir stands for; the
+      // others write to the staging directory as they always did (SDK 1.5 loggers among them).
+      if (auto* remote = find_extension<LoggerStorageRoot>(*loggers_[i]))
+        trainer_.hooks_.logger((*identities_)[i], "set_root_url", [&] { remote->set_root_url(root_url); });
+      else if (setup.global_rank == 0)
+        spdlog::warn(
+            "logger '{}' does not write to object storage (it does not offer {}): its files stay in {}, "
+            "not below default_root_dir = \"{}\"",
+            (*identities_)[i].name, LoggerStorageRoot::kExtensionId, setup.root_dir, root_url);
+    }
   for_each_logger("setup", [&](Logger& l) { l.setup(setup); });
   ready_ = true;
   // Every rank names the run by rank 0's directory (the loggers of other ranks write nothing, and
   // their own version numbering may differ).
   log_dir_ = t.plugins_.strategy->broadcast_string(
       loggers_.empty() ? t.trainer_config_.default_root_dir : loggers_.front()->log_dir(), 0);
+  log_url_ = t.plugins_.strategy->broadcast_string(first_log_url(), 0);
   // Hyperparameters of model, data and trainer, flattened with their table as prefix. Model and
   // data come from the objects (attach() fills them from [model] / [data] unless set in code), so
   // hyperparameters a Module sets itself are logged too; the selected accelerator, strategy,
@@ -58,6 +78,28 @@ void LoggerConnector::setup_once() {
 
 const std::string& LoggerConnector::log_dir() const {
   return ready_ ? log_dir_ : trainer_.trainer_config_.default_root_dir;
+}
+
+const std::string& LoggerConnector::log_url() const {
+  return ready_ ? log_url_ : trainer_.trainer_config_.default_root_url;
+}
+
+std::string LoggerConnector::first_log_url() const {
+  const std::string& root_url = trainer_.trainer_config_.default_root_url;
+  if (loggers_.empty()) return root_url;
+  Logger& first = *loggers_.front();
+  if (auto* remote = find_extension<LoggerStorageRoot>(first)) {
+    // Below the root (or with a local root): checkpoints beside it are found again by listing it.
+    std::string url = remote->remote_log_dir();
+    if (!url.empty() && (root_url.empty() || url.starts_with(join_storage_path(root_url, "")))) return url;
+  }
+  if (root_url.empty()) return {};
+  // A logger that stays local under the staging directory: its place there, moved to the URL (so
+  // checkpoints beside its run directory reach object storage all the same).
+  const std::filesystem::path relative =
+      std::filesystem::path(first.log_dir()).lexically_relative(trainer_.trainer_config_.default_root_dir);
+  if (relative.empty() || *relative.begin() == "..") return root_url;
+  return join_storage_path(root_url, relative.generic_string());
 }
 
 void LoggerConnector::keep_step_values(const MetricMap& step_values) const {

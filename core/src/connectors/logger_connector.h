@@ -28,6 +28,9 @@ class LoggerConnector {
   void setup_once();
   // Rank 0's log directory once the loggers are set up; default_root_dir before.
   const std::string& log_dir() const;
+  // StorageRoot::log_url (fulgur/storage_root.h): the run directory's URL; default_root_url
+  // before the loggers are set up ("" for a local run).
+  const std::string& log_url() const;
 
   MetricStore& train_metrics() { return train_metrics_; }
   MetricStore& eval_metrics() { return eval_metrics_; }
@@ -61,6 +64,8 @@ class LoggerConnector {
   void after_save_checkpoint(const SavedCheckpoint& checkpoint);
 
  private:
+  // Rank zero's answer for log_url(), right after the loggers' setup.
+  std::string first_log_url() const;
   template <class Fn>
   void for_each_logger(const char* method, Fn&& fn);
   void send_row(MetricMap row, int64_t step);
@@ -71,7 +76,7 @@ class LoggerConnector {
   std::vector<Logger*> loggers_;
   const std::vector<PluginIdentity>* identities_ = nullptr;
   bool ready_ = false;
-  std::string log_dir_;
+  std::string log_dir_, log_url_;
 
   MetricStore train_metrics_, eval_metrics_;
   mutable MetricMap callback_metrics_, progress_bar_metrics_;

@@ -2,6 +2,7 @@
 
 #include <fulgur/checkpoint_io.h>
 #include <fulgur/error.h>
+#include <fulgur/storage.h>
 
 #include <ATen/ops/full.h>
 #include <fmt/format.h>
@@ -124,6 +125,8 @@ std::string checkpoint_path(const Config& config, const std::string& root_dir) {
   const std::string& name = config.trainer.get_string("interrupt_checkpoint");
   if (name.empty()) return {};
   fs::path path(name);
+  if (path.is_relative() && is_storage_url(root_dir))
+    return join_storage_path(root_dir, path.lexically_normal().string());
   if (path.is_relative()) path = fs::path(root_dir) / path;
   return path.lexically_normal().string();
 }

@@ -37,7 +37,7 @@ void FitLoop::run() {
     bool& running;
     ~Finished() { running = false; }
   } finished{running_};
-  const SignalScope signals(t.config_, t.trainer_config_.default_root_dir);  // SIGTERM & co.: safe points below
+  const SignalScope signals(t.config_, t.trainer_config_.checkpoint_root());  // SIGTERM & co.: safe points below
   setup_data();
   run_sanity_check();
   if (epoch_loop_.num_batches() == 0) {

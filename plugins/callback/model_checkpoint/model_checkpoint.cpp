@@ -8,6 +8,7 @@
 #include <fulgur/distributed_checkpoint.h>
 #include <fulgur/plugin.h>
 #include <fulgur/storage.h>
+#include <fulgur/storage_root.h>
 
 #include "../common/callback_conventions.h"
 
@@ -408,8 +409,15 @@ class ModelCheckpoint final : public fulgur::Callback, public fulgur::Checkpoint
   // The directory is resolved here rather than in setup(): the loggers that define log_dir() may
   // only be ready once the strategy has set up, which comes after the setup hook.
   void on_fit_start(fulgur::TrainerContext& trainer) override {
-    std::string dirpath =
-        dirpath_option_.empty() ? (fs::path(trainer.log_dir()) / "checkpoints").string() : dirpath_option_;
+    std::string dirpath = dirpath_option_;
+    if (dirpath.empty()) {
+      // The run directory's checkpoints/, on object storage when default_root_dir is a URL (below
+      // it, where search_location looks for "last").
+      const auto* root = fulgur::find_extension<fulgur::StorageRoot>(trainer);
+      const std::string log_url = root && !root->default_root_url().empty() ? root->log_url() : std::string();
+      dirpath = log_url.empty() ? (fs::path(trainer.log_dir()) / "checkpoints").string()
+                                : fulgur::join_storage_path(log_url, "checkpoints");
+    }
     // Rank zero's choice for everyone: log_dir() may hold a version number each process picked.
     dirpath_ = trainer.broadcast(absolute_path(dirpath), 0);
     if (pending_) apply_loaded_state(*std::exchange(pending_, std::nullopt));
@@ -748,6 +756,8 @@ class ModelCheckpoint final : public fulgur::Callback, public fulgur::Checkpoint
   // logger's versioned log_dir, every <...>/checkpoints directory under default_root_dir.
   std::pair<std::string, bool> search_location(fulgur::TrainerContext& trainer) const {
     if (!dirpath_option_.empty()) return {absolute_path(dirpath_option_), false};
+    const auto* root = fulgur::find_extension<fulgur::StorageRoot>(trainer);
+    if (root && !root->default_root_url().empty()) return {root->default_root_url(), true};
     return {absolute_path(trainer.default_root_dir()), true};
   }
 

@@ -7,6 +7,7 @@
 // again). With several processes nothing is saved: writing a checkpoint is collective (rank zero
 // writes, all wait) and the other ranks are not waiting for one; a warning says so.
 #include <fulgur/plugin.h>
+#include <fulgur/storage_root.h>
 
 #include <fmt/format.h>
 
@@ -47,9 +48,13 @@ class OnExceptionCheckpoint final : public fulgur::CallbackBase<OnExceptionCheck
                                   trainer.current_epoch(), trainer.global_step()));
   }
 
-  // Lightning's ckpt_path property: dirpath (default_root_dir when empty) / filename + ".ckpt".
+  // Lightning's ckpt_path property: dirpath (default_root_dir when empty, a URL one included:
+  // fulgur/storage_root.h) / filename + ".ckpt".
   std::string ckpt_path(fulgur::TrainerContext& trainer) const {
-    const std::string dir = dirpath_.empty() ? trainer.default_root_dir() : dirpath_;
+    std::string dir = dirpath_.empty() ? trainer.default_root_dir() : dirpath_;
+    if (const auto* root = fulgur::find_extension<fulgur::StorageRoot>(trainer);
+        dirpath_.empty() && root && !root->default_root_url().empty())
+      dir = root->default_root_url();
     return (dir.empty() ? std::string(".") : dir) + "/" + filename_ + ".ckpt";
   }
 

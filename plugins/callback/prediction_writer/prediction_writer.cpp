@@ -12,6 +12,7 @@
 #include <fulgur/checkpoint_io.h>
 #include <fulgur/plugin.h>
 #include <fulgur/storage.h>
+#include <fulgur/storage_root.h>
 
 #include "../common/callback_conventions.h"
 
@@ -58,6 +59,10 @@ class PredictionWriter final : public fulgur::CallbackBase<PredictionWriter> {
     // written there whole, and there are no directories to create.
     dir_ = output_dir_.empty() ? (std::filesystem::path(trainer.default_root_dir()) / "predictions").string()
                                : output_dir_;
+    // A URL default_root_dir (fulgur/storage_root.h): the predictions go below it.
+    if (const auto* root = fulgur::find_extension<fulgur::StorageRoot>(trainer);
+        output_dir_.empty() && root && !root->default_root_url().empty())
+      dir_ = fulgur::join_storage_path(root->default_root_url(), "predictions");
     std::error_code ec;
     if (!fulgur::is_storage_url(dir_)) std::filesystem::create_directories(dir_, ec);
     if (ec)

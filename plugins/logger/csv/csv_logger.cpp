@@ -11,6 +11,7 @@
 #include <fulgur/checkpoint_io.h>
 #include <fulgur/csv.h>
 #include <fulgur/plugin.h>
+#include <fulgur/storage_root.h>
 
 #include <fmt/format.h>
 
@@ -101,8 +102,14 @@ std::string read_file(const fs::path& path) {
   return content.str();
 }
 
-class CsvLogger final : public fulgur::Logger {
+class CsvLogger final : public fulgur::WithExtensions<fulgur::Logger, fulgur::LoggerStorageRoot> {
  public:
+  // [trainer] default_root_dir = "s3://...": an empty save_dir means that URL (SDK 1.6).
+  void set_root_url(const std::string& url) override {
+    if (save_dir_.empty()) save_dir_ = url;
+  }
+  std::string remote_log_dir() const override { return mirror_.remote_dir(); }
+
   FULGUR_OPTIONS(Options,
                  (string, save_dir,
                   "Root directory; empty means the Trainer's default_root_dir; a URL (s3://bucket/prefix): files "

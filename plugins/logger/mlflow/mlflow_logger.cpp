@@ -16,6 +16,7 @@
 // model_checkpoint's default dirpath, <log_dir>/checkpoints, belongs to the run.
 #include <fulgur/checkpoint_io.h>
 #include <fulgur/plugin.h>
+#include <fulgur/storage_root.h>
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -168,8 +169,14 @@ struct Metric {
 
 // A CheckpointObserver (SDK 1.1): it hears of every checkpoint the run writes, so it uploads
 // exactly those, at the end or as each is saved, wherever model_checkpoint puts them.
-class MlflowLogger final : public fulgur::WithExtensions<fulgur::Logger, fulgur::CheckpointObserver> {
+class MlflowLogger final
+    : public fulgur::WithExtensions<fulgur::Logger, fulgur::CheckpointObserver, fulgur::LoggerStorageRoot> {
  public:
+  // [trainer] default_root_dir = "s3://..." (SDK 1.6): metrics, parameters and artifacts go to the
+  // tracking server as always; only the unsent-rows file stays in the staging directory.
+  void set_root_url(const std::string&) override {}
+  std::string remote_log_dir() const override { return {}; }
+
   FULGUR_OPTIONS(Options,
                  (string, tracking_uri, "http(s)://host:port of `mlflow server`; empty: MLFLOW_TRACKING_URI", ""),
                  (string, experiment_name, "Experiment of the run; created when missing", "lightning_logs"),

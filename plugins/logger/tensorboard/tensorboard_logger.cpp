@@ -9,6 +9,7 @@
 // Events are buffered and flushed every `max_queue` events or `flush_secs` seconds, and on
 // save()/finalize().
 #include <fulgur/plugin.h>
+#include <fulgur/storage_root.h>
 
 #include <fmt/format.h>
 
@@ -55,8 +56,14 @@ std::string hparams_table(const std::map<std::string, std::string>& hparams) {
   return table;
 }
 
-class TensorBoardLogger final : public fulgur::Logger {
+class TensorBoardLogger final : public fulgur::WithExtensions<fulgur::Logger, fulgur::LoggerStorageRoot> {
  public:
+  // [trainer] default_root_dir = "s3://...": an empty save_dir means that URL (SDK 1.6).
+  void set_root_url(const std::string& url) override {
+    if (save_dir_.empty()) save_dir_ = url;
+  }
+  std::string remote_log_dir() const override { return mirror_.remote_dir(); }
+
   FULGUR_OPTIONS(Options,
                  (string, save_dir,
                   "Root directory; empty means the Trainer's default_root_dir; a URL (s3://bucket/prefix): files "

@@ -36,7 +36,7 @@ extern "C" {
 /** Minor version of the C++ SDK: what was added without changing a vtable or a layout (new
  * extension interfaces, new free functions, new option types). A host refuses a plugin built
  * against a newer minor than its own, naming both versions. */
-#define FULGUR_SDK_VERSION_MINOR 5
+#define FULGUR_SDK_VERSION_MINOR 6
 /** The SDK version as stored in fulgur_abi_tag::sdk_version: (major << 16) | minor. */
 #define FULGUR_SDK_VERSION ((FULGUR_SDK_VERSION_MAJOR << 16) | FULGUR_SDK_VERSION_MINOR)
 /** Major of fulgur_abi_tag::sdk_version (0 for a plugin built before SDK 1.0). */
