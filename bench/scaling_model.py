@@ -262,7 +262,9 @@ def gloo_prediction(calib, gloo, n, cores):
     n / cores when the ranks outnumber the cores) plus the bytes each rank sent per step (measured
     by the bench; the formula where a side has no measurement) at the measured Gloo bandwidth, plus
     the measured latency per collective. No overlap: with one thread per rank on as many cores, no
-    core is free to run Gloo's threads next to the compute."""
+    core is free to run Gloo's threads next to the compute, so their CPU work (measured per
+    collective and per byte, slowed like the compute) adds to the step as well; with fewer ranks
+    than cores it runs on a free core."""
     singles = [r["step_ms"] for r in calib["results"].get("fulgur-single") or []] or [calib["single"]["step_ms"]]
     single_ms = statistics.median(singles)
     params = calib["params"]
@@ -282,8 +284,10 @@ def gloo_prediction(calib, gloo, n, cores):
         runs = calib["results"].get(side) or []
         sent = [statistics.mean(v["bytes_per_step"] for v in r["ranks"].values()) for r in runs]
         b = statistics.median(sent) if sent else formula
-        cpu = single_cpu + 1e3 * (b * g["cpu_per_byte_s"] + collectives * g["cpu_per_collective_s"])
-        out[side] = (1e3 * (compute + b / bw + collectives * lat), cpu)
+        gloo_cpu = b * g["cpu_per_byte_s"] + collectives * g["cpu_per_collective_s"]
+        cpu = single_cpu + 1e3 * gloo_cpu
+        busy = gloo_cpu * n / cores if n >= cores else 0.0  # Gloo's threads on cores the compute fills
+        out[side] = (1e3 * (compute + busy + b / bw + collectives * lat), cpu)
     return out
 
 
