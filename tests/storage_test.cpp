@@ -436,6 +436,32 @@ TEST_CASE("s3 storage: default_root_dir = s3:// holds the logs and checkpoints, 
   CHECK(fulgur::test::job::same_weights(dir / "downloaded.ckpt", dir / "ref-ckpt" / "last.ckpt"));
 }
 
+TEST_CASE(
+    "s3 storage: an SDK 1.0 logger under an s3:// root keeps its files in staging_dir, checkpoints go to the root") {
+  if (moto_missing()) return;
+  TempDir dir;
+  MotoServer server(dir);
+  // The corpus logger (tests/abi/corpus/logger.cpp) is a binary built against the frozen 1.0
+  // headers: it knows no LoggerStorageRoot and writes below LoggerSetup::root_dir with mkdir.
+  std::string toml = url_root_toml(dir.path(), 1, "");
+  const std::string csv = "logger = \"csv\"\nflush_logs_every_n_steps = 2\n";
+  toml.replace(toml.find(csv), csv.size(), "logger = \"corpus_rows\"\n");
+  toml = "[plugins]\npaths = [\"" + std::string(FULGUR_TEST_ABI_CORPUS_DIR) + "\"]\n\n" + toml;
+  const ProcessRun run = fit(dir, "corpus.toml", toml, server.env());
+  REQUIRE_MESSAGE(run.exit_code == 0, run.output);
+  INFO(run.output);
+  FULGUR_CHECK_CONTAINS(run.output, "logger 'corpus_rows' does not write to object storage");
+  // Its rows in the staging directory, where a 1.5 host would have put them under a local root.
+  const fs::path rows = dir / "stage" / "corpus_rows" / "version_0" / "rows.csv";
+  REQUIRE(fs::exists(rows));
+  FULGUR_CHECK_CONTAINS(fulgur::test::read_bytes(rows), "-1,status,success");
+  // Its run directory's place, moved to the root, holds the checkpoints; nothing else went there.
+  CHECK(server.keys("root/") == std::vector<std::string>{"root/corpus_rows/version_0/checkpoints/epoch=0-step=4.ckpt",
+                                                         "root/corpus_rows/version_0/checkpoints/last.ckpt"});
+  CHECK(!fs::exists(dir / "stage" / "corpus_rows" / "version_0" / "checkpoints"));
+  CHECK(!fs::exists(dir / "s3:"));
+}
+
 TEST_CASE("s3 storage: credentials from a profile of the shared credentials file (AWS_PROFILE)") {
   if (moto_missing()) return;
   TempDir dir;
