@@ -5,7 +5,10 @@
 #pragma once
 
 #include <fulgur/error.h>
+#include <fulgur/extension.h>
+#include <fulgur/storage_root.h>
 #include <fulgur/suggest.h>
+#include <fulgur/trainer_context.h>
 #include <fulgur/types.h>
 
 #include <ATen/core/Dict.h>
@@ -24,6 +27,14 @@
 #include <vector>
 
 namespace fulgur::callback_conventions {
+
+// Where a callback's files go by default: `[trainer] default_root_dir` as given when it is a URL
+// (StorageRoot, SDK 1.6), else TrainerContext::default_root_dir() (local).
+inline std::string default_root(TrainerContext& trainer) {
+  if (const auto* root = find_extension<StorageRoot>(trainer); root && !root->default_root_url().empty())
+    return root->default_root_url();
+  return trainer.default_root_dir();
+}
 
 enum class MonitorMode { min, max };
 

@@ -756,9 +756,7 @@ class ModelCheckpoint final : public fulgur::Callback, public fulgur::Checkpoint
   // logger's versioned log_dir, every <...>/checkpoints directory under default_root_dir.
   std::pair<std::string, bool> search_location(fulgur::TrainerContext& trainer) const {
     if (!dirpath_option_.empty()) return {absolute_path(dirpath_option_), false};
-    const auto* root = fulgur::find_extension<fulgur::StorageRoot>(trainer);
-    if (root && !root->default_root_url().empty()) return {root->default_root_url(), true};
-    return {absolute_path(trainer.default_root_dir()), true};
+    return {absolute_path(support::default_root(trainer)), true};
   }
 
   // best_model_path from the state this callback left in the newest last*.ckpt (empty if none).

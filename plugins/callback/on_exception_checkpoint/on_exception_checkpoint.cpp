@@ -7,12 +7,13 @@
 // again). With several processes nothing is saved: writing a checkpoint is collective (rank zero
 // writes, all wait) and the other ranks are not waiting for one; a warning says so.
 #include <fulgur/plugin.h>
-#include <fulgur/storage_root.h>
 
 #include <fmt/format.h>
 
 #include <exception>
 #include <string>
+
+#include "../common/callback_conventions.h"
 
 namespace {
 
@@ -51,10 +52,7 @@ class OnExceptionCheckpoint final : public fulgur::CallbackBase<OnExceptionCheck
   // Lightning's ckpt_path property: dirpath (default_root_dir when empty, a URL one included:
   // fulgur/storage_root.h) / filename + ".ckpt".
   std::string ckpt_path(fulgur::TrainerContext& trainer) const {
-    std::string dir = dirpath_.empty() ? trainer.default_root_dir() : dirpath_;
-    if (const auto* root = fulgur::find_extension<fulgur::StorageRoot>(trainer);
-        dirpath_.empty() && root && !root->default_root_url().empty())
-      dir = root->default_root_url();
+    const std::string dir = dirpath_.empty() ? fulgur::callback_conventions::default_root(trainer) : dirpath_;
     return (dir.empty() ? std::string(".") : dir) + "/" + filename_ + ".ckpt";
   }
 

@@ -12,7 +12,6 @@
 #include <fulgur/checkpoint_io.h>
 #include <fulgur/plugin.h>
 #include <fulgur/storage.h>
-#include <fulgur/storage_root.h>
 
 #include "../common/callback_conventions.h"
 
@@ -57,12 +56,9 @@ class PredictionWriter final : public fulgur::CallbackBase<PredictionWriter> {
   void on_predict_start(fulgur::TrainerContext& trainer) override {
     // output_dir may be an object store's URL (s3://bucket/prefix, fulgur/storage.h): files are
     // written there whole, and there are no directories to create.
-    dir_ = output_dir_.empty() ? (std::filesystem::path(trainer.default_root_dir()) / "predictions").string()
-                               : output_dir_;
-    // A URL default_root_dir (fulgur/storage_root.h): the predictions go below it.
-    if (const auto* root = fulgur::find_extension<fulgur::StorageRoot>(trainer);
-        output_dir_.empty() && root && !root->default_root_url().empty())
-      dir_ = fulgur::join_storage_path(root->default_root_url(), "predictions");
+    dir_ = output_dir_.empty()
+               ? fulgur::join_storage_path(fulgur::callback_conventions::default_root(trainer), "predictions")
+               : output_dir_;
     std::error_code ec;
     if (!fulgur::is_storage_url(dir_)) std::filesystem::create_directories(dir_, ec);
     if (ec)
