@@ -57,17 +57,26 @@ std::string tagged(const std::string& file, const std::string& tag) {
   return file.substr(0, dot) + "." + tag + file.substr(dot);
 }
 
-// Rank 0, once the new .metadata is in place: every object directly below `url` that it does not
+// `fn(name, object_url)` for every object directly below `url` (a checkpoint's files; deeper
+// objects belong to other checkpoints).
+template <class Fn>
+void for_each_file(Storage& storage, const std::string& url, Fn&& fn) {
+  for (const StorageObject& object : storage.list(join_storage_path(url, ""))) {
+    const std::string name = object.url.substr(url.size() + 1);
+    if (name.find('/') == std::string::npos) fn(name, object.url);
+  }
+}
+
+// Rank 0, once the new .metadata is in place: every file directly below `url` that it does not
 // name (the replaced checkpoint's files, or those of a save killed before its .metadata) goes.
 // The checkpoint is complete already, so a failure here only warns: the next save retries.
 void remove_unnamed(Storage& storage, const std::string& url, const std::vector<dcp::RankWrite>& ranks) {
   const std::string error = outcome([&] {
-    for (const StorageObject& object : storage.list(join_storage_path(url, ""))) {
-      const std::string name = object.url.substr(url.size() + 1);
+    for_each_file(storage, url, [&](const std::string& name, const std::string& object) {
       const bool ours = name == kMetadata || std::any_of(ranks.begin(), ranks.end(),
                                                          [&](const dcp::RankWrite& w) { return w.file == name; });
-      if (!ours && name.find('/') == std::string::npos) storage.remove(object.url);
-    }
+      if (!ours) storage.remove(object);
+    });
   });
   if (!error.empty())
     log::warn(
@@ -85,24 +94,47 @@ dcp::RankWrite write_and_upload(const std::string& local, const std::string& url
   return mine;
 }
 
-// Rank 0, after a failed save: the data files it uploaded go (best effort, never throws). With a
-// tag they are told by it, and a previous checkpoint at `url` keeps its own; without, the prefix
-// held no checkpoint and is left empty.
-void remove_failed_save(Storage& storage, const std::string& url, const std::string& tag) {
-  std::string ignored = outcome([&] {
-    for (const StorageObject& object : storage.list(join_storage_path(url, ""))) {
-      const std::string name = object.url.substr(url.size() + 1);
-      if (name.find('/') != std::string::npos) continue;
-      if (tag.empty() ? name != kMetadata : name.find("." + tag + ".") != std::string::npos) storage.remove(object.url);
-    }
-  });
-}
-
 void throw_first_failure(const std::vector<std::string>& messages, const std::string& url) {
   for (size_t r = 0; r < messages.size(); ++r)
     if (!messages[r].empty() && messages[r][0] == 'e')
       throw Error(ErrorKind::checkpoint, fmt::format("saving sharded checkpoint '{}' failed on rank {}: {}", url, r,
                                                      std::string_view(messages[r]).substr(1)));
+}
+
+// Rank 0, after a failed save: the data files it uploaded go (best effort, never throws). With a
+// tag they are told by it, and a previous checkpoint at `url` keeps its own; without, the prefix
+// held no checkpoint and is left empty.
+void remove_failed_save(Storage& storage, const std::string& url, const std::string& tag) {
+  std::string ignored = outcome([&] {
+    for_each_file(storage, url, [&](const std::string& name, const std::string& object) {
+      if (tag.empty() ? name != kMetadata : name.find("." + tag + ".") != std::string::npos) storage.remove(object);
+    });
+  });
+}
+
+// Step 1, on every rank: rank 0's tag (or its error, `error`), learned by all; throws
+// fulgur::Error(checkpoint) on every rank when rank 0 failed.
+std::string agree_on_tag(const std::string& tag, const std::string& error, const std::string& url, int64_t rank,
+                         int64_t world_size, const BroadcastString& broadcast) {
+  const std::vector<std::string> started =
+      gather_strings(error.empty() ? "k" + tag : "e" + error, rank, world_size, broadcast);
+  throw_first_failure(started, url);
+  return started[0].substr(1);
+}
+
+// Step 3, rank 0 once every rank's write succeeded: .metadata for them all (`messages` holds each
+// other rank's serialized RankWrite), written in `local`, uploaded last in one PUT (replacing a
+// previous checkpoint's), then the files it does not name go. Returns the error, empty on success.
+std::string publish_metadata(Storage& storage, const std::string& url, const std::string& local,
+                             const dcp::RankWrite& mine, const std::vector<std::string>& messages) {
+  return outcome([&] {
+    std::vector<dcp::RankWrite> ranks{mine};
+    for (size_t r = 1; r < messages.size(); ++r)
+      ranks.push_back(dcp::RankWrite::deserialize(std::string_view(messages[r]).substr(1)));
+    dcp::write_metadata(local, ranks);
+    storage.write(join_storage_path(url, kMetadata), local_storage().read(join_storage_path(local, kMetadata)));
+    remove_unnamed(storage, url, ranks);
+  });
 }
 
 }  // namespace
@@ -115,10 +147,7 @@ void save_to_storage(const std::string& target, const c10::IValue& state,
   // 1. Rank 0 tags this save's data files (data_file_tag); everyone learns the tag.
   std::string tag;
   std::string error = rank == 0 ? outcome([&] { tag = data_file_tag(storage, url); }) : std::string();
-  const std::vector<std::string> started =
-      gather_strings(error.empty() ? "k" + tag : "e" + error, rank, world_size, broadcast);
-  throw_first_failure(started, url);
-  tag = started[0].substr(1);
+  tag = agree_on_tag(tag, error, url, rank, world_size, broadcast);
 
   // 2. Every rank writes its data file locally and uploads it; rank 0 learns what each wrote.
   const std::string local = local_directory("save");
@@ -128,20 +157,16 @@ void save_to_storage(const std::string& target, const c10::IValue& state,
       error.empty() ? (rank == 0 ? "k" : "k" + mine.serialize()) : "e" + error, rank, world_size, broadcast);
   // 3. Rank 0 writes .metadata locally and uploads it last (replacing a previous checkpoint's in
   // one PUT), then removes the files it does not name; everyone learns the outcome.
+  const bool all_written =
+      std::none_of(messages.begin(), messages.end(), [](const std::string& m) { return m[0] == 'e'; });
   error.clear();
-  if (rank == 0 && std::none_of(messages.begin(), messages.end(), [](const std::string& m) { return m[0] == 'e'; })) {
-    error = outcome([&] {
-      std::vector<dcp::RankWrite> ranks{mine};
-      for (int64_t r = 1; r < world_size; ++r)
-        ranks.push_back(dcp::RankWrite::deserialize(std::string_view(messages[r]).substr(1)));
-      dcp::write_metadata(local, ranks);
-      storage.write(join_storage_path(url, kMetadata), local_storage().read(join_storage_path(local, kMetadata)));
-      remove_unnamed(storage, url, ranks);
-    });
+  if (rank == 0) {
+    if (all_written)
+      error = publish_metadata(storage, url, local, mine, messages);
+    else
+      remove_failed_save(storage, url, tag);
   }
   remove_tree(local);
-  if (rank == 0 && std::any_of(messages.begin(), messages.end(), [](const std::string& m) { return m[0] == 'e'; }))
-    remove_failed_save(storage, url, tag);
   throw_first_failure(messages, url);
   throw_first_failure(gather_strings(error.empty() ? "k" : "e" + error, rank, world_size, broadcast), url);
 }
@@ -154,10 +179,7 @@ SplitStorageSave::SplitStorageSave(const std::string& target, int64_t rank, int6
     local_ = local_directory("save");
   });
   try {
-    const std::vector<std::string> started =
-        gather_strings(error.empty() ? "k" + tag_ : "e" + error, rank, world_size, broadcast);
-    throw_first_failure(started, url_);
-    tag_ = started[0].substr(1);
+    tag_ = agree_on_tag(tag_, error, url_, rank, world_size, broadcast);
   } catch (...) {
     if (!local_.empty()) remove_tree(local_);
     throw;
@@ -179,17 +201,7 @@ void SplitStorageSave::finish(bool all_written, const BroadcastString& broadcast
   }
   const std::vector<std::string> messages =
       gather_strings(rank_ == 0 ? "k" : "k" + mine_.serialize(), rank_, world_size_, broadcast);
-  std::string error;
-  if (rank_ == 0) {
-    error = outcome([&] {
-      std::vector<dcp::RankWrite> ranks{mine_};
-      for (int64_t r = 1; r < world_size_; ++r)
-        ranks.push_back(dcp::RankWrite::deserialize(std::string_view(messages[r]).substr(1)));
-      dcp::write_metadata(local_, ranks);
-      storage.write(join_storage_path(url_, kMetadata), local_storage().read(join_storage_path(local_, kMetadata)));
-      remove_unnamed(storage, url_, ranks);
-    });
-  }
+  const std::string error = rank_ == 0 ? publish_metadata(storage, url_, local_, mine_, messages) : std::string();
   throw_first_failure(gather_strings(error.empty() ? "k" : "e" + error, rank_, world_size_, broadcast), url_);
 }
 
@@ -205,11 +217,9 @@ StagedCheckpoint::StagedCheckpoint(const std::string& target) : dir_(local_direc
       throw Error(ErrorKind::checkpoint,
                   fmt::format("'{}' is not a complete sharded checkpoint: it has no {} (its save did not finish)", url,
                               kMetadata));
-    for (const StorageObject& object : storage.list(join_storage_path(url, ""))) {
-      const std::string name = object.url.substr(url.size() + 1);
-      if (name.find('/') != std::string::npos) continue;  // not part of this checkpoint
-      local_storage().write(join_storage_path(dir_, name), storage.read(object.url));
-    }
+    for_each_file(storage, url, [&](const std::string& name, const std::string& object) {
+      local_storage().write(join_storage_path(dir_, name), storage.read(object));
+    });
   } catch (...) {
     remove_tree(dir_);
     throw;
